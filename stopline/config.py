@@ -1,0 +1,68 @@
+"""Engine settings. Every choice the design brief calls measurable is a field here."""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+
+
+class PreemptionMode(str, enum.Enum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+    AUTO = "auto"  # per victim: whichever of recompute and swap costs less
+
+
+class VictimPolicy(str, enum.Enum):
+    NEWEST = "newest"  # vLLM: the most recently admitted
+    FEWEST_OUTPUT = "fewest-output"  # SGLang: fewest outputs, then longest prompt
+    LONGEST_OUTPUT = "longest-output"  # DeepInfer
+    LEAST_COMPUTED = "least-computed"
+    PRIORITY = "priority"  # largest priority value first, newest among equals
+    COST = "cost"  # frees the needed blocks for the least wasted work
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # explicit pool size; otherwise from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # per-step token budget
+    max_model_len: int | None = None  # defaults to the model's context length
+    # Target wall time of one step while decodes or short requests wait: the prefill share
+    # of the budget shrinks to fit it (None: fixed budget).
+    target_step_ms: float | None = 400.0
+    enable_prefix_caching: bool = True
+    keep_aborted_prefix: bool = True  # a cancelled request's computed full blocks stay cached
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    victim_policy: VictimPolicy = VictimPolicy.COST
+    max_preemptions: int = 8  # per request; then it ends with finish_reason "preempted"
+    swap_space_blocks: int = 0  # host blocks for swap preemption (0: as many as the pool)
+    # Admission keeps this fraction of the pool free for running requests to grow into; it
+    # rises after a preemption and decays back (SGLang's new_token_ratio, simplified).
+    admission_headroom: float = 0.0
+    async_scheduling: bool = False
+    debug: bool = False  # audit after every step and poison freed blocks
+    # Batch invariance: every linear layer runs on row tiles of a fixed height, so a row's
+    # result never depends on how many other rows share its step. Prompt rows and generated
+    # rows may use different heights (big tiles are cheap per row, small ones per step).
+    prompt_tile: int = 64
+    decode_tile: int = 8
+    lm_head_tile: int = 16
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.preemption_mode = PreemptionMode(self.preemption_mode)
+        self.victim_policy = VictimPolicy(self.victim_policy)
+        if os.environ.get("STOPLINE_DEBUG", "") not in ("", "0"):
+            self.debug = True
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_preemptions",
+                     "prompt_tile", "decode_tile", "lm_head_tile"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"EngineConfig.num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0 <= self.admission_headroom < 1:
+            raise ValueError("EngineConfig.admission_headroom must be in [0, 1)")

@@ -1,0 +1,79 @@
+"""The KV tensors behind the block pool, and the host swap space for swap preemption."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class KVCache:
+    """Per layer, K and V as [num_blocks * block_size, num_kv_heads, head_dim] slot arrays."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype = torch.float32) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def _slots(self, blocks: Sequence[int]) -> torch.Tensor:
+        b = torch.as_tensor(list(blocks), dtype=torch.long, device=self.k[0].device)
+        return (b[:, None] * self.block_size + torch.arange(self.block_size, device=b.device)).reshape(-1)
+
+    def poison(self, blocks: Sequence[int]) -> None:
+        """Debug mode: fill freed blocks with NaN so that any read of them shows in outputs."""
+        slots = self._slots(blocks)
+        for t in self.k + self.v:
+            t.index_fill_(0, slots, float("nan"))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        s, d = src * self.block_size, dst * self.block_size
+        for t in self.k + self.v:
+            t[d:d + self.block_size].copy_(t[s:s + self.block_size])
+
+    def read_blocks(self, blocks: Sequence[int]) -> list[torch.Tensor]:
+        slots = self._slots(blocks)
+        return [t.index_select(0, slots) for t in self.k + self.v]
+
+    def write_blocks(self, blocks: Sequence[int], data: Sequence[torch.Tensor]) -> None:
+        slots = self._slots(blocks)
+        for t, d in zip(self.k + self.v, data, strict=True):
+            t.index_copy_(0, slots, d.to(t.device))
+
+
+class SwapSpace:
+    """Host memory for swapped-out blocks, with its own block accounting."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.data: dict[int, list[torch.Tensor]] = {}  # first slot of a request -> tensors
+
+    def can_hold(self, n: int) -> bool:
+        return n <= len(self.free)
+
+    def store(self, tensors: list[torch.Tensor], n: int) -> list[int]:
+        slots = [self.free.pop() for _ in range(n)]
+        # pinned-free copies; on CPU this is a plain clone
+        self.data[slots[0]] = [t.clone() for t in tensors]
+        return slots
+
+    def load(self, slots: Sequence[int]) -> list[torch.Tensor]:
+        return self.data[slots[0]]
+
+    def release(self, slots: Sequence[int]) -> None:
+        if not slots:
+            return
+        self.data.pop(slots[0], None)
+        self.free.extend(slots)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)

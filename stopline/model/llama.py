@@ -1,0 +1,146 @@
+"""The Llama-family transformer over a flat batch of rows, reading and writing paged K/V."""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from stopline.kv.kv_cache import KVCache
+from stopline.model.batch_invariant import RowSplit, rms_norm, tiled_linear
+from stopline.model.config import ModelConfig
+
+
+class StepInterrupted(Exception):
+    """Every request of the step was aborted; the forward stopped at a layer boundary."""
+
+
+@dataclass
+class PrefillSeq:
+    row_start: int
+    row_end: int
+    start_pos: int  # position of the first row
+    ctx_slots: torch.Tensor  # [ctx_len] cache slots of positions 0 .. start_pos + rows - 1
+
+
+@dataclass
+class DecodeBatch:
+    rows: torch.Tensor  # [B] row index of each decode
+    slots: torch.Tensor  # [B, ctx_max] cache slots, padded
+    valid: torch.Tensor  # [B, ctx_max] bool
+
+
+@dataclass
+class StepInputs:
+    token_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    write_slots: torch.Tensor  # [N] where each row's K/V goes
+    split: RowSplit
+    prefills: list[PrefillSeq]
+    decode: DecodeBatch | None
+    logit_rows: torch.Tensor  # rows whose next-token logits are needed
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], lm_head_tile: int,
+                 device: str = "cpu") -> None:
+        self.config = config
+        self.lm_head_tile = lm_head_tile
+        c = config
+        self.group = c.num_heads // c.num_kv_heads
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+
+        def w(name: str) -> torch.Tensor:
+            # A private copy: matmuls on tensors still backed by the safetensors mmap ran
+            # about 4x slower here.
+            return weights[name].to(device=device, dtype=torch.float32).clone()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed
+        self.final_norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append({
+                "ln1": w(p + "input_layernorm.weight"),
+                "ln2": w(p + "post_attention_layernorm.weight"),
+                "qkv": torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                                  w(p + "self_attn.v_proj.weight")]).contiguous(),
+                "o": w(p + "self_attn.o_proj.weight"),
+                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"),
+                                      w(p + "mlp.up_proj.weight")]).contiguous(),
+                "down": w(p + "mlp.down_proj.weight"),
+            })
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+        pos = torch.arange(c.max_position, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(self, inp: StepInputs, kv: KVCache,
+                interrupt: threading.Event | None = None) -> torch.Tensor:
+        """Run one step; returns float32 logits for inp.logit_rows."""
+        c = self.config
+        n = inp.token_ids.shape[0]
+        x = self.embed.index_select(0, inp.token_ids)
+        cos = self.cos.index_select(0, inp.positions)[:, None, :]
+        sin = self.sin.index_select(0, inp.positions)[:, None, :]
+        hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+        for li, layer in enumerate(self.layers):
+            if interrupt is not None and interrupt.is_set():
+                raise StepInterrupted(f"interrupted before layer {li}")
+            h = rms_norm(x, layer["ln1"], c.rms_norm_eps)
+            qkv = inp.split.linear(h, layer["qkv"])
+            q = self._rope(qkv[:, : hq * d].reshape(n, hq, d), cos, sin)
+            k = self._rope(qkv[:, hq * d:(hq + hk) * d].reshape(n, hk, d), cos, sin)
+            v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
+            kv.k[li].index_copy_(0, inp.write_slots, k)
+            kv.v[li].index_copy_(0, inp.write_slots, v)
+            o = self._attention(q, inp, kv.k[li], kv.v[li])
+            x = x + inp.split.linear(o, layer["o"])
+            h = rms_norm(x, layer["ln2"], c.rms_norm_eps)
+            gu = inp.split.linear(h, layer["gate_up"])
+            inter = gu.shape[1] // 2
+            x = x + inp.split.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer["down"])
+        last = rms_norm(x.index_select(0, inp.logit_rows), self.final_norm, c.rms_norm_eps)
+        return tiled_linear(last, self.lm_head, self.lm_head_tile)
+
+    def _attention(self, q: torch.Tensor, inp: StepInputs, kc: torch.Tensor,
+                   vc: torch.Tensor) -> torch.Tensor:
+        n = q.shape[0]
+        hk, g, d = self.config.num_kv_heads, self.group, self.config.head_dim
+        out = q.new_empty(n, hk * g * d)
+        for p in inp.prefills:
+            rows = p.row_end - p.row_start
+            qs = q[p.row_start:p.row_end].double().view(rows, hk, g, d).permute(1, 2, 0, 3)
+            keys = kc.index_select(0, p.ctx_slots).double().permute(1, 2, 0)  # [hk, d, ctx]
+            vals = vc.index_select(0, p.ctx_slots).double().permute(1, 0, 2)  # [hk, ctx, d]
+            scores = torch.matmul(qs.reshape(hk, g * rows, d), keys) * self.scale
+            ctx = p.ctx_slots.shape[0]
+            qpos = torch.arange(p.start_pos, p.start_pos + rows, device=q.device).repeat(g)
+            future = torch.arange(ctx, device=q.device)[None, :] > qpos[:, None]
+            scores.masked_fill_(future, float("-inf"))
+            o = torch.matmul(torch.softmax(scores, dim=-1), vals)  # [hk, g*rows, d]
+            out[p.row_start:p.row_end] = o.view(hk, g, rows, d).permute(2, 0, 1, 3).reshape(rows, -1).float()
+        dec = inp.decode
+        if dec is not None:
+            b, ctx = dec.slots.shape
+            qs = q.index_select(0, dec.rows).double().view(b, hk, g, d)
+            flat = dec.slots.reshape(-1)
+            keys = kc.index_select(0, flat).view(b, ctx, hk, d).double().permute(0, 2, 3, 1)
+            vals = vc.index_select(0, flat).view(b, ctx, hk, d).double()
+            vals = vals.masked_fill(~dec.valid[:, :, None, None], 0.0).permute(0, 2, 1, 3)
+            scores = torch.matmul(qs, keys) * self.scale  # [b, hk, g, ctx]
+            scores.masked_fill_(~dec.valid[:, None, None, :], float("-inf"))
+            o = torch.matmul(torch.softmax(scores, dim=-1), vals)  # [b, hk, g, d]
+            out.index_copy_(0, dec.rows, o.reshape(b, -1).float())
+        return out

@@ -1,0 +1,90 @@
+"""Builds a step's model inputs from the scheduler's plan and runs the forward pass."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from stopline.config import EngineConfig
+from stopline.kv.kv_cache import KVCache
+from stopline.model.batch_invariant import RowSplit
+from stopline.model.llama import DecodeBatch, LlamaModel, PrefillSeq, StepInputs
+from stopline.sched.scheduler import StepPlan
+
+
+@dataclass
+class StepResult:
+    plan: StepPlan
+    logits: torch.Tensor  # [number of sampling chunks, vocab]
+    logit_index: dict[int, int]  # chunk index -> row of logits
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVCache, config: EngineConfig) -> None:
+        self.model = model
+        self.kv = kv
+        self.config = config
+        self.bs = kv.block_size
+        self.device = config.device
+
+    def prepare(self, plan: StepPlan) -> tuple[StepInputs, dict[int, int]]:
+        bs = self.bs
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        generated: list[bool] = []
+        prefills: list[PrefillSeq] = []
+        dec_rows: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        logit_rows: list[int] = []
+        logit_index: dict[int, int] = {}
+        for ci, ch in enumerate(plan.chunks):
+            req = ch.req
+            row0 = len(tokens)
+            end = ch.start + ch.num_tokens
+            all_ids = req.prompt_token_ids if end <= req.prompt_len else req.all_token_ids
+            tokens += all_ids[ch.start:end]
+            for pos in range(ch.start, end):
+                positions.append(pos)
+                slots.append(req.block_ids[pos // bs] * bs + pos % bs)
+                generated.append(pos >= req.prompt_len)
+            if ch.num_tokens == 1:
+                dec_rows.append(row0)
+                dec_tables.append(req.block_ids[: (end + bs - 1) // bs])
+                dec_lens.append(end)
+            else:
+                nb = (end + bs - 1) // bs
+                table = torch.tensor(req.block_ids[:nb], dtype=torch.long)
+                ctx = (table[:, None] * bs + torch.arange(bs)).reshape(-1)[:end]
+                prefills.append(PrefillSeq(row0, row0 + ch.num_tokens, ch.start, ctx.to(self.device)))
+            if ch.sample:
+                logit_index[ci] = len(logit_rows)
+                logit_rows.append(len(tokens) - 1)
+        decode = None
+        if dec_rows:
+            width = max(len(t) for t in dec_tables)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long)
+            dslots = (table[:, :, None] * bs + torch.arange(bs)).reshape(len(dec_rows), -1)
+            lens = torch.tensor(dec_lens, dtype=torch.long)
+            valid = torch.arange(dslots.shape[1])[None, :] < lens[:, None]
+            decode = DecodeBatch(torch.tensor(dec_rows, dtype=torch.long).to(self.device),
+                                 dslots.to(self.device), valid.to(self.device))
+        dev = self.device
+        split = RowSplit(torch.tensor(generated), self.config.prompt_tile, self.config.decode_tile)
+        inputs = StepInputs(
+            token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            write_slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            split=split, prefills=prefills, decode=decode,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+        )
+        return inputs, logit_index
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, interrupt: threading.Event | None = None) -> StepResult:
+        inputs, logit_index = self.prepare(plan)
+        logits = self.model.forward(inputs, self.kv, interrupt)
+        return StepResult(plan, logits.float().cpu(), logit_index)

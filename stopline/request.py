@@ -1,0 +1,247 @@
+"""Request state: status, finish reasons, sampling parameters, and the legal transitions.
+
+Every status change goes through `Request.move_to`, which checks the transition table below,
+so an illegal move (say, a finished request scheduled again) fails loudly at the point it
+happens instead of showing up later as a leaked block.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # admitted to the engine, holds no blocks
+    RUNNING = "running"  # holds blocks; prefilling while num_computed < num_tokens
+    PREEMPTED = "preempted"  # blocks released; resumes by recomputing its tokens
+    SWAPPED = "swapped"  # blocks copied to host swap space; resumes by copying back
+    FINISHED = "finished"  # terminal; see Request.finish_reason
+
+    @property
+    def is_finished(self) -> bool:
+        return self is RequestStatus.FINISHED
+
+
+_LEGAL: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
+    RequestStatus.RUNNING: frozenset(
+        {RequestStatus.PREEMPTED, RequestStatus.SWAPPED, RequestStatus.FINISHED}
+    ),
+    RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
+    RequestStatus.SWAPPED: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
+    RequestStatus.FINISHED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A request was moved between two states the state machine does not connect."""
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, stop token or stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # client cancel, disconnect, shutdown
+    TIMEOUT = "timeout"  # queue timeout or deadline
+    PREEMPTED = "preempted"  # preempted too often to ever finish
+    ERROR = "error"  # something that concerns this request failed
+
+
+class AbortSource(str, enum.Enum):
+    CANCEL = "cancel"  # an explicit cancel call
+    DISCONNECT = "disconnect"  # the client went away
+    SHUTDOWN = "shutdown"  # the engine is stopping
+    DEADLINE = "deadline"  # queue timeout or total deadline passed
+
+
+class InvalidRequest(ValueError):
+    """The request cannot be served as given; nothing was allocated for it."""
+
+
+@dataclass
+class SamplingParams:
+    """How to sample and when to stop. Validated by `validate()` before admission."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: sampled token plus top-k alternatives
+    skip_special_tokens: bool = True
+    queue_timeout: float | None = None  # seconds a request may wait before its first step
+    deadline: float | None = None  # seconds from arrival to terminal output
+    priority: int = 0  # lower value = more important (used by the priority victim policy)
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> InvalidRequest:
+            return InvalidRequest(f"{name}: {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise bad("top_k", f"must be >= 0 (0 disables it), got {self.top_k!r}")
+        if not (0 <= self.min_p <= 1):
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        if not (-2 <= self.presence_penalty <= 2):
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
+        if not (-2 <= self.frequency_penalty <= 2):
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise bad("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "stop strings must be non-empty strings")
+        for name in ("queue_timeout", "deadline"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise bad(name, f"must be > 0 seconds, got {v!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob) alternatives, best first
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    # Tokens the engine computed for this request that the client never received
+    # (computed in the step in flight when it was aborted or finished).
+    undelivered_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+_internal_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence the scheduler runs. A family with n > 1 has one Request per sample."""
+
+    request_id: str  # the caller's id; may be reused once the terminal output is out
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    index: int = 0  # sample index within its family
+    family: Family | None = None
+    internal_id: int = field(default_factory=lambda: next(_internal_ids))
+
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_detail: str | None = None  # what matched, or where an abort came from
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    # KV state. block_ids is the block table; num_computed counts tokens whose K/V sit in it.
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_hashed_blocks: int = 0  # leading full blocks registered in the prefix cache
+    prompt_hashes: list[int] | None = None  # chained hashes of the prompt's full blocks
+
+    # Bookkeeping for the stop path.
+    first_scheduled: float | None = None
+    last_scheduled_step: int = -1  # fence: the newest step that may write this request's blocks
+    num_preemptions: int = 0
+    num_recomputed: int = 0
+    undelivered: int = 0
+    seed: int = 0  # resolved at admission so that sampling is reproducible after preemption
+    text: str = ""  # detokenized output (stop strings already cut)
+    sent_text_len: int = 0
+    sent_tokens: int = 0
+    swap_slots: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
+    # n > 1: the first sample prefills the prompt; the others wait, holding references to
+    # its blocks, and fork from it when it samples its first token.
+    fork_leader: Request | None = None
+    forks_pending: list[Request] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_prefilling(self) -> bool:
+        # A decode step computes exactly the last sampled token; anything more is (re)prefill.
+        return not (self.output_token_ids and self.num_computed == self.num_tokens - 1)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens if self.params.max_tokens is not None else 1 << 30
+
+    def move_to(self, status: RequestStatus) -> None:
+        if status not in _LEGAL[self.status]:
+            raise IllegalTransition(
+                f"request {self.request_id!r}: {self.status.value} -> {status.value} is not allowed"
+            )
+        self.status = status
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_len,
+            completion_tokens=self.sent_tokens,
+            cached_tokens=self.num_cached,
+            undelivered_tokens=self.undelivered,
+        )
+
+
+@dataclass(eq=False)
+class Family:
+    """The n samples of one prompt. Admitted together, aborted together."""
+
+    request_id: str
+    members: list[Request]
+
+    def live(self) -> list[Request]:
+        return [r for r in self.members if not r.status.is_finished]
