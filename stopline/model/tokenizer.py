@@ -1,0 +1,570 @@
+"""Tokenizer (built from GGUF metadata or an HF `tokenizer.json`), chat templates, and
+incremental detokenization for streaming.
+
+The heavy lifting is done by the Rust `tokenizers` library; this module only assembles the
+right pipeline and adds the serving-side pieces HF keeps in Python (chat templates, BOS policy,
+stop-token list, streaming detokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+import jinja2.utils
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+from stopline.model.config import UnsupportedModelError
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or rendering it failed (including `raise_exception`)."""
+
+
+# GGUF token_type values (llama.cpp's llama_token_attr / gguf.TokenType).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# Tokens llama.cpp treats as end-of-generation by their text even when the file names only one
+# eos id; e.g. SmolLM2 says eos=<|im_end|> but a base-style continuation ends with <|endoftext|>.
+_EOG_TEXTS = frozenset({
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+    "<|end_of_text|>", "<EOT>", "<｜end▁of▁sentence｜>",
+})
+
+# Pre-tokenizer regexes, by GGUF `tokenizer.ggml.pre`, mirroring llama.cpp's llama-vocab.cpp.
+# The split decides which merges can ever apply, so a wrong one silently changes token ids.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# StarCoder-lineage vocabularies (SmolLM among them) split every digit before the GPT-2 regex.
+_PRE_DIGITS_THEN_GPT2 = frozenset({
+    "smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva",
+})
+_PRE_GPT2 = frozenset({"gpt2", "default", "mpt", "olmo", "jais", "trillion"})
+_PRE_LLAMA3 = frozenset({
+    "llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe",
+})
+
+
+def _gguf_pre_tokenizer(pre: str | None) -> tuple[Any, bool]:
+    """(pre_tokenizer, ignore_merges) for a GGUF `tokenizer.ggml.pre` value."""
+    if pre in _PRE_DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]), False
+    if pre in _PRE_LLAMA3:
+        # llama.cpp sets ignore_merges for the Llama 3 family: a word that is itself a vocab
+        # entry is taken whole even if the merges would not build it.
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ]), True
+    if pre is not None and pre not in _PRE_GPT2:
+        warnings.warn(
+            f"GGUF tokenizer.ggml.pre={pre!r} is not known to stopline; using the GPT-2 split. "
+            "Token ids may differ from llama.cpp for some inputs.",
+            stacklevel=3,
+        )
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True), False
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template and stop tokens."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        chat_template: str | None = None,
+        add_bos_token: bool = False,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+    ) -> None:
+        if not eos_token_ids:
+            raise ValueError("a tokenizer needs at least one eos token id")
+        self._backend = backend
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id: int | None = bos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self.chat_template: str | None = chat_template
+        self.add_bos_token: bool = bool(add_bos_token)
+        self.bos_token: str | None = bos_token if bos_token is not None else self.id_to_token(bos_token_id)
+        self.eos_token: str | None = (
+            eos_token if eos_token is not None else self.id_to_token(self.eos_token_ids[0])
+        )
+        self.pad_token: str | None = pad_token
+        # A tokenizer.json post-processor (e.g. Llama's TemplateProcessing) may already add BOS;
+        # adding it again by hand would double it.
+        probe_plain = backend.encode("a", add_special_tokens=False).ids
+        probe_special = backend.encode("a", add_special_tokens=True).ids
+        self._post_processor_adds = probe_plain != probe_special
+        self._template: jinja2.Template | None = None
+
+    # ---- basic mapping -------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The underlying `tokenizers.Tokenizer` (read-only use, please)."""
+        return self._backend
+
+    @property
+    def eos_token_id(self) -> int:
+        """The primary eos id (first of `eos_token_ids`)."""
+        return self.eos_token_ids[0]
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of tokens marked special (skipped by `decode(skip_special_tokens=True)`)."""
+        return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
+
+    def id_to_token(self, token_id: int | None) -> str | None:
+        """The vocab string of an id (byte-level spelling, e.g. 'Ġthe'), or None."""
+        if token_id is None:
+            return None
+        return self._backend.id_to_token(int(token_id))
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocab string, or None if it is not in the vocabulary."""
+        return self._backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (e.g. `<|im_start|>`) are
+        matched as single ids; BOS is prepended only if the model asks for it (add_bos_token)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if (
+            add_special_tokens
+            and self.add_bos_token
+            and self.bos_token_id is not None
+            and not self._post_processor_adds
+            and (not ids or ids[0] != self.bos_token_id)
+        ):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; an incomplete UTF-8 sequence at the end decodes to U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # ---- chat template -------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Render `messages` with the model's chat template, the way HF transformers does
+        (same jinja options and helpers); extra kwargs (tools=..., etc.) reach the template."""
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                "this model has no chat template (none in the GGUF metadata / tokenizer_config.json); "
+                "send a plain completion prompt instead"
+            )
+        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+            raise ChatTemplateError("messages must be a list of dicts with 'role' and 'content'")
+        if self._template is None:
+            try:
+                self._template = _jinja_env().from_string(self.chat_template)
+            except jinja2.TemplateError as e:
+                raise ChatTemplateError(f"the model's chat template does not compile: {e}") from e
+        context = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "pad_token": self.pad_token or "",
+            "unk_token": "",
+            **kwargs,
+        }
+        try:
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from e
+
+    # ---- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_fields(cls, fields: Mapping[str, Any]) -> Tokenizer:
+        """Build from GGUF `tokenizer.*` metadata (values already decoded to Python types).
+
+        Supports byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`), which is what
+        llama.cpp's converter writes for SmolLM, Llama 3 and most recent Llama-family models.
+        """
+        kind = fields.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedModelError(
+                f"GGUF tokenizer.ggml.model={kind!r} is not supported; stopline builds byte-level "
+                "BPE ('gpt2') tokenizers from GGUF. Load the HF directory (with tokenizer.json) instead."
+            )
+        tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
+        merges_raw = fields.get("tokenizer.ggml.merges")
+        if not merges_raw:
+            raise UnsupportedModelError("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges")
+        token_types: list[int] = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        if len(token_types) != len(tokens):
+            raise ValueError(
+                f"GGUF tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
+            )
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        merges: list[tuple[str, str]] = []
+        for m in merges_raw:
+            left, sep, right = m.partition(" ")
+            if not sep:
+                raise ValueError(f"malformed GGUF merge rule {m!r} (expected 'left right')")
+            merges.append((left, right))
+        pre = fields.get("tokenizer.ggml.pre")
+        pre_tok, ignore_merges = _gguf_pre_tokenizer(pre)
+        backend = tokenizers.Tokenizer(models.BPE(
+            vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges,
+        ))
+        backend.pre_tokenizer = pre_tok
+        backend.decoder = decoders.ByteLevel()
+        # Control tokens become special added tokens so "<|im_start|>" in text is one id, and
+        # decode(skip_special_tokens=True) drops them; user-defined ones are matched whole but kept.
+        special = [AddedToken(t, special=True, normalized=False)
+                   for t, ty in zip(tokens, token_types, strict=True) if ty == _TOKEN_TYPE_CONTROL]
+        user = [AddedToken(t, special=False, normalized=False)
+                for t, ty in zip(tokens, token_types, strict=True) if ty == _TOKEN_TYPE_USER_DEFINED]
+        if special:
+            backend.add_special_tokens(special)
+        if user:
+            backend.add_tokens(user)
+
+        bos = fields.get("tokenizer.ggml.bos_token_id")
+        eos = fields.get("tokenizer.ggml.eos_token_id")
+        eos_ids: list[int] = [] if eos is None else [int(eos)]
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            if fields.get(key) is not None:
+                eos_ids.append(int(fields[key]))
+        eos_ids += [i for i, (t, ty) in enumerate(zip(tokens, token_types, strict=True))
+                    if ty == _TOKEN_TYPE_CONTROL and t in _EOG_TEXTS]
+        if not eos_ids:
+            raise ValueError("GGUF has no tokenizer.ggml.eos_token_id and no recognizable end-of-text token")
+        add_bos = fields.get("tokenizer.ggml.add_bos_token")
+        pad = fields.get("tokenizer.ggml.padding_token_id")
+        return cls(
+            backend,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+            chat_template=fields.get("tokenizer.chat_template"),
+            # llama.cpp's default for BPE vocabularies without the key is no BOS.
+            add_bos_token=bool(add_bos) if add_bos is not None else False,
+            eos_token=tokens[int(eos)] if eos is not None else None,
+            pad_token=tokens[int(pad)] if pad is not None and 0 <= int(pad) < len(tokens) else None,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Build from an HF model directory: tokenizer.json plus tokenizer_config.json,
+        generation_config.json and config.json for BOS/EOS and the chat template."""
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            hint = " (only a SentencePiece tokenizer.model is present; save it once with " \
+                "transformers' fast tokenizer to get tokenizer.json)" if (path / "tokenizer.model").exists() else ""
+            raise FileNotFoundError(f"{tj} not found{hint}")
+        backend = tokenizers.Tokenizer.from_file(str(tj))
+        tcfg = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json")
+        mcfg = _read_json(path / "config.json")
+
+        def tok_str(v: Any) -> str | None:
+            if isinstance(v, dict):  # older files store AddedToken dicts
+                return v.get("content")
+            return v
+
+        bos_token = tok_str(tcfg.get("bos_token"))
+        eos_token = tok_str(tcfg.get("eos_token"))
+        pad_token = tok_str(tcfg.get("pad_token"))
+        bos_id = gen.get("bos_token_id", mcfg.get("bos_token_id"))
+        if bos_id is None and bos_token is not None:
+            bos_id = backend.token_to_id(bos_token)
+        eos_ids: list[int] = []
+        for src in (gen.get("eos_token_id"), mcfg.get("eos_token_id")):
+            if src is None:
+                continue
+            eos_ids += [int(x) for x in (src if isinstance(src, list) else [src])]
+            break  # generation_config is authoritative when present
+        if eos_token is not None and backend.token_to_id(eos_token) is not None:
+            eos_ids.append(backend.token_to_id(eos_token))
+        if not eos_ids:
+            raise ValueError(f"{path}: no eos token in generation_config.json, config.json or tokenizer_config.json")
+        if bos_token is None and bos_id is not None:
+            bos_token = backend.id_to_token(int(bos_id))
+        return cls(
+            backend,
+            bos_token_id=None if bos_id is None else int(bos_id),
+            eos_token_ids=eos_ids,
+            chat_template=_hf_chat_template(path, tcfg),
+            add_bos_token=bool(tcfg.get("add_bos_token", False)),
+            bos_token=bos_token,
+            eos_token=eos_token,
+            pad_token=pad_token,
+        )
+
+    # ---- serialization (weights cache, export) ---------------------------------------------------
+
+    def to_state(self) -> dict[str, Any]:
+        """Everything needed to rebuild this tokenizer, as JSON-friendly data."""
+        return {
+            "tokenizer_json": self._backend.to_str(),
+            "bos_token_id": self.bos_token_id,
+            "eos_token_ids": list(self.eos_token_ids),
+            "chat_template": self.chat_template,
+            "add_bos_token": self.add_bos_token,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> Tokenizer:
+        """Inverse of `to_state`."""
+        return cls(
+            tokenizers.Tokenizer.from_str(state["tokenizer_json"]),
+            bos_token_id=state["bos_token_id"],
+            eos_token_ids=state["eos_token_ids"],
+            chat_template=state["chat_template"],
+            add_bos_token=state["add_bos_token"],
+            bos_token=state["bos_token"],
+            eos_token=state["eos_token"],
+            pad_token=state.get("pad_token"),
+        )
+
+    def save_hf_files(self, out_dir: str | os.PathLike[str], *, model_max_length: int | None = None) -> None:
+        """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json so that
+        transformers' AutoTokenizer (and vLLM) reproduce this tokenizer exactly."""
+        out_dir = Path(out_dir)
+        backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
+        if self.add_bos_token and self.bos_token_id is not None and not self._post_processor_adds:
+            # Put the BOS policy into tokenizer.json itself: a generic fast tokenizer ignores
+            # tokenizer_config's add_bos_token in some transformers versions.
+            bos = self.bos_token or backend.id_to_token(self.bos_token_id)
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                special_tokens=[(bos, self.bos_token_id)],
+            )
+        backend.save(str(out_dir / "tokenizer.json"))
+        tcfg: dict[str, Any] = {
+            # The generic class loads tokenizer.json as-is; a model-specific class (GPT2Tokenizer,
+            # LlamaTokenizer) may rebuild its own pre-tokenizer and lose e.g. SmolLM's digit split.
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "add_bos_token": self.add_bos_token,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+        }
+        if self.pad_token is not None:
+            tcfg["pad_token"] = self.pad_token
+        if self.chat_template is not None:
+            tcfg["chat_template"] = self.chat_template
+        if model_max_length is not None:
+            tcfg["model_max_length"] = model_max_length
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False))
+        stm = {k: tcfg[k] for k in ("bos_token", "eos_token", "pad_token") if tcfg.get(k) is not None}
+        (out_dir / "special_tokens_map.json").write_text(json.dumps(stm, indent=2, ensure_ascii=False))
+
+
+def _read_json(p: Path) -> dict[str, Any]:
+    if not p.is_file():
+        return {}
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p} is not valid JSON: {e}") from e
+    return data if isinstance(data, dict) else {}
+
+
+def _hf_chat_template(path: Path, tcfg: Mapping[str, Any]) -> str | None:
+    """The default chat template, wherever this transformers version put it."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    tmpl: Any = tcfg.get("chat_template")
+    if tmpl is None:
+        tmpl = _read_json(path / "chat_template.json").get("chat_template")
+    if isinstance(tmpl, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
+        tmpl = named.get("default") or next(iter(named.values()), None)
+    return tmpl if isinstance(tmpl, str) else None
+
+
+# ---- jinja environment, matching transformers' chat template rendering --------------------------
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (HF's assistant-mask marker); renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"chat template raised: {message}")
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # jinja's own tojson HTML-escapes, which would corrupt tool schemas in prompts.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses dunder/underscore attributes (sandbox hardening, like HF)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - same trick as jinja's Namespace
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set attribute {name!r}")
+
+
+_ENV: jinja2.sandbox.ImmutableSandboxedEnvironment | None = None
+
+
+def _jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    global _ENV
+    if _ENV is None:
+        # Chat templates ship with model files, i.e. untrusted code: sandboxed, immutable env.
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        env.globals["namespace"] = _TemplateNamespace
+        _ENV = env
+    return _ENV
+
+
+# ---- streaming detokenization -----------------------------------------------------------------
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas, one request at a time.
+
+    Byte-level BPE splits multi-byte characters (emoji, CJK) across tokens; decoding a token on
+    its own would give U+FFFD. Like vLLM, we keep two offsets into the id list: `prefix` (start of
+    a small already-emitted context window) and `read` (end of what has been emitted). Each push
+    decodes only tokens[prefix:], so the cost per token is bounded by the window, not the text.
+    The context window also makes SentencePiece-style decoders (which drop a leading space at the
+    start of a decode) produce the right spaces.
+    """
+
+    # An incomplete UTF-8 char is at most 3 bytes and every token carries at least one byte, so a
+    # tail still ending in U+FFFD after this many held tokens is a real U+FFFD in the output.
+    _MAX_HELD = 4
+    _CONTEXT = 5
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        skip_special_tokens: bool = True,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        # Only the tail of the prompt is kept, as decode context for the first generated tokens.
+        self._ids: list[int] = list(prompt_token_ids[-self._CONTEXT:]) if prompt_token_ids else []
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._pieces: list[str] = []
+        self._text_cache: str | None = ""
+        self.num_tokens = 0
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (the concatenation of every returned delta)."""
+        if self._text_cache is None:
+            self._text_cache = "".join(self._pieces)
+        return self._text_cache
+
+    def push(self, token_id: int) -> str:
+        """Add one generated token; return the newly completed text ('' if held back)."""
+        self._ids.append(int(token_id))
+        self.num_tokens += 1
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        new_text = self._tok.decode(self._ids[self._prefix:], self._skip)
+        held = len(self._ids) - self._read
+        if len(new_text) > len(prefix_text) and (not new_text.endswith("\ufffd") or held >= self._MAX_HELD):
+            delta = new_text[len(prefix_text):]
+            self._prefix = self._read
+            self._read = len(self._ids)
+            self._trim()
+            return self._emit(delta)
+        if len(new_text) <= len(prefix_text) and not new_text.endswith("\ufffd"):
+            # Nothing visible (e.g. a skipped special token): move on so the window stays small.
+            self._prefix = self._read
+            self._read = len(self._ids)
+            self._trim()
+        return ""
+
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """Push several tokens; return the combined delta."""
+        return "".join(self.push(t) for t in token_ids)
+
+    def flush(self) -> str:
+        """At end of stream: emit whatever is held back (an incomplete char becomes U+FFFD)."""
+        if self._read >= len(self._ids):
+            return ""
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        new_text = self._tok.decode(self._ids[self._prefix:], self._skip)
+        self._prefix = self._read = len(self._ids)
+        return self._emit(new_text[len(prefix_text):]) if len(new_text) > len(prefix_text) else ""
+
+    def _emit(self, delta: str) -> str:
+        if delta:
+            self._pieces.append(delta)
+            self._text_cache = None
+        return delta
+
+    def _trim(self) -> None:
+        # Drop ids before the context window so memory and slicing stay O(window).
+        if self._prefix > 64:
+            del self._ids[:self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
