@@ -221,12 +221,18 @@ def _round_f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _config_from_fields(fields: dict[str, Any], tensor_names: set[str], tokenizer: Tokenizer) -> ModelConfig:
+def _check_arch(fields: dict[str, Any]) -> str:
     arch = fields.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise UnsupportedModelError(
-            f"GGUF general.architecture={arch!r} is not supported; stopline runs {sorted(SUPPORTED_GGUF_ARCHS)}"
+            f"GGUF general.architecture={arch!r} is not supported; stopline runs Llama-family "
+            f"models: {sorted(SUPPORTED_GGUF_ARCHS)}"
         )
+    return str(arch)
+
+
+def _config_from_fields(fields: dict[str, Any], tensor_names: set[str], tokenizer: Tokenizer) -> ModelConfig:
+    arch = _check_arch(fields)
 
     def get(key: str, default: Any = None, *, required: bool = False) -> Any:
         v = fields.get(f"{arch}.{key}")
@@ -271,6 +277,7 @@ def load_gguf(
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Parse, dequantize and unpermute a GGUF. Returns (config, HF-named float32 weights, tokenizer)."""
     gf = read_gguf(path)
+    _check_arch(gf.fields)  # before the tokenizer, whose errors would hide the real problem
     tokenizer = Tokenizer.from_gguf_fields(gf.fields)
     config = _config_from_fields(gf.fields, {t.name for t in gf.tensors}, tokenizer)
     names = [hf_name(t.name) for t in gf.tensors]  # fail on a foreign tensor before any work

