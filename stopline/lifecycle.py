@@ -107,11 +107,13 @@ class Lifecycle:
     def swap_in(self, req: Request, available: int) -> bool:
         """Bring a swapped request back if its blocks fit. Called by the scheduler."""
         n = len(req.swap_slots)
-        if n > available:
+        # Room for what it computes next too (its last sampled token may open a new block).
+        total = max(n, -(-req.num_tokens // self.pool.block_size))
+        if total > available:
             return False
         assert self.kv is not None and self.swap is not None
-        blocks = self.pool.allocate(n)
-        self.kv.write_blocks(blocks, self.swap.load(req.swap_slots))
+        blocks = self.pool.allocate(total)
+        self.kv.write_blocks(blocks[:n], self.swap.load(req.swap_slots))
         self.swap.release(req.swap_slots)
         req.swap_slots = []
         req.block_ids = blocks

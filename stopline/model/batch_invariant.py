@@ -19,6 +19,8 @@ def tiled_linear(x: torch.Tensor, w: torch.Tensor, tile: int) -> torch.Tensor:
     n = x.shape[0]
     if n == tile:
         return F.linear(x, w)
+    if n == 0:
+        return x.new_empty(0, w.shape[0])
     full = n - n % tile
     if full == n:
         return torch.cat([F.linear(x[s:s + tile], w) for s in range(0, n, tile)])

@@ -1,0 +1,106 @@
+"""The `stopline` command: one function per subcommand, registered in `main`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+Command = Callable[[argparse.Namespace], int]
+_COMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Command]] = []
+
+
+def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]):
+    """Register a subcommand (decorator). Each subcommand lives in its own function."""
+    def wrap(fn: Command) -> Command:
+        _COMMANDS.append((name, help, configure, fn))
+        return fn
+    return wrap
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine settings shared by every command that builds an engine."""
+    from stopline.config import PreemptionMode, VictimPolicy
+
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="GGUF file or HF directory (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size in GiB")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-gb)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--preemption-mode", default="recompute", choices=[m.value for m in PreemptionMode])
+    g.add_argument("--victim-policy", default="cost", choices=[v.value for v in VictimPolicy])
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config(args: argparse.Namespace):
+    from stopline.config import EngineConfig
+
+    return EngineConfig(
+        kv_cache_memory_gb=args.kv_cache_gb, num_blocks=args.num_blocks, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        preemption_mode=args.preemption_mode, victim_policy=args.victim_policy,
+        async_scheduling=args.async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt (a user message, unless --raw)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    add_engine_args(p)
+
+
+@command("generate", "generate text for one prompt, streamed to the terminal", _generate_args)
+def generate(args: argparse.Namespace) -> int:
+    from stopline.engine.llm import LLM
+    from stopline.request import InvalidRequest, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, config=engine_config(args))
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+
+    def show(out) -> None:
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+
+    t1 = time.perf_counter()
+    try:
+        if args.raw:
+            res = llm.generate(args.prompt, params, on_output=show)
+        else:
+            res = llm.chat([{"role": "user", "content": args.prompt}], params, on_output=show)
+    except InvalidRequest as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    gen_s = time.perf_counter() - t1
+    c = res[0].outputs[0]
+    print(file=sys.stdout)
+    print(f"[{len(c.token_ids)} tokens in {gen_s:.2f}s, {len(c.token_ids) / max(gen_s, 1e-9):.1f} tok/s; "
+          f"finish_reason={c.finish_reason.value if c.finish_reason else None}; "
+          f"model loaded in {load_s:.1f}s]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="stopline", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_, configure, fn in _COMMANDS:
+        p = sub.add_parser(name, help=help_)
+        configure(p)
+        p.set_defaults(func=fn)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
