@@ -8,6 +8,7 @@ stop-token list, streaming detokenizer).
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import warnings
@@ -112,10 +113,14 @@ class Tokenizer:
         self.pad_token: str | None = pad_token
         # A tokenizer.json post-processor (e.g. Llama's TemplateProcessing) may already add BOS;
         # adding it again by hand would double it.
-        probe_plain = backend.encode("a", add_special_tokens=False).ids
-        probe_special = backend.encode("a", add_special_tokens=True).ids
-        self._post_processor_adds = probe_plain != probe_special
+        try:
+            probe_plain = backend.encode("a", add_special_tokens=False).ids
+            probe_special = backend.encode("a", add_special_tokens=True).ids
+            self._post_processor_adds = probe_plain != probe_special
+        except Exception:  # a vocabulary that cannot encode "a" at all: assume no post-processor
+            self._post_processor_adds = False
         self._template: jinja2.Template | None = None
+        self._bytes_cache: dict[int, bytes] = {}
 
     # ---- basic mapping -------------------------------------------------------------------------
 
@@ -134,6 +139,27 @@ class Tokenizer:
         """Ids of tokens marked special (skipped by `decode(skip_special_tokens=True)`)."""
         return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
 
+    @cached_property
+    def is_byte_level(self) -> bool:
+        """True when decoding is plain byte-level BPE (GPT-2 alphabet), as for SmolLM/Llama 3."""
+        return isinstance(self._backend.decoder, decoders.ByteLevel)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Raw bytes a byte-level token stands for (b'' for an unknown id), exactly as the
+        ByteLevel decoder maps it: alphabet chars to bytes, any other token as its UTF-8."""
+        b = self._bytes_cache.get(token_id)
+        if b is None:
+            tok = self._backend.id_to_token(token_id)
+            if tok is None:
+                b = b""
+            else:
+                try:
+                    b = bytes(_CHAR_TO_BYTE[c] for c in tok)
+                except KeyError:
+                    b = tok.encode("utf-8")
+            self._bytes_cache[token_id] = b
+        return b
+
     def id_to_token(self, token_id: int | None) -> str | None:
         """The vocab string of an id (byte-level spelling, e.g. 'Ġthe'), or None."""
         if token_id is None:
@@ -150,13 +176,10 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if (
-            add_special_tokens
-            and self.add_bos_token
-            and self.bos_token_id is not None
-            and not self._post_processor_adds
-            and (not ids or ids[0] != self.bos_token_id)
-        ):
+        # Like HF and llama.cpp, a text that already starts with the BOS string gets a second
+        # BOS; chat prompts (which carry their own) should be encoded with add_special_tokens=False.
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None \
+                and not self._post_processor_adds:
             ids = [self.bos_token_id, *ids]
         return ids
 
@@ -483,21 +506,40 @@ def _jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
 
 # ---- streaming detokenization -----------------------------------------------------------------
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte <-> printable-char alphabet used by byte-level BPE vocabularies."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+          *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+_CHAR_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas, one request at a time.
 
-    Byte-level BPE splits multi-byte characters (emoji, CJK) across tokens; decoding a token on
-    its own would give U+FFFD. Like vLLM, we keep two offsets into the id list: `prefix` (start of
-    a small already-emitted context window) and `read` (end of what has been emitted). Each push
-    decodes only tokens[prefix:], so the cost per token is bounded by the window, not the text.
-    The context window also makes SentencePiece-style decoders (which drop a leading space at the
-    start of a decode) produce the right spaces.
+    Byte-level BPE tokens are byte strings that may cut a multi-byte character (emoji, CJK) at
+    any point, even several characters deep; decoding a token alone gives U+FFFD. For those
+    vocabularies we keep each token's raw bytes and feed them to an incremental UTF-8 decoder,
+    which holds back exactly the bytes of an unfinished character: O(1) per token and the same
+    text as a full decode (invalid bytes become U+FFFD the same way).
+
+    Other decoders (SentencePiece-style: "▁" spaces, <0xNN> byte fallback) go the vLLM way: two
+    offsets into the ids, decoding only a small window of recent tokens per push and holding
+    text back while it ends in U+FFFD. Byte-fallback tokens are single bytes, so an unfinished
+    character can hold back at most 3 tokens; after that a U+FFFD is real and is emitted.
     """
 
-    # An incomplete UTF-8 char is at most 3 bytes and every token carries at least one byte, so a
-    # tail still ending in U+FFFD after this many held tokens is a real U+FFFD in the output.
     _MAX_HELD = 4
-    _CONTEXT = 5
+    _CONTEXT = 5  # prompt tokens kept as decode context (leading-space handling)
 
     def __init__(
         self,
@@ -508,13 +550,18 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        # Only the tail of the prompt is kept, as decode context for the first generated tokens.
-        self._ids: list[int] = list(prompt_token_ids[-self._CONTEXT:]) if prompt_token_ids else []
-        self._prefix = 0
-        self._read = len(self._ids)
         self._pieces: list[str] = []
         self._text_cache: str | None = ""
         self.num_tokens = 0
+        self._utf8: codecs.IncrementalDecoder | None = None
+        if tokenizer.is_byte_level:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            self._skip_ids = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        else:
+            self._ids: list[int] = list(prompt_token_ids[-self._CONTEXT:]) if prompt_token_ids else []
+            self._prefix = 0
+            self._read = len(self._ids)
+            self._prefix_text = self._decode(self._prefix, self._read)
 
     @property
     def text(self) -> str:
@@ -525,46 +572,55 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one generated token; return the newly completed text ('' if held back)."""
-        self._ids.append(int(token_id))
         self.num_tokens += 1
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
-        new_text = self._tok.decode(self._ids[self._prefix:], self._skip)
-        held = len(self._ids) - self._read
-        if len(new_text) > len(prefix_text) and (not new_text.endswith("\ufffd") or held >= self._MAX_HELD):
-            delta = new_text[len(prefix_text):]
-            self._prefix = self._read
-            self._read = len(self._ids)
-            self._trim()
-            return self._emit(delta)
-        if len(new_text) <= len(prefix_text) and not new_text.endswith("\ufffd"):
-            # Nothing visible (e.g. a skipped special token): move on so the window stays small.
-            self._prefix = self._read
-            self._read = len(self._ids)
-            self._trim()
-        return ""
+        token_id = int(token_id)
+        if self._utf8 is not None:
+            if token_id in self._skip_ids:
+                return ""
+            return self._emit(self._utf8.decode(self._tok.token_bytes(token_id)))
+        return self._emit(self._push_window(token_id))
 
     def extend(self, token_ids: Sequence[int]) -> str:
         """Push several tokens; return the combined delta."""
         return "".join(self.push(t) for t in token_ids)
 
     def flush(self) -> str:
-        """At end of stream: emit whatever is held back (an incomplete char becomes U+FFFD)."""
+        """At end of stream: emit whatever is held back (an unfinished char becomes U+FFFD)."""
+        if self._utf8 is not None:
+            return self._emit(self._utf8.decode(b"", final=True))
         if self._read >= len(self._ids):
             return ""
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
-        new_text = self._tok.decode(self._ids[self._prefix:], self._skip)
-        self._prefix = self._read = len(self._ids)
-        return self._emit(new_text[len(prefix_text):]) if len(new_text) > len(prefix_text) else ""
+        new_text = self._decode(self._prefix, len(self._ids))
+        delta = new_text[len(self._prefix_text):]
+        self._advance()
+        return self._emit(delta)
+
+    # -- window path --
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tok.decode(self._ids[start:end], self._skip) if end > start else ""
+
+    def _push_window(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        new_text = self._decode(self._prefix, len(self._ids))
+        held = len(self._ids) - self._read
+        if new_text.endswith("\ufffd") and held < self._MAX_HELD:
+            return ""
+        delta = new_text[len(self._prefix_text):] if len(new_text) > len(self._prefix_text) else ""
+        self._advance()
+        return delta
+
+    def _advance(self) -> None:
+        self._prefix = self._read
+        self._read = len(self._ids)
+        if self._prefix > 64:  # drop history before the window: memory and slices stay O(window)
+            del self._ids[:self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
+        self._prefix_text = self._decode(self._prefix, self._read)
 
     def _emit(self, delta: str) -> str:
         if delta:
             self._pieces.append(delta)
             self._text_cache = None
         return delta
-
-    def _trim(self) -> None:
-        # Drop ids before the context window so memory and slicing stay O(window).
-        if self._prefix > 64:
-            del self._ids[:self._prefix]
-            self._read -= self._prefix
-            self._prefix = 0
