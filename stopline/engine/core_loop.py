@@ -1,0 +1,153 @@
+"""The thread that steps an EngineCore: in a thread of the API process (in-process mode) or
+as the main thread of the engine-core process.
+
+It sleeps on an event while the engine is idle (no polling), steps while there is work, and
+after every step emits one `Batch`: the step's outputs, the abort timings that completed,
+and a fresh snapshot. Adds and aborts may come from any thread; they go straight into the
+core's inbox (EngineCore.add_request / abort are thread-safe), so an abort is accepted at
+once even while a long forward runs, and that forward stops early if all of its requests
+are aborted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from stopline.engine.messages import AbortTiming, Batch, CoreInfo
+from stopline.engine.snapshot import take_snapshot
+from stopline.request import AbortSource, FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from stopline.engine.core import EngineCore
+
+log = logging.getLogger("stopline.core_loop")
+
+
+@dataclass
+class _AbortClock:
+    source: str
+    t0: float
+    accepted: float
+    step_at_accept: int
+    quiet: float = 0.0
+
+
+class CoreLoop:
+    # Utility calls run on the stepping thread between steps, where the core is consistent.
+    UTILITIES = ("snapshot", "audit", "reset_prefix_cache")
+
+    def __init__(self, core: EngineCore, emit: Callable[[Batch], None]) -> None:
+        self.core = core
+        self.emit = emit
+        self._work = threading.Event()
+        self._stopping = False
+        self._lock = threading.Lock()  # orders abort acceptance against step starts
+        self._step_no = 0
+        self._pending: dict[str, _AbortClock] = {}  # accepted, not yet seen to end
+        self._reclaiming: dict[str, _AbortClock] = {}  # ended, blocks maybe behind the fence
+        self._calls: list[tuple[str, Future]] = []
+
+    # ---- any thread -----------------------------------------------------------------------
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+            arrival: float | None = None) -> None:
+        """Raises InvalidRequest (nothing queued) if the core refuses the request."""
+        self.core.add_request(request_id, prompt_token_ids, params, arrival=arrival)
+        self._work.set()
+
+    def abort(self, request_ids: Iterable[str], source: AbortSource, t0: float | None = None) -> None:
+        ids = list(request_ids)
+        now = time.monotonic()
+        with self._lock:
+            for rid in ids:
+                if rid not in self._pending:
+                    self._pending[rid] = _AbortClock(source.value, now if t0 is None else t0, now,
+                                                     self._step_no)
+            self.core.abort(ids, source)
+        self._work.set()
+
+    def call(self, method: str) -> Future:
+        """Run a utility method between steps; the future gets its result."""
+        fut: Future = Future()
+        if method not in self.UTILITIES:
+            fut.set_exception(ValueError(f"unknown utility method {method!r}"))
+            return fut
+        with self._lock:
+            self._calls.append((method, fut))
+        self._work.set()
+        return fut
+
+    def info(self, with_tokenizer: bool = True) -> CoreInfo:
+        core = self.core
+        return CoreInfo(
+            source=core.loaded.source, max_model_len=core.max_model_len,
+            vocab_size=core.model_config.vocab_size, num_blocks=core.pool.num_blocks,
+            block_size=core.pool.block_size, load_seconds=core.loaded.load_seconds,
+            tokenizer_state=core.tokenizer.to_state() if with_tokenizer else {})
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._work.set()
+
+    # ---- the stepping thread --------------------------------------------------------------
+    def run(self) -> None:
+        """Step until stop(). Exceptions from the core propagate: the caller decides what a
+        dead core means for its clients."""
+        core = self.core
+        self.emit(Batch(snapshot=take_snapshot(core)))
+        while not self._stopping:
+            self._run_calls()
+            if not core.has_unfinished():
+                self._work.wait()
+                self._work.clear()
+                continue
+            with self._lock:
+                self._step_no += 1
+            outputs = core.step()
+            self.emit(Batch(outputs, self._timings(outputs), take_snapshot(core)))
+        self._run_calls()
+
+    def _run_calls(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for method, fut in calls:
+            try:
+                fut.set_result(self._utility(method))
+            except Exception as exc:  # a failing utility call fails only its caller
+                fut.set_exception(exc)
+
+    def _utility(self, method: str) -> Any:
+        if method == "snapshot":
+            return take_snapshot(self.core)
+        if method == "audit":
+            self.core.audit()
+            return None
+        if method == "reset_prefix_cache":
+            return self.core.pool.reset_prefix_cache()
+        raise ValueError(f"unknown utility method {method!r}")
+
+    def _timings(self, outputs: list) -> list[AbortTiming]:
+        """Close the clocks of aborts that ended a request in this step. An abort accepted
+        before this step began and still not ended was for an unknown or finished request:
+        it did nothing, so it is not timed."""
+        now = time.monotonic()
+        ended = {o.request_id for o in outputs if o.finished and o.finish_reason is FinishReason.ABORT}
+        with self._lock:
+            for rid in list(self._pending):
+                clock = self._pending[rid]
+                if rid in ended:
+                    clock.quiet = now
+                    self._reclaiming[rid] = self._pending.pop(rid)
+                elif clock.step_at_accept < self._step_no:
+                    del self._pending[rid]
+        if not self._reclaiming or self.core.lifecycle.deferred:
+            return []  # blocks still behind the fence: measured at a later boundary
+        done = [AbortTiming(rid, c.source, c.accepted - c.t0, c.quiet - c.t0, now - c.t0)
+                for rid, c in self._reclaiming.items()]
+        self._reclaiming.clear()
+        return done

@@ -1,0 +1,160 @@
+"""The engine-core process: `main` is the target `ProcCore` spawns.
+
+Two threads: the main thread steps the engine (CoreLoop); the input thread receives from the
+frontend and hands adds and aborts straight to the core's thread-safe inbox, so an abort is
+accepted while a forward pass runs, and is never queued behind adds: before each input
+message the input thread empties the abort socket. Both threads send on the one output
+socket, under a lock (ZMQ sockets are not thread-safe).
+
+Exit codes: 0 after a shutdown message, 1 if loading or stepping failed (a FatalMsg with the
+reason goes out first), 0 when the frontend process disappears.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from stopline.engine.core_loop import CoreLoop
+from stopline.engine.messages import (
+    AbortMsg,
+    AddMsg,
+    AddReply,
+    FatalMsg,
+    ReadyMsg,
+    ShutdownMsg,
+    ToCore,
+    UtilityMsg,
+    UtilityReply,
+)
+from stopline.request import InvalidRequest
+
+if TYPE_CHECKING:
+    from stopline.config import EngineConfig
+    from stopline.engine.transport import CoreAddresses
+
+log = logging.getLogger("stopline.core_proc")
+
+
+def main(addrs: CoreAddresses, model: str | None, config: EngineConfig | None, progress: bool,
+         parent_pid: int) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [core] %(message)s")
+    # Ctrl-C in a terminal signals the whole process group; the frontend decides how we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
+                     name="stopline-parent-watch").start()
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDHWM, 0)
+    out.connect(addrs.output)
+    lock = threading.Lock()
+    enc = msgspec.msgpack.Encoder()
+
+    def send(msg: msgspec.Struct) -> None:
+        data = enc.encode(msg)
+        with lock:
+            out.send(data)
+
+    try:
+        from stopline.engine.core import EngineCore
+
+        core = EngineCore(model, config, progress=progress)
+    except BaseException as exc:  # noqa: BLE001 - report any load failure, then exit
+        log.exception("loading the model failed")
+        send(FatalMsg(f"loading the model failed: {exc}"))
+        _exit(out, 1)
+    loop = CoreLoop(core, send)
+    inp = _pull(ctx, addrs.input)
+    abort = _pull(ctx, addrs.abort)
+    send(ReadyMsg(loop.info()))
+    threading.Thread(target=_serve_input, args=(inp, abort, loop, send), daemon=True,
+                     name="stopline-core-input").start()
+    code = 0
+    try:
+        loop.run()
+    except BaseException as exc:  # noqa: BLE001 - the frontend must learn why we die
+        log.exception("engine core loop failed")
+        send(FatalMsg(f"engine core loop failed: {exc!r}"))
+        code = 1
+    _exit(out, code)
+
+
+def _pull(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(addr)
+    return sock
+
+
+def _exit(out: zmq.Socket, code: int) -> None:
+    out.close(linger=2000)  # flush what we said last (the FatalMsg) before going
+    # os._exit: the input thread sits in poll() and must not keep the process alive.
+    os._exit(code)
+
+
+def _serve_input(inp: zmq.Socket, abort: zmq.Socket, loop: CoreLoop,
+                 send: Callable[[msgspec.Struct], None]) -> None:
+    dec = msgspec.msgpack.Decoder(ToCore)
+    poller = zmq.Poller()
+    poller.register(abort, zmq.POLLIN)
+    poller.register(inp, zmq.POLLIN)
+    while True:
+        poller.poll()
+        _drain_aborts(abort, loop, dec)
+        try:
+            data = inp.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            continue
+        msg = dec.decode(data)
+        if isinstance(msg, AddMsg):
+            try:
+                loop.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival)
+            except InvalidRequest as exc:
+                send(AddReply(msg.request_id, str(exc)))
+            except Exception as exc:  # refuse this request, keep serving the others
+                log.exception("add_request failed")
+                send(AddReply(msg.request_id, f"internal error: {exc!r}"))
+            else:
+                send(AddReply(msg.request_id))
+        elif isinstance(msg, UtilityMsg):
+            loop.call(msg.method).add_done_callback(_reply(msg.call_id, send))
+        elif isinstance(msg, ShutdownMsg):
+            loop.stop()
+            return
+
+
+def _drain_aborts(abort: zmq.Socket, loop: CoreLoop, dec: msgspec.msgpack.Decoder) -> None:
+    while True:
+        try:
+            data = abort.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        msg = dec.decode(data)
+        if isinstance(msg, AbortMsg):
+            loop.abort(msg.request_ids, msg.source, msg.t0)
+
+
+def _reply(call_id: int, send: Callable[[msgspec.Struct], None]) -> Callable[[Future], None]:
+    def done(fut: Future) -> None:
+        exc = fut.exception()
+        send(UtilityReply(call_id, None if exc else fut.result(), None if exc is None else repr(exc)))
+    return done
+
+
+def _watch_parent(parent_pid: int) -> None:
+    # The frontend owns us; if it is gone (even killed with SIGKILL), nobody can use our output.
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os._exit(0)

@@ -1,0 +1,96 @@
+"""Typed messages between the frontend and the engine core (msgspec structs).
+
+The in-process mode passes `Batch` objects as they are; the two-process mode encodes every
+message with msgpack. Frontend -> core messages travel on two sockets: `AbortMsg` alone on
+the priority socket, everything else on the input socket, so an abort is never queued behind
+a burst of adds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from stopline.engine.output import RequestOutput
+from stopline.engine.snapshot import Snapshot
+from stopline.request import AbortSource, SamplingParams
+
+
+class AbortTiming(msgspec.Struct, frozen=True):
+    """How long one abort took, each measured from `t0` (the disconnect or the cancel call)."""
+
+    request_id: str
+    source: str
+    accept_s: float  # -> the engine core recorded the abort
+    quiet_s: float  # -> the end of the step that applied it: the request computes no more
+    reclaim_s: float  # -> the first step boundary with its KV blocks back in the pool
+
+
+class CoreInfo(msgspec.Struct, frozen=True):
+    """What the frontend learns about the loaded model once the core is ready."""
+
+    source: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    load_seconds: float
+    tokenizer_state: dict[str, Any]
+
+
+# ---- frontend -> core -------------------------------------------------------------------
+class AddMsg(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float  # time.monotonic() of the frontend (the clock is shared by processes)
+
+
+class AbortMsg(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+    source: AbortSource
+    t0: float  # time.monotonic() of the disconnect or cancel call
+
+
+class UtilityMsg(msgspec.Struct, tag="utility"):
+    call_id: int
+    method: str  # see CoreLoop.UTILITIES
+
+
+class ShutdownMsg(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ToCore = AddMsg | AbortMsg | UtilityMsg | ShutdownMsg
+
+
+# ---- core -> frontend -------------------------------------------------------------------
+class ReadyMsg(msgspec.Struct, tag="ready"):
+    info: CoreInfo
+
+
+class AddReply(msgspec.Struct, tag="add_reply"):
+    request_id: str
+    error: str | None = None  # the InvalidRequest message when the core refused it
+
+
+class Batch(msgspec.Struct, tag="batch"):
+    """Everything one engine step produced, plus the state it left behind."""
+
+    outputs: list[RequestOutput] = msgspec.field(default_factory=list)
+    timings: list[AbortTiming] = msgspec.field(default_factory=list)
+    snapshot: Snapshot | None = None
+
+
+class UtilityReply(msgspec.Struct, tag="utility_reply"):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class FatalMsg(msgspec.Struct, tag="fatal"):
+    message: str
+
+
+FromCore = ReadyMsg | AddReply | Batch | UtilityReply | FatalMsg

@@ -1,0 +1,122 @@
+"""One admitted request as the frontend sees it: an async iterator of its outputs.
+
+The stream is also the frontend's half of the no-delivery-after-cancel contract: once the
+frontend decides to abort a request (`cancel`), the iterator hands out no further tokens,
+not even ones already computed and queued; it yields only the terminal output of each
+sample, stripped of new tokens, with usage counting what the consumer actually received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from stopline.engine.output import RequestOutput
+from stopline.request import AbortSource, FinishReason, Usage
+
+
+class EngineDead(RuntimeError):
+    """The engine core stopped (its process died or its loop failed)."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine does not admit requests now (loading, draining or dead): HTTP 503."""
+
+
+class EngineOverloaded(RuntimeError):
+    """Too many requests wait for their first step: HTTP 429."""
+
+
+_DETACHED = object()  # the consumer left: end the iteration without a terminal
+
+
+class RequestStream:
+    def __init__(self, request_id: str, n: int, prompt_tokens: int, arrival: float) -> None:
+        self.request_id = request_id
+        self.n = n
+        self.prompt_tokens = prompt_tokens
+        self.arrival = arrival
+        self.open_samples = set(range(n))  # samples whose terminal output has not arrived
+        self.cancelled: AbortSource | None = None  # set the moment the frontend aborts it
+        self.delivered = [0] * n  # tokens handed to the consumer, per sample
+        self.finish_reasons: list[FinishReason | None] = [None] * n
+        self.started = False  # any output arrived (the request left the queue)
+        self.last_token_at: list[float | None] = [None] * n
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._consumer_open = 0  # samples still open from the consumer's view
+
+    @property
+    def finished(self) -> bool:
+        return not self.open_samples
+
+    # ---- producer side (the engine's output dispatcher) ----------------------------------
+    def push(self, out: RequestOutput) -> bool:
+        """Queue one output; returns True if it was the sample's terminal output."""
+        self.started = True
+        self._queue.put_nowait(out)
+        if not out.finished:
+            return False
+        self.finish_reasons[out.index] = out.finish_reason
+        self.open_samples.discard(out.index)
+        if not self.open_samples and not self.done.done():
+            self.done.set_result(None)
+        return True
+
+    def fail(self, exc: BaseException) -> None:
+        """End the stream with an exception (engine death): the consumer raises it."""
+        self.open_samples.clear()
+        self._queue.put_nowait(exc)
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def cancel(self, source: AbortSource) -> None:
+        """The frontend fence: no token is handed out from now on."""
+        if self.cancelled is None:
+            self.cancelled = source
+
+    def detach(self) -> None:
+        """The consumer is gone (client disconnected): wake it up so it can return."""
+        self._queue.put_nowait(_DETACHED)
+
+    # ---- consumer side --------------------------------------------------------------------
+    def __aiter__(self) -> RequestStream:
+        self._consumer_open = self.n
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._consumer_open <= 0:
+                raise StopAsyncIteration
+            item = await self._queue.get()
+            if item is _DETACHED:
+                raise StopAsyncIteration
+            if isinstance(item, BaseException):
+                self._consumer_open = 0
+                raise item
+            assert isinstance(item, RequestOutput)  # the queue holds nothing else
+            if item.finished:
+                self._consumer_open -= 1
+                return self._terminal(item)
+            if self.cancelled is not None:
+                continue  # computed before the engine saw the abort: never delivered
+            self.delivered[item.index] += len(item.new_token_ids)
+            return item
+
+    def _terminal(self, out: RequestOutput) -> RequestOutput:
+        if self.cancelled is None:
+            self.delivered[out.index] += len(out.new_token_ids)
+            return out
+        engine_usage = out.usage or Usage(self.prompt_tokens, 0)
+        got = self.delivered[out.index]
+        withheld = max(0, engine_usage.completion_tokens - got) + engine_usage.undelivered_tokens
+        reason = out.finish_reason
+        if out.new_token_ids or out.new_text or engine_usage.completion_tokens > got:
+            # Tokens were withheld after the cancel: the client's output was cut by the cancel,
+            # whatever the engine decided in the meantime.
+            reason = FinishReason.ABORT
+        return RequestOutput(
+            out.request_id, out.index, finished=True, finish_reason=reason,
+            stop_detail=out.stop_detail if reason is out.finish_reason else self.cancelled.value,
+            usage=dataclasses.replace(engine_usage, completion_tokens=got, undelivered_tokens=withheld),
+        )

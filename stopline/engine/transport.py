@@ -1,0 +1,280 @@
+"""The frontend's side of the two-process mode: `ProcCore` starts the engine core in its own
+process (core_proc.py) and talks to it over ZMQ with msgpack-encoded messages (messages.py).
+
+Sockets, all ipc:// in a private temp dir, all bound here:
+  input   PUSH -> core   adds, utility calls, shutdown
+  abort   PUSH -> core   aborts only: the core drains this socket before every input message
+  output  PULL <- core   ready, add replies, one Batch per step, utility replies, fatal errors
+High-water marks are unlimited: a burst of adds must neither block the event loop nor
+deadlock against a core that is busy sending outputs.
+
+Adds are acknowledged by the core (it validates them, so a bad request is a 400 here exactly
+as in-process). An abort for a request whose add is not yet acknowledged is held until the
+acknowledgement arrives: otherwise it could overtake its add on the priority socket and be
+dropped as unknown. Core death is noticed by waiting on the process sentinel (no polling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from stopline.engine.messages import (
+    AbortMsg,
+    AddMsg,
+    AddReply,
+    Batch,
+    CoreInfo,
+    FatalMsg,
+    FromCore,
+    ReadyMsg,
+    ShutdownMsg,
+    UtilityMsg,
+    UtilityReply,
+)
+from stopline.engine.snapshot import Snapshot
+from stopline.engine.streams import EngineDead
+from stopline.request import AbortSource, InvalidRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from stopline.config import EngineConfig
+    from stopline.model.tokenizer import Tokenizer
+
+log = logging.getLogger("stopline.transport")
+
+
+class CoreAddresses(msgspec.Struct, frozen=True):
+    input: str
+    abort: str
+    output: str
+
+
+class ProcCore:
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, *,
+                 progress: bool = True) -> None:
+        self.model = model
+        self.config = config
+        self.progress = progress
+        self.tokenizer: Tokenizer | None = None
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(FromCore)
+        self._acks: dict[str, asyncio.Future[None]] = {}  # add sent, reply not yet here
+        self._held_aborts: dict[str, tuple[AbortSource, float]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._fatal: str | None = None
+        self._dead: str | None = None
+        self._closing = False
+        self._reader: asyncio.Task | None = None
+        self._dir: str | None = None
+
+    # ---- start ----------------------------------------------------------------------------
+    async def start(self, on_batch: Callable[[Batch], None],
+                    on_dead: Callable[[str], None]) -> CoreInfo:
+        from stopline.engine import core_proc
+        from stopline.model.tokenizer import Tokenizer
+
+        self._aloop = aloop = asyncio.get_running_loop()
+        self._on_batch, self._on_dead = on_batch, on_dead
+        self._dir = tempfile.mkdtemp(prefix="stopline-ipc-")
+        addrs = CoreAddresses(*(f"ipc://{self._dir}/{name}" for name in ("input", "abort", "output")))
+        self._ctx = zmq.Context()
+        self._in = self._push(addrs.input)
+        self._abort = self._push(addrs.abort)
+        self._actx = zmq.asyncio.Context()
+        self._out = self._actx.socket(zmq.PULL)
+        self._out.setsockopt(zmq.RCVHWM, 0)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.bind(addrs.output)
+        self._ready: asyncio.Future[CoreInfo] = aloop.create_future()
+        self._reader = asyncio.create_task(self._read(), name="stopline-core-reader")
+        mp = multiprocessing.get_context("spawn")  # a clean interpreter: no inherited threads or loop
+        self.proc = mp.Process(target=core_proc.main, name="stopline-core", daemon=True,
+                               args=(addrs, self.model, self.config, self.progress, os.getpid()))
+        self.proc.start()
+        threading.Thread(target=self._watch, args=(self.proc.sentinel,), daemon=True,
+                         name="stopline-core-watch").start()
+        info = await self._ready
+        # The core connected before it said ready; wait until our PUSH sockets see it, so the
+        # first add can't fail for lack of a peer.
+        for sock in (self._in, self._abort):
+            if not await asyncio.to_thread(sock.poll, 10_000, zmq.POLLOUT):
+                raise EngineDead("the engine core never connected its input sockets")
+        self.tokenizer = Tokenizer.from_state(info.tokenizer_state)
+        log.info("engine core ready in process %d (%s)", self.proc.pid, info.source)
+        return info
+
+    def _push(self, addr: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(addr)
+        return sock
+
+    def _watch(self, sentinel: int) -> None:
+        multiprocessing.connection.wait([sentinel])
+        try:
+            self._aloop.call_soon_threadsafe(self._died)
+        except RuntimeError:
+            pass  # the event loop is gone: so is everyone who cared
+
+    # ---- requests (event loop thread) -------------------------------------------------------
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  arrival: float) -> None:
+        fut = self._aloop.create_future()
+        self._acks[request_id] = fut
+        try:
+            self._send(self._in, AddMsg(request_id, prompt_token_ids, params, arrival))
+            await fut
+        except asyncio.CancelledError:
+            # Our caller left before the core answered: whatever the answer, nobody listens.
+            if request_id in self._acks:
+                self._held_aborts.setdefault(request_id, (AbortSource.CANCEL, time.monotonic()))
+            raise
+        except BaseException:
+            self._acks.pop(request_id, None)
+            raise
+
+    def abort(self, request_ids: list[str], source: AbortSource, t0: float) -> None:
+        now_ids = []
+        for rid in request_ids:
+            if rid in self._acks:
+                self._held_aborts.setdefault(rid, (source, t0))
+            else:
+                now_ids.append(rid)
+        if now_ids:
+            self._send(self._abort, AbortMsg(now_ids, source, t0))
+
+    async def utility(self, method: str) -> Any:
+        call_id = next(self._call_ids)
+        fut = self._aloop.create_future()
+        self._calls[call_id] = fut
+        try:
+            self._send(self._in, UtilityMsg(call_id, method))
+            result = await fut
+        finally:
+            self._calls.pop(call_id, None)
+        return msgspec.convert(result, Snapshot) if method == "snapshot" else result
+
+    def _send(self, sock: zmq.Socket, msg: msgspec.Struct) -> None:
+        if self._dead is not None:
+            raise EngineDead(self._dead)
+        try:
+            sock.send(self._enc.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # no peer: the core is gone or going
+            raise EngineDead(f"cannot reach the engine core: {exc}") from exc
+
+    # ---- from the core ----------------------------------------------------------------------
+    async def _read(self) -> None:
+        while True:
+            try:
+                data = await self._out.recv()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            try:
+                self._handle(self._dec.decode(data))
+            except Exception:  # a bad message must not stop the reader: later ones matter
+                log.exception("failed to handle a message from the engine core")
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, Batch):
+            self._on_batch(msg)
+        elif isinstance(msg, AddReply):
+            self._on_add_reply(msg)
+        elif isinstance(msg, UtilityReply):
+            fut = self._calls.pop(msg.call_id, None)
+            if fut is not None and not fut.done():
+                if msg.error is None:
+                    fut.set_result(msg.result)
+                else:
+                    fut.set_exception(RuntimeError(msg.error))
+        elif isinstance(msg, ReadyMsg):
+            if not self._ready.done():
+                self._ready.set_result(msg.info)
+        elif isinstance(msg, FatalMsg):
+            log.error("engine core reports: %s", msg.message)
+            self._fatal = msg.message
+
+    def _on_add_reply(self, msg: AddReply) -> None:
+        fut = self._acks.pop(msg.request_id, None)
+        held = self._held_aborts.pop(msg.request_id, None)
+        if msg.error is not None:
+            if fut is not None and not fut.done():
+                fut.set_exception(InvalidRequest(msg.error))
+            return
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+        if held is not None:
+            source, t0 = held
+            try:
+                self._send(self._abort, AbortMsg([msg.request_id], source, t0))
+            except EngineDead:
+                pass  # the death handler ends the request
+
+    def _died(self) -> None:
+        if self._closing or self._dead is not None:
+            return
+        # A FatalMsg sent just before the exit may still sit in the socket: give the reader a
+        # moment to pick it up so the reason we log is the real one.
+        self._aloop.call_later(0.02, self._declare_dead)
+
+    def _declare_dead(self) -> None:
+        if self._closing or self._dead is not None:
+            return
+        code = self.proc.exitcode if self.proc is not None else None
+        reason = self._fatal or f"the engine core process exited with code {code}"
+        self._dead = reason
+        exc = EngineDead(reason)
+        for fut in [*self._acks.values(), *self._calls.values()]:
+            if not fut.done():
+                fut.set_exception(exc)
+        self._acks.clear()
+        self._calls.clear()
+        if not self._ready.done():
+            self._ready.set_exception(exc)
+        self._on_dead(reason)
+
+    # ---- stop -------------------------------------------------------------------------------
+    async def close(self) -> None:
+        self._closing = True
+        proc = self.proc
+        if proc is not None and proc.is_alive():
+            try:
+                self._in.send(self._enc.encode(ShutdownMsg()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            await asyncio.to_thread(proc.join, 10.0)
+            if proc.is_alive():
+                log.warning("engine core did not stop in 10 s; terminating it")
+                proc.terminate()
+                await asyncio.to_thread(proc.join, 2.0)
+                if proc.is_alive():
+                    proc.kill()
+                    await asyncio.to_thread(proc.join, 2.0)
+        if self._reader is not None:
+            self._reader.cancel()
+        for name in ("_in", "_abort", "_out"):
+            sock = getattr(self, name, None)
+            if sock is not None:
+                sock.close(linger=0)
+        for name in ("_ctx", "_actx"):
+            ctx = getattr(self, name, None)
+            if ctx is not None:
+                ctx.term()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
