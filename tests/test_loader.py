@@ -317,11 +317,15 @@ def test_cache_key_follows_the_file(tiny_gguf_f32: Path, tmp_path: Path) -> None
     cache = tmp_path / "cache"
     load_model(gguf_copy, progress=False, cache_dir=cache)
     (old,) = cache.glob("*.safetensors")
+    leftover = cache / (old.name + ".abc123.tmp")  # from a writer killed mid-way, long ago
+    leftover.write_bytes(b"partial")
+    os.utime(leftover, (time.time() - 7200, time.time() - 7200))
     st = gguf_copy.stat()
     os.utime(gguf_copy, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # "edited"
     assert not load_model(gguf_copy, progress=False, cache_dir=cache).from_cache
     (new,) = cache.glob("*.safetensors")  # the stale one was removed
     assert new != old
+    assert not leftover.exists()
 
 
 def test_cache_dir_env_var_and_unwritable_dir(tiny_gguf_f32: Path, tmp_path: Path, monkeypatch) -> None:

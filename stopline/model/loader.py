@@ -167,7 +167,7 @@ def export_hf_dir(loaded: LoadedModel, out_dir: str | os.PathLike[str]) -> Path:
         "pad_token_id": eos[0],
     }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    tensors = {name: t.detach().to(torch.float32).contiguous() for name, t in loaded.weights.items()
+    tensors = {name: t.detach().to(device="cpu", dtype=torch.float32).contiguous() for name, t in loaded.weights.items()
                if not (cfg.tie_word_embeddings and name == "lm_head.weight")}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     loaded.tokenizer.save_hf_files(out, model_max_length=cfg.max_position)

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 import warnings
 import zlib
 from pathlib import Path
@@ -123,11 +124,17 @@ def save(path: Path, key: str, weights: dict[str, torch.Tensor], extra: dict[str
 
 
 def _remove_stale(path: Path) -> None:
-    """Delete older cache files of the same model (same stem, other key): each is hundreds of MB."""
+    """Delete older cache files of the same GGUF path (other key), each hundreds of MB, and
+    temp files an interrupted writer left behind more than an hour ago."""
     prefix = path.name.rsplit("-", 1)[0]  # "<stem>--<path hash>"
-    for other in path.parent.glob("*.safetensors"):
-        if other != path and other.name.rsplit("-", 1)[0] == prefix:
-            with contextlib.suppress(OSError):
+    now = time.time()
+    for other in path.parent.iterdir():
+        stale = (other.suffix == ".safetensors" and other != path and other.name.rsplit("-", 1)[0] == prefix)
+        with contextlib.suppress(OSError):
+            if other.name.endswith(".tmp") and other.name.startswith(prefix) \
+                    and now - other.stat().st_mtime > 3600:
+                stale = True
+            if stale:
                 other.unlink()
 
 
