@@ -58,7 +58,9 @@ class EngineConfig:
         self.victim_policy = VictimPolicy(self.victim_policy)
         if os.environ.get("STOPLINE_DEBUG", "") not in ("", "0"):
             self.debug = True
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_preemptions",
+        if self.max_preemptions < 0:
+            raise ValueError(f"EngineConfig.max_preemptions must be >= 0, got {self.max_preemptions}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
                      "prompt_tile", "decode_tile", "lm_head_tile"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -144,6 +144,11 @@ class Lifecycle:
             return
         req.finish_reason = reason
         req.stop_detail = detail
+        if req.last_scheduled_step > self.last_processed_step and req.inflight_samples:
+            # The step in flight computes tokens this request will never deliver.
+            req.undelivered += req.inflight_samples
+            if aborted_at is not None:
+                self.stats.tokens_after_abort += req.inflight_samples
         self._release(req, keep_cached, aborted_at)
         req.move_to(RequestStatus.FINISHED)
         self.stats.finished[reason.value] += 1

@@ -191,13 +191,9 @@ class EngineCore:
             bad_rows = {i for i, b in enumerate(nan) if b}
         for ci, ch in enumerate(plan.chunks):
             req = ch.req
+            req.inflight_samples = 0
             if req.status is not RequestStatus.RUNNING:
-                if ch.sample and req.status.is_finished:
-                    n = 1 + len(req.forks_pending)
-                    req.undelivered += n
-                    if req.finish_reason in (FinishReason.ABORT, FinishReason.TIMEOUT):
-                        self.lifecycle.stats.tokens_after_abort += n
-                continue
+                continue  # ended while the step ran; the lifecycle counted what it wasted
             self._register_prefix(req)
             if not ch.sample:
                 continue

@@ -92,6 +92,10 @@ class OutputProcessor:
 
     def terminal(self, req: Request) -> None:
         """The one terminal output of a request (called by the lifecycle)."""
+        detok = self.detok.get(req.internal_id)
+        cut_by_stop_string = req.finish_reason is FinishReason.STOP and req.stop_detail in req.params.stop
+        if detok is not None and not cut_by_stop_string:
+            req.text += detok.flush()  # bytes held back waiting for the rest of a character
         out = self.delta(req, final=True)
         out.finished = True
         out.finish_reason = req.finish_reason

@@ -149,7 +149,9 @@ class Scheduler:
         req.last_scheduled_step = plan.step_id
         if req.first_scheduled is None:
             req.first_scheduled = time.monotonic()
-        plan.chunks.append(ScheduledChunk(req, start, n, sample=req.num_computed == req.num_tokens))
+        sample = req.num_computed == req.num_tokens
+        req.inflight_samples = (1 + len(req.forks_pending)) if sample else 0
+        plan.chunks.append(ScheduledChunk(req, start, n, sample=sample))
 
     def _grow(self, req: Request, upto: int, scheduled: set[int]) -> bool:
         """Make req's block table cover `upto` tokens, preempting others if needed.
