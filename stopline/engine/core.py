@@ -204,7 +204,7 @@ class EngineCore:
             tasks += [SampleTask(row, m) for m in [req, *req.forks_pending]]
         if not tasks:
             return
-        for task, s in zip(tasks, sample(result.logits, tasks), strict=True):
+        for task, s in zip(tasks, sample(result.logits, tasks, self.outputs.eos), strict=True):
             req = task.req
             if req.fork_leader is not None:
                 self._fork(req)

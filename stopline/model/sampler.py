@@ -7,7 +7,7 @@ and after a preemption (which replays nothing of the generator).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +51,17 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return logits
 
 
+def suppressed_ids(req: Request, eos_token_ids: Collection[int], vocab: int) -> list[int]:
+    """Tokens the request may not sample yet: below min_tokens, EOS (unless ignore_eos) and its
+    stop tokens. Masking them, as vLLM and HF do, keeps an early EOS out of the output rather
+    than emitting it and carrying on past it."""
+    p = req.params
+    if len(req.output_token_ids) >= p.min_tokens:
+        return []
+    ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+    return sorted(t for t in ids if 0 <= t < vocab)
+
+
 def _filtered(logits: torch.Tensor, req: Request) -> torch.Tensor:
     p = req.params
     logits = logits / p.temperature
@@ -78,11 +89,14 @@ def _logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
     return TokenLogprob(token, float(lp[token]), top)
 
 
-def sample(logits: torch.Tensor, tasks: Sequence[SampleTask]) -> list[Sampled]:
-    """One token per task. Greedy rows without penalties are done in one argmax."""
+def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
+           eos_token_ids: Collection[int] = ()) -> list[Sampled]:
+    """One token per task. Greedy rows without penalties or masks are done in one argmax."""
     results: list[Sampled | None] = [None] * len(tasks)
+    vocab = logits.shape[-1]
+    masks = [suppressed_ids(t.req, eos_token_ids, vocab) for t in tasks]
     fast = [i for i, t in enumerate(tasks)
-            if t.req.params.greedy and not t.req.params.needs_penalties]
+            if t.req.params.greedy and not t.req.params.needs_penalties and not masks[i]]
     if fast:
         rows = torch.tensor([tasks[i].row for i in fast], dtype=torch.long)
         ids = torch.argmax(logits.index_select(0, rows), dim=-1).tolist()
@@ -95,6 +109,8 @@ def sample(logits: torch.Tensor, tasks: Sequence[SampleTask]) -> list[Sampled]:
             row = row.clone()
             if p.needs_penalties:
                 row = apply_penalties(row, t.req)
+            if masks[i]:
+                row[masks[i]] = float("-inf")
             if p.greedy:
                 tok = int(torch.argmax(row))
             else:
