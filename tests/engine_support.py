@@ -90,8 +90,8 @@ def hf_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, b
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                             min_new_tokens=0, do_sample=False, pad_token_id=pad_id,
-                             output_scores=True, return_dict_in_generate=True, **generate_kwargs)
+                             do_sample=False, pad_token_id=pad_id, output_scores=True,
+                             return_dict_in_generate=True, **generate_kwargs)
         # Scores are the logits after HF's logits processors: the ones argmax chose from.
         scores = torch.stack(out.scores, dim=1)  # [batch, steps, vocab]
         top2 = scores.topk(2, dim=-1).values
