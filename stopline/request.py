@@ -192,6 +192,7 @@ class Request:
     undelivered: int = 0
     seed: int = 0  # resolved at admission so that sampling is reproducible after preemption
     text: str = ""  # detokenized output (stop strings already cut)
+    num_detokenized: int = 0  # output tokens already turned into text
     sent_text_len: int = 0
     sent_tokens: int = 0
     swap_slots: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED

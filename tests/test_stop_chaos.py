@@ -123,20 +123,22 @@ def _n(work, rid):
     return _N_CACHE[rid]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_storm(tiny, mode):
+@pytest.mark.parametrize("mode,async_scheduling", [("recompute", False), ("swap", False),
+                                                   ("recompute", True), ("auto", True)])
+def test_storm(tiny, mode, async_scheduling):
     _N_CACHE.clear()
-    work = make_workload(seed=11, count=1000, vocab=tiny.config.vocab_size)
+    work = make_workload(seed=11, count=600, vocab=tiny.config.vocab_size)
     ref = run_reference(tiny, work)
     cfg = EngineConfig(num_blocks=40, block_size=4, max_num_seqs=24, max_num_batched_tokens=24,
-                       preemption_mode=mode, debug=True, target_step_ms=None, max_preemptions=1000)
+                       preemption_mode=mode, debug=True, target_step_ms=None, max_preemptions=1000,
+                       async_scheduling=async_scheduling)
     got, terminals, aborted_at, states_hit, eng = run_storm(tiny, work, cfg, seed=5)
     stats = eng.lifecycle.stats
     # The storm really exercised the stop path.
     assert sum(stats.preemptions.values()) > 20, stats.preemptions
-    if mode == "swap":
+    if mode != "recompute":
         assert stats.preemptions["swap"] > 0
-    for state in ("waiting", "prefilling", "running", "preempted" if mode == "recompute" else "swapped"):
+    for state in ("waiting", "prefilling", "running", "swapped" if mode == "swap" else "preempted"):
         assert states_hit[state] > 0, f"no abort landed in state {state}: {dict(states_hit)}"
     n_abort = 0
     for rid, _prompt, params, _ in work:

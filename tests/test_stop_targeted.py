@@ -79,17 +79,22 @@ def abort_during_forward(eng: EngineCore, rid: str, on_step: int) -> None:
     eng.runner.execute = hooked
 
 
-def test_abort_on_last_step_is_abort_not_length(tiny):
-    eng = engine(tiny)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_on_last_step_is_abort_not_length(tiny, async_scheduling):
+    eng = engine(tiny, async_scheduling=async_scheduling)
     eng.add_request("a", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True, **GREEDY))
     abort_during_forward(eng, "a", on_step=2)  # step 0 prefill, 1 and 2 decode: 2 is the last
     res = drain(eng)[("a", 0)]
     (term,) = res["terminal"]
     assert term.finish_reason is FinishReason.ABORT
     assert term.stop_detail == "cancel"
-    assert len(res["tokens"]) == 2  # the token computed by the aborted step is not delivered
-    assert term.usage.completion_tokens == 2 and term.usage.undelivered_tokens == 1
     assert eng.lifecycle.stats.tokens_after_abort == 1
+    assert term.usage.completion_tokens == len(res["tokens"])
+    assert term.usage.completion_tokens + term.usage.undelivered_tokens == 3
+    if not async_scheduling:
+        # the token computed by the aborted step is not delivered
+        assert len(res["tokens"]) == 2 and term.usage.undelivered_tokens == 1
+    assert res["tokens"] == solo(tiny, PROMPT, SamplingParams(max_tokens=3, ignore_eos=True, **GREEDY))[: len(res["tokens"])]
 
 
 def test_abort_between_forward_and_processing_releases_through_fence(tiny):
@@ -321,14 +326,14 @@ def test_stop_check_exception_fails_only_its_request(tiny):
     eng = engine(tiny)
     eng.add_request("bad", PROMPT, SamplingParams(max_tokens=4, **GREEDY))
     eng.add_request("good", PROMPT[:6], SamplingParams(max_tokens=4, **GREEDY))
-    check = eng.outputs.check_stop
+    check = eng.outputs.append
 
-    def flaky(req, token, old_len):
+    def flaky(req, token, logprob):
         if req.request_id == "bad":
             raise RuntimeError("stop check exploded")
-        return check(req, token, old_len)
+        return check(req, token, logprob)
 
-    eng.outputs.check_stop = flaky
+    eng.outputs.append = flaky
     res = drain(eng)
     assert res[("bad", 0)]["terminal"][0].finish_reason is FinishReason.ERROR
     assert res[("good", 0)]["terminal"][0].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)

@@ -13,12 +13,13 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from stopline.config import EngineConfig, PreemptionMode
-from stopline.engine.output import OutputProcessor, RequestOutput
+from stopline.engine.output import OutputProcessor, RequestOutput, Stop
 from stopline.kv.block_pool import BlockPool, LedgerError, hash_blocks
 from stopline.kv.kv_cache import KVCache, SwapSpace
 from stopline.lifecycle import Lifecycle
@@ -81,6 +82,13 @@ class EngineCore:
         self.steps = 0
         self.interrupted_steps = 0
         self._ms_per_prefill_token: float | None = None
+        # Async scheduling: the forward runs on a worker thread (torch releases the GIL) while
+        # this thread detokenizes and emits the previous step's tokens.
+        self._worker = ThreadPoolExecutor(1, "stopline-forward") if cfg.async_scheduling else None
+        self._text_pending: list[Request] = []
+        # Where outputs go as soon as they are ready (the async engine sets it); otherwise
+        # step() returns them.
+        self.output_sink: Callable[[list[RequestOutput]], None] | None = None
 
     # ---- entry points (any thread) ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -132,7 +140,8 @@ class EngineCore:
     # ---- the step -----------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self.families) or bool(self._inbox_adds) or bool(self._inbox_aborts)
+            return (bool(self.families) or bool(self._inbox_adds) or bool(self._inbox_aborts)
+                    or bool(self._text_pending))
 
     def step(self) -> list[RequestOutput]:
         self._apply_inbox()
@@ -143,6 +152,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.chunks:
             self._run(plan)
+        else:
+            self._text_phase()
         if self.config.debug:
             self.audit()
         self.steps += 1
@@ -158,7 +169,13 @@ class EngineCore:
         t0 = time.perf_counter()
         result: StepResult | None = None
         try:
-            result = self.runner.execute(plan, self._interrupt)
+            if self._worker is not None:
+                # Overlap: the text phase of the previous step runs while this forward does.
+                future = self._worker.submit(self.runner.execute, plan, self._interrupt)
+                self._text_phase()
+                result = future.result()
+            else:
+                result = self.runner.execute(plan, self._interrupt)
         except StepInterrupted:
             self.interrupted_steps += 1
         except Exception as exc:  # engine-wide: every request ends with an error, none hangs
@@ -211,14 +228,34 @@ class EngineCore:
             if req.status is not RequestStatus.RUNNING:
                 continue
             try:
-                stop = self.outputs.on_token(req, s.token_id, s.logprob)
+                stop = self.outputs.append(req, s.token_id, s.logprob)
             except Exception as exc:  # a stop check that fails ends only its own request
                 self.lifecycle.fail(req, FinishReason.ERROR, f"output processing failed: {exc!r}")
                 continue
-            if stop is not None:
-                self.lifecycle.finish(req, *stop)
+            if stop is None and self.config.async_scheduling:
+                self._text_pending.append(req)  # detokenized while the next forward runs
             else:
-                self.outputs.step_output(req)
+                self._text(req, stop)
+
+    def _text(self, req: Request, stop: Stop | None) -> None:
+        """Text phase of one request: detokenize, check stop strings, emit or finish."""
+        try:
+            stop = self.outputs.catch_up(req) or stop
+        except Exception as exc:
+            self.lifecycle.fail(req, FinishReason.ERROR, f"output processing failed: {exc!r}")
+            return
+        if stop is not None:
+            self.lifecycle.finish(req, *stop)
+        else:
+            self.outputs.step_output(req)
+
+    def _text_phase(self) -> None:
+        pending, self._text_pending = self._text_pending, []
+        for req in pending:
+            if req.status is RequestStatus.RUNNING:  # not aborted meanwhile
+                self._text(req, None)
+        if pending and self.output_sink is not None:
+            self.output_sink(self.outputs.collect())
 
     def _fork(self, member: Request) -> None:
         """A family sample takes its own copy of the leader's last, partial prompt block."""

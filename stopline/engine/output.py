@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from stopline.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from stopline.request import FinishReason, Request, TokenLogprob, Usage
 
+Stop = tuple[FinishReason, str]
+
 
 @dataclass
 class RequestOutput:
@@ -40,16 +42,11 @@ class OutputProcessor:
             self.tokenizer, skip_special_tokens=req.params.skip_special_tokens,
             prompt_token_ids=req.prompt_token_ids)
 
-    def on_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> tuple[FinishReason, str] | None:
-        """Append a token to a live request; returns a stop decision if it should end."""
+    def append(self, req: Request, token: int, logprob: TokenLogprob | None) -> Stop | None:
+        """Token phase: record a sampled token; decide the stops that need no text."""
         req.output_token_ids.append(token)
         if logprob is not None:
             req.logprobs.append(logprob)
-        old_len = len(req.text)
-        req.text += self.detok[req.internal_id].push(token)
-        return self.check_stop(req, token, old_len)
-
-    def check_stop(self, req: Request, token: int, old_len: int) -> tuple[FinishReason, str] | None:
         p = req.params
         n_out = len(req.output_token_ids)
         if n_out >= p.min_tokens:
@@ -57,18 +54,32 @@ class OutputProcessor:
                 return FinishReason.STOP, "eos"
             if token in p.stop_token_ids:
                 return FinishReason.STOP, f"stop_token_id:{token}"
-            if p.stop:
-                longest = max(len(s) for s in p.stop)
-                # Only a match that ends in the new text is new with this token.
-                begin = max(0, old_len - longest + 1)
-                hits = [(req.text.find(s, begin), s) for s in p.stop]
-                hits = [(i, s) for i, s in hits if i >= 0]
+        if n_out >= req.max_tokens:
+            return FinishReason.LENGTH, "max_tokens"
+        if req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, "max_model_len"
+        return None
+
+    def catch_up(self, req: Request, check: bool = True) -> Stop | None:
+        """Text phase: detokenize the tokens not yet turned into text; a stop string that
+        now matches ends the request there (the stop string itself is not output)."""
+        detok = self.detok.get(req.internal_id)
+        if detok is None:
+            return None
+        p = req.params
+        longest = max((len(s) for s in p.stop), default=0)
+        while req.num_detokenized < len(req.output_token_ids):
+            token = req.output_token_ids[req.num_detokenized]
+            req.num_detokenized += 1
+            old_len = len(req.text)
+            req.text += detok.push(token)
+            if check and p.stop and req.num_detokenized >= p.min_tokens:
+                begin = max(0, old_len - longest + 1)  # only matches ending in the new text
+                hits = [(i, s) for s in p.stop if (i := req.text.find(s, begin)) >= 0]
                 if hits:
                     idx, s = min(hits)
                     req.text = req.text[:idx]
                     return FinishReason.STOP, s
-        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH, "max_tokens" if n_out >= req.max_tokens else "max_model_len"
         return None
 
     def delta(self, req: Request, final: bool) -> RequestOutput:
@@ -93,8 +104,17 @@ class OutputProcessor:
     def terminal(self, req: Request) -> None:
         """The one terminal output of a request (called by the lifecycle)."""
         detok = self.detok.get(req.internal_id)
+        aborted = req.finish_reason in (FinishReason.ABORT, FinishReason.TIMEOUT)
         cut_by_stop_string = req.finish_reason is FinishReason.STOP and req.stop_detail in req.params.stop
-        if detok is not None and not cut_by_stop_string:
+        if aborted:
+            # Nothing reaches the client after an abort, not even a token computed before it
+            # that was still waiting for its text phase (async scheduling).
+            req.undelivered += len(req.output_token_ids) - req.sent_tokens
+            del req.output_token_ids[req.sent_tokens:]
+            del req.logprobs[req.sent_tokens:]
+            req.num_detokenized = min(req.num_detokenized, req.sent_tokens)
+        elif detok is not None and not cut_by_stop_string:
+            self.catch_up(req, check=False)  # tokens computed before the end, not yet text
             req.text += detok.flush()  # bytes held back waiting for the rest of a character
         out = self.delta(req, final=True)
         out.finished = True
