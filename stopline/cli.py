@@ -91,6 +91,51 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the model file or directory name)")
+    g.add_argument("--in-process", action="store_true",
+                   help="run the engine core in a thread of the server process instead of its own process")
+    g.add_argument("--max-waiting", type=int, default=None,
+                   help="answer 429 while this many requests wait for their first step (default: no limit)")
+    g.add_argument("--queue-timeout", type=float, default=None,
+                   help="seconds a request may wait before its first step, else 503 (default: no limit)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds open requests may run before they are aborted")
+    g.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
+    add_engine_args(p)
+
+
+def served_model_name(model: str | None) -> str:
+    from pathlib import Path
+
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model)
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
+@command("serve", "OpenAI-compatible HTTP server (engine core in its own process)", _serve_args)
+def serve(args: argparse.Namespace) -> int:
+    from stopline.server.run import serve as run_server
+    from stopline.server.state import ServerSettings
+
+    settings = ServerSettings(
+        model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes, queue_timeout=args.queue_timeout,
+        drain_timeout=args.drain_timeout)
+    return run_server(args.model, engine_config(args), settings, host=args.host, port=args.port,
+                      in_process=args.in_process, max_waiting=args.max_waiting,
+                      log_level=args.log_level, access_log=args.access_log)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stopline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -146,7 +146,7 @@ class AsyncEngine:
         """Admit a request and return its stream. Raises InvalidRequest (400),
         EngineOverloaded (429) or EngineUnavailable (503); nothing is queued then."""
         if self.state != "ready":
-            raise EngineUnavailable(self._unavailable_why())
+            raise EngineUnavailable(self.unavailable_why())
         params = params or SamplingParams()
         params.validate()
         if request_id in self._streams:
@@ -210,7 +210,7 @@ class AsyncEngine:
     async def utility(self, method: str) -> Any:
         """Run a core utility ('snapshot', 'audit', 'reset_prefix_cache') between steps."""
         if self.state in ("starting", "dead", "closed"):
-            raise EngineUnavailable(self._unavailable_why())
+            raise EngineUnavailable(self.unavailable_why())
         return await self.backend.utility(method)
 
     # ---- stopping -------------------------------------------------------------------------
@@ -243,7 +243,7 @@ class AsyncEngine:
         if not was_dead:
             await self.backend.close()
 
-    def _unavailable_why(self) -> str:
+    def unavailable_why(self) -> str:
         if self.state == "starting":
             return "the model is still loading"
         if self.state == "draining":

@@ -1,0 +1,99 @@
+"""The FastAPI app: routes of the OpenAI-compatible API plus health, metrics and cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from stopline import __version__
+from stopline.request import AbortSource
+from stopline.server import errors
+from stopline.server.errors import ApiError
+from stopline.server.protocol import CancelRequest, parse
+from stopline.server.serving import create, read_body
+from stopline.server.state import ServerState
+
+CANCEL_TIMEOUT = 30.0  # a confirmed cancel waits at most this long for the request to end
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Load in the background: the server listens (and /health says 503) while it loads.
+        loading = asyncio.create_task(state.start_engine(), name="stopline-start")
+        yield
+        loading.cancel()
+        await state.engine.close()
+
+    app = FastAPI(title="stopline", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    errors.install(app)
+    engine = state.engine
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.ready:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": engine.state, "detail": engine.unavailable_why()},
+                            status_code=503, headers={"Retry-After": "1"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        state.authorize(request)
+        card = {"id": state.model_name, "object": "model", "created": state.created,
+                "owned_by": "stopline"}
+        if engine.info is not None:
+            card["max_model_len"] = engine.info.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create(request, chat=True)
+
+    @app.post("/v1/requests/cancel")
+    async def cancel_many(request: Request) -> dict:
+        """Admin: cancel every open request, or the listed ones; answers when all have ended."""
+        state.authorize(request)
+        req = parse(CancelRequest, await read_body(request, state.settings.max_body_bytes))
+        ended = await engine.abort_and_wait(req.ids, AbortSource.CANCEL, timeout=CANCEL_TIMEOUT)
+        others = [i for i in dict.fromkeys(req.ids or ()) if i not in ended]
+        return {
+            "object": "request.cancel.list",
+            "cancelled": [i for i, reasons in ended.items() if "abort" in reasons],
+            "finish_reasons": ended,
+            "already_finished": {i: engine.status(i) for i in others if engine.status(i) is not None},
+            "unknown": [i for i in others if engine.status(i) is None],
+        }
+
+    @app.post("/v1/requests/{request_id}/cancel")
+    async def cancel_one(request_id: str, request: Request) -> dict:
+        """Cancel one request by the id of its response; answers when it has ended."""
+        state.authorize(request)
+        status = engine.status(request_id)
+        if status is None:
+            raise ApiError(404, f"no request with id {request_id!r} (unknown, or ended long ago)",
+                           param="request_id", code="request_not_found")
+        if status == "open":
+            ended = await engine.abort_and_wait([request_id], AbortSource.CANCEL, timeout=CANCEL_TIMEOUT)
+            reasons = ended.get(request_id) or engine.status(request_id)
+        else:
+            reasons = status  # already over: nothing to do, nothing changes
+        return {"id": request_id, "object": "request.cancel",
+                "cancelled": status == "open" and "abort" in (reasons or ()),
+                "finish_reasons": reasons}
+
+    return app

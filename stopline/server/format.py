@@ -1,0 +1,179 @@
+"""Engine outputs -> OpenAI JSON: stream chunks, final responses, logprobs, usage.
+
+The same engine output becomes a `text_completion` or a `chat.completion(.chunk)` depending on
+the endpoint; everything else (finish reasons, usage, logprobs) is shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from stopline.engine.output import RequestOutput
+from stopline.request import TokenLogprob
+from stopline.server.errors import ApiError
+
+# Reasons the engine reports that OpenAI's enum lacks; clients get them as they are, with the
+# detail (abort source, error message) next to them.
+_EXTRA_REASONS = {"abort", "timeout", "error", "preempted"}
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class TokenText:
+    """Token id -> its text, for logprobs (cached: the same ids come back all the time)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._cache[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return s
+
+
+@dataclass
+class Choice:
+    """One sample of a non-streaming response, accumulated."""
+
+    text: str = ""
+    tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_detail: str | None = None
+
+
+@dataclass
+class UsageSum:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        if out.usage is not None:
+            self.completion_tokens += out.usage.completion_tokens
+            self.cached_tokens = max(self.cached_tokens, out.usage.cached_tokens)
+
+    def body(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+class Formatter:
+    def __init__(self, *, chat: bool, request_id: str, created: int, model: str, n: int,
+                 token_text: TokenText, include_usage: bool = False) -> None:
+        self.chat = chat
+        self.id = request_id
+        self.created = created
+        self.model = model
+        self.n = n
+        self.token_text = token_text
+        self.include_usage = include_usage
+        self._offsets = [0] * n  # text offset per sample, for completion logprobs
+
+    # ---- streaming --------------------------------------------------------------------------
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            obj["usage"] = None
+        return obj
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open each choice with the assistant role."""
+        if not self.chat:
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
+
+    def chunk(self, out: RequestOutput) -> dict[str, Any] | None:
+        if not out.new_text and not out.new_token_ids and not out.finished:
+            return None
+        choice: dict[str, Any] = {"index": out.index}
+        if self.chat:
+            choice["delta"] = {"content": out.new_text} if out.new_text or not out.finished else {}
+        else:
+            choice["text"] = out.new_text
+        choice["logprobs"] = self._logprobs(out.index, out.new_logprobs) if out.new_logprobs else None
+        choice["finish_reason"] = self._reason(out) if out.finished else None
+        self._detail(choice, out.finish_reason.value if out.finish_reason else None, out.stop_detail)
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: UsageSum) -> dict[str, Any]:
+        obj = self._chunk([])
+        obj["usage"] = usage.body()
+        return obj
+
+    # ---- whole responses ---------------------------------------------------------------------
+    def response(self, choices: list[Choice], usage: UsageSum) -> dict[str, Any]:
+        body = []
+        for i, c in enumerate(choices):
+            item: dict[str, Any] = {"index": i}
+            if self.chat:
+                item["message"] = {"role": "assistant", "content": c.text}
+            else:
+                item["text"] = c.text
+            item["logprobs"] = self._logprobs(i, c.logprobs) if c.logprobs else None
+            item["finish_reason"] = c.finish_reason
+            self._detail(item, c.finish_reason, c.stop_detail)
+            body.append(item)
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": body,
+                "usage": usage.body()}
+
+    @staticmethod
+    def check_outcome(choices: list[Choice]) -> None:
+        """A non-streaming request that ended abnormally gets an HTTP error, not a 200."""
+        reasons = {c.finish_reason for c in choices}
+        if "error" in reasons:
+            detail = next(c.stop_detail for c in choices if c.finish_reason == "error")
+            raise ApiError(500, f"the request failed: {detail}", code="request_failed")
+        if "preempted" in reasons:
+            detail = next(c.stop_detail for c in choices if c.finish_reason == "preempted")
+            raise ApiError(503, f"the request could not be served: {detail}", code="preempted",
+                           headers={"Retry-After": "1"})
+        if reasons == {"timeout"} and not any(c.tokens for c in choices):
+            raise ApiError(503, "the request timed out before it was scheduled", code="queue_timeout",
+                           headers={"Retry-After": "1"})
+
+    # ---- pieces -----------------------------------------------------------------------------
+    @staticmethod
+    def _reason(out: RequestOutput) -> str | None:
+        return out.finish_reason.value if out.finish_reason is not None else None
+
+    @staticmethod
+    def _detail(choice: dict[str, Any], reason: str | None, detail: str | None) -> None:
+        if reason in _EXTRA_REASONS and detail:
+            choice["stop_detail"] = detail
+
+    def _logprobs(self, index: int, lps: list[TokenLogprob]) -> dict[str, Any]:
+        text = self.token_text
+        if self.chat:
+            content = []
+            for lp in lps:
+                tok = text(lp.token_id)
+                content.append({"token": tok, "logprob": max(lp.logprob, _MIN_LOGPROB),
+                                "bytes": list(tok.encode()),
+                                "top_logprobs": [{"token": text(t), "logprob": max(v, _MIN_LOGPROB),
+                                                  "bytes": list(text(t).encode())} for t, v in lp.top]})
+            return {"content": content}
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in lps:
+            tok = text(lp.token_id)
+            tokens.append(tok)
+            values.append(max(lp.logprob, _MIN_LOGPROB))
+            tops.append({text(t): max(v, _MIN_LOGPROB) for t, v in lp.top})
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(tok)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

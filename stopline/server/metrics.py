@@ -1,0 +1,133 @@
+"""Prometheus metrics (`GET /metrics`). Names are stable; docs/api.md lists them.
+
+Gauges and engine counters come from the engine's latest snapshot (taken by the core after
+every step), read at scrape time, so a scrape never waits for a step. Latencies and
+per-outcome counts are recorded on the frontend as outputs arrive. Each registry belongs to
+one server, so several servers in one process (tests) don't collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from stopline.engine.async_engine import AsyncEngine, EngineObserver
+from stopline.engine.messages import AbortTiming
+from stopline.request import AbortSource, FinishReason, Usage
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ABORT_STATES = ("waiting", "prefilling", "running", "preempted", "swapped")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+class ServerMetrics(EngineObserver):
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        src = ["source"]
+        self.abort_accept = Histogram(
+            "stopline_abort_accept_latency_seconds",
+            "Disconnect or cancel call -> abort accepted by the engine core.",
+            src, buckets=LATENCY_BUCKETS, registry=r)
+        self.abort_quiet = Histogram(
+            "stopline_abort_latency_seconds",
+            "Disconnect or cancel call -> engine quiet (end of the step that applied the abort).",
+            src, buckets=LATENCY_BUCKETS, registry=r)
+        self.reclaim = Histogram(
+            "stopline_reclaim_latency_seconds",
+            "Disconnect or cancel call -> the request's KV blocks back in the pool.",
+            src, buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("stopline_time_to_first_token_seconds",
+                              "Arrival at the server -> first token of a sample.",
+                              buckets=TOKEN_BUCKETS, registry=r)
+        self.itl = Histogram("stopline_inter_token_latency_seconds",
+                             "Time between consecutive tokens of a sample.",
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.finished = Counter("stopline_request_finished",
+                                "Sequences ended, by finish reason (a request with n samples counts n).",
+                                ["reason"], registry=r)
+        for reason in FinishReason:
+            self.finished.labels(reason.value)
+        self.prompt_tokens = Counter("stopline_prompt_tokens", "Prompt tokens of admitted requests.",
+                                     registry=r)
+        self.generation_tokens = Counter("stopline_generation_tokens",
+                                         "Tokens generated and sent out by the engine core.", registry=r)
+        self.rejected = Counter("stopline_requests_rejected",
+                                "Generation requests refused before admission, by HTTP status.",
+                                ["status"], registry=r)
+
+    def bind(self, engine: AsyncEngine) -> None:
+        self.registry.register(_EngineCollector(engine))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    # ---- EngineObserver -------------------------------------------------------------------
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def on_token_gap(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def on_sample_end(self, reason: str, usage: Usage | None) -> None:
+        self.finished.labels(reason).inc()
+        if usage is not None:
+            self.generation_tokens.inc(usage.completion_tokens)
+
+    def on_request_end(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def on_abort_timing(self, timing: AbortTiming) -> None:
+        self.abort_accept.labels(timing.source).observe(timing.accept_s)
+        self.abort_quiet.labels(timing.source).observe(timing.quiet_s)
+        self.reclaim.labels(timing.source).observe(timing.reclaim_s)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        e = self.engine
+        s = e.snapshot
+        gauges = [
+            ("stopline_requests_running", "Sequences scheduled in the engine (prefilling or decoding).", s.running),
+            ("stopline_requests_waiting", "Sequences admitted to the engine, not yet scheduled.", s.waiting),
+            ("stopline_requests_preempted", "Sequences preempted or swapped out, waiting to resume.", s.preempted),
+            ("stopline_kv_blocks_total", "KV blocks in the pool.", s.kv_blocks_total),
+            ("stopline_kv_blocks_used", "KV blocks owned by live requests (or fenced).", s.kv_blocks_used),
+            ("stopline_kv_blocks_cached", "Free KV blocks holding a reusable prefix.", s.kv_blocks_cached),
+            ("stopline_requests_open", "Requests with an open stream on this server.", e.num_open),
+            ("stopline_engine_healthy", "1 while the engine admits requests, else 0.", int(e.ready)),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        aborts = CounterMetricFamily("stopline_aborts", "Aborts applied by the engine, by source and "
+                                     "the state the sequence was in.", labels=["source", "state"])
+        seen = {(src, st): n for src, st, n in s.aborts}
+        for src in [a.value for a in AbortSource]:
+            for st in ABORT_STATES:
+                aborts.add_metric([src, st], seen.pop((src, st), 0))
+        for (src, st), n in seen.items():
+            aborts.add_metric([src, st], n)
+        yield aborts
+        pre = CounterMetricFamily("stopline_preemptions", "Preemptions, by mode.", labels=["mode"])
+        modes = dict.fromkeys(PREEMPTION_MODES, 0) | s.preemptions
+        for mode, n in modes.items():
+            pre.add_metric([mode], n)
+        yield pre
+        yield CounterMetricFamily("stopline_recomputed_tokens", "Tokens computed again after a "
+                                  "recompute preemption.", value=s.recomputed_tokens)
+        yield CounterMetricFamily("stopline_tokens_after_abort", "Tokens computed for a request "
+                                  "in the step in flight when its abort was accepted (never "
+                                  "delivered).", value=s.tokens_after_abort)
+        yield CounterMetricFamily("stopline_engine_steps", "Engine steps run.", value=s.steps)

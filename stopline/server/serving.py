@@ -1,0 +1,193 @@
+"""POST /v1/completions and /v1/chat/completions: from HTTP request to engine stream and back.
+
+A request is checked in full (key, body size, JSON, model, parameters, prompt) before the
+engine sees it, and the engine validates again before it queues anything, so a bad request
+changes nothing. Once admitted, the request is tied to its connection: streaming or not, a
+disconnect aborts it at once (see disconnect.py), and so does any way the handler ends early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from stopline.engine.streams import EngineDead, EngineOverloaded, EngineUnavailable, RequestStream
+from stopline.model.tokenizer import ChatTemplateError
+from stopline.request import AbortSource, InvalidRequest
+from stopline.server.disconnect import watch_disconnect
+from stopline.server.errors import ApiError, param_of
+from stopline.server.format import SSE_DONE, Choice, Formatter, UsageSum, sse
+from stopline.server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    chat_messages,
+    parse,
+    sampling_params,
+)
+from stopline.server.sse import SSEResponse
+
+if TYPE_CHECKING:
+    from stopline.server.state import ServerState
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
+_OFFLOAD_CHARS = 50_000  # tokenize longer prompts off the event loop
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                       code="body_too_large")
+    size, parts = 0, []
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def create(request: Request, chat: bool) -> Response:
+    srv: ServerState = request.app.state.server
+    try:
+        return await _create(request, srv, chat)
+    except ApiError as exc:
+        srv.metrics.rejected.labels(str(exc.status)).inc()
+        raise
+
+
+async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
+    arrival = time.monotonic()
+    srv.authorize(request)
+    body = await read_body(request, srv.settings.max_body_bytes)
+    req = parse(ChatRequest if chat else CompletionRequest, body)
+    srv.check_model(req.model)
+    engine = srv.engine
+    if not engine.ready or engine.tokenizer is None:
+        raise _unavailable(str(EngineUnavailable(engine.unavailable_why())))
+    params = sampling_params(req, queue_timeout=srv.settings.queue_timeout,
+                             default_max_tokens=None if chat else COMPLETION_DEFAULT_MAX_TOKENS)
+    prompt = await _prompt_ids(req, engine.tokenizer)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    try:
+        stream = await engine.add(rid, prompt, params, arrival=arrival)
+    except InvalidRequest as exc:
+        msg = str(exc)
+        param = param_of(msg)
+        if chat and param == "prompt":
+            param, msg = "messages", "messages" + msg.removeprefix("prompt")
+        raise ApiError(400, msg, param=param, code="invalid_value") from None
+    except EngineOverloaded as exc:
+        raise ApiError(429, f"the server is busy: {exc}", code="queue_full",
+                       headers={"Retry-After": "1"}) from None
+    except (EngineUnavailable, EngineDead) as exc:
+        raise _unavailable(str(exc)) from None
+    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    fmt = Formatter(chat=chat, request_id=rid, created=int(time.time()), model=srv.model_name,
+                    n=params.n, token_text=srv.token_text, include_usage=include_usage)
+
+    def abort(t0: float) -> None:
+        engine.abort(rid, AbortSource.DISCONNECT, t0)
+        stream.detach()
+
+    if req.stream:
+        return SSEResponse(_events(stream, fmt), on_disconnect=abort, wake=stream.detach,
+                           headers={"X-Request-Id": rid})
+    return await _whole(request, stream, fmt, abort)
+
+
+def _unavailable(why: str) -> ApiError:
+    return ApiError(503, why, code="unavailable", headers={"Retry-After": "1"})
+
+
+async def _prompt_ids(req: CompletionRequest | ChatRequest, tokenizer: Any) -> list[int]:
+    if isinstance(req, ChatRequest):
+        messages = chat_messages(req)
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise ApiError(400, f"messages: {exc}", param="messages", code="chat_template") from None
+        return await _encode(tokenizer, text, add_special_tokens=False)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise ApiError(400, f"prompt: {len(prompt)} prompts in one request; batched prompts are "
+                           "not supported, send one request per prompt", param="prompt", code="unsupported")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return await _encode(tokenizer, prompt, add_special_tokens=True)
+    return list(prompt)
+
+
+async def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > _OFFLOAD_CHARS:
+        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+async def _events(stream: RequestStream, fmt: Formatter):  # -> AsyncIterator[bytes]
+    usage = UsageSum(stream.prompt_tokens)
+    ended = 0
+    try:
+        for chunk in fmt.first_chunks():
+            yield sse(chunk)
+        async for out in stream:
+            if out.finished:
+                ended += 1
+                usage.add(out)
+            chunk = fmt.chunk(out)
+            if chunk is not None:
+                yield sse(chunk)
+    except EngineDead as exc:
+        # The terminal message of a stream whose engine died: an error event, then [DONE].
+        yield sse(ApiError(500, f"the engine core died: {exc}", code="engine_dead").body())
+        yield SSE_DONE
+        return
+    if ended < fmt.n:
+        return  # detached: the client is gone, nobody reads further
+    if fmt.include_usage:
+        yield sse(fmt.usage_chunk(usage))
+    yield SSE_DONE
+
+
+async def _whole(request: Request, stream: RequestStream, fmt: Formatter, abort: Any) -> Response:
+    """Race the engine against the client: whichever ends first decides."""
+    collect = asyncio.ensure_future(_collect(stream, fmt.n))
+    watch = asyncio.ensure_future(watch_disconnect(request.receive, abort))
+    try:
+        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # our own task was cancelled (shutdown): the request goes with it
+        abort(time.monotonic())
+        collect.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not collect.done() or (watch.done() and not watch.cancelled()):
+        collect.cancel()
+        return Response(status_code=499)  # client closed the request; nobody reads this
+    try:
+        choices, usage = collect.result()
+    except EngineDead as exc:
+        raise ApiError(500, f"the engine core died: {exc}", code="engine_dead") from None
+    Formatter.check_outcome(choices)
+    return JSONResponse(fmt.response(choices, usage), headers={"X-Request-Id": stream.request_id})
+
+
+async def _collect(stream: RequestStream, n: int) -> tuple[list[Choice], UsageSum]:
+    choices = [Choice() for _ in range(n)]
+    usage = UsageSum(stream.prompt_tokens)
+    async for out in stream:
+        c = choices[out.index]
+        c.text += out.new_text
+        c.tokens += len(out.new_token_ids)
+        c.logprobs += out.new_logprobs
+        if out.finished:
+            c.finish_reason = out.finish_reason.value if out.finish_reason else None
+            c.stop_detail = out.stop_detail
+            usage.add(out)
+    return choices, usage

@@ -1,0 +1,128 @@
+"""Run `stopline serve` as a real subprocess on a free loopback port, and read its metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log = tempfile.NamedTemporaryFile(prefix="stopline-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "stopline.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), "--no-access-log", "--log-level", "warning", *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready in {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-6000:]
+
+    def core_pid(self) -> int:
+        """The engine-core process: the server's only child."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        pids = [int(p) for p in children]
+        if len(pids) != 1:
+            raise RuntimeError(f"expected one child of the server, found {pids}")
+        return pids[0]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+        os.unlink(self.log.name)
+
+    # ---- metrics --------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.base + "/metrics", timeout=5).text
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def wait_idle(self, baseline_used: float = 0.0, timeout: float = 1.0) -> float:
+        """Seconds until no request runs, waits or is preempted and the KV blocks in use are
+        back to baseline; fails after `timeout`."""
+        t0 = time.monotonic()
+        while True:
+            m = self.metrics()
+            if (m["stopline_requests_running"] == 0 and m["stopline_requests_waiting"] == 0
+                    and m["stopline_requests_preempted"] == 0
+                    and m["stopline_kv_blocks_used"] == baseline_used):
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError(f"engine not idle {timeout} s after the cancel: "
+                                     f"{ {k: v for k, v in m.items() if k.startswith('stopline_requests') or k.startswith('stopline_kv')} }")
+            time.sleep(0.01)
+
+    def wait_for(self, predicate, timeout: float = 10.0) -> dict[str, float]:
+        """Poll /metrics until predicate(metrics) holds."""
+        t0 = time.monotonic()
+        while True:
+            m = self.metrics()
+            if predicate(m):
+                return m
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError(f"condition not met in {timeout} s; running="
+                                     f"{m['stopline_requests_running']} waiting={m['stopline_requests_waiting']}")
+            time.sleep(0.01)
+
+
+def total(m: dict[str, float], prefix: str) -> float:
+    """Sum of every sample whose key starts with prefix (e.g. one label of a counter)."""
+    return sum(v for k, v in m.items() if k.startswith(prefix))
+
+
+def raw_request(port: int, path: str, body: bytes, headers: dict[str, str] | None = None) -> socket.socket:
+    """Send one HTTP request on a raw socket and return the socket, unread: closing it is a
+    client that drops its connection."""
+    s = socket.create_connection(("127.0.0.1", port))
+    head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s
