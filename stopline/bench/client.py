@@ -1,0 +1,143 @@
+"""One benchmark request over the OpenAI HTTP API, with client-side timing and closes.
+
+Every engine is driven the same way: `/v1/completions` through the official async `openai`
+client, greedy, EOS ignored unless asked (each engine accepts `ignore_eos` as an extra body
+field). A request can be closed by the client after some tokens or some seconds; closing
+drops the HTTP connection, which is what a user's disconnect looks like to a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+from openai import AsyncOpenAI
+
+
+@dataclass
+class Outcome:
+    """What the client saw of one request (times: time.perf_counter())."""
+
+    sent: float
+    end: float = 0.0
+    first: float | None = None  # first non-empty text chunk
+    chunk_times: list[float] = field(default_factory=list)
+    text: str = ""
+    chunks: int = 0  # non-empty text chunks received (≈ tokens for token-by-token streams)
+    completion_tokens: int | None = None  # from usage, when the server sent it
+    prompt_tokens: int | None = None
+    finish_reason: str | None = None
+    closed: bool = False  # the client closed it on purpose
+    closed_at: float | None = None
+    error: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens received: the server's usage count when it sent one, else the chunks."""
+        return self.completion_tokens if self.completion_tokens is not None else self.chunks
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.sent
+
+    def itls(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+    def to_json(self, t0: float = 0.0) -> dict[str, Any]:
+        """Compact form for the results file: times relative to t0, no per-chunk times."""
+        d = asdict(self)
+        d.pop("chunk_times")
+        for k in ("sent", "end", "first", "closed_at"):
+            if d[k] is not None:
+                d[k] = round(d[k] - t0, 6)
+        d["text"] = d["text"][:2000]
+        return d
+
+
+def make_client(base_url: str, timeout: float = 600.0) -> AsyncOpenAI:
+    """One client per engine: no retries (a retry would hide a failure), no keep-alive cap."""
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
+                             timeout=httpx.Timeout(timeout, connect=10.0))
+    return AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="bench", max_retries=0,
+                       http_client=http)
+
+
+async def complete(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int, *,
+                   stream: bool = True, ignore_eos: bool = True,
+                   close_after_tokens: int | None = None,
+                   close_after_s: float | None = None) -> Outcome:
+    """Send one greedy completion and record what arrives.
+
+    close_after_tokens: close the stream once that many text chunks arrived.
+    close_after_s: drop the connection that many seconds after sending, wherever it is.
+    """
+    out = Outcome(sent=time.perf_counter())
+    body = {"ignore_eos": ignore_eos}
+    task = asyncio.ensure_future(_run(client, model, prompt, max_tokens, stream, body,
+                                      close_after_tokens, out))
+    try:
+        if close_after_s is None:
+            await task
+        else:
+            done, _ = await asyncio.wait({task}, timeout=close_after_s)
+            if not done:
+                # Cancelling the task makes httpx close the connection: the server sees a
+                # disconnect, whether the response had started or not.
+                out.closed, out.closed_at = True, time.perf_counter()
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+            else:
+                task.result()
+    except Exception as exc:  # an engine's failure is a result, not a crash of the bench
+        out.error = f"{type(exc).__name__}: {exc}"[:500]
+    out.end = time.perf_counter()
+    return out
+
+
+async def _run(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int, stream: bool,
+               body: dict[str, Any], close_after_tokens: int | None, out: Outcome) -> None:
+    if not stream:
+        resp = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                               temperature=0.0, stream=False, extra_body=body)
+        out.first = out.end = time.perf_counter()
+        choice = resp.choices[0]
+        out.text, out.finish_reason = choice.text, choice.finish_reason
+        if resp.usage is not None:
+            out.completion_tokens = resp.usage.completion_tokens
+            out.prompt_tokens = resp.usage.prompt_tokens
+        return
+    s = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                        temperature=0.0, stream=True,
+                                        stream_options={"include_usage": True}, extra_body=body)
+    try:
+        async for chunk in s:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                out.completion_tokens = chunk.usage.completion_tokens
+                out.prompt_tokens = chunk.usage.prompt_tokens
+            for choice in chunk.choices:
+                if choice.text:
+                    if out.first is None:
+                        out.first = now
+                    out.chunk_times.append(now)
+                    out.text += choice.text
+                    out.chunks += 1
+                if choice.finish_reason:
+                    out.finish_reason = choice.finish_reason
+            if close_after_tokens is not None and out.chunks >= close_after_tokens \
+                    and out.finish_reason is None:
+                out.closed, out.closed_at = True, time.perf_counter()
+                break
+    finally:
+        await s.close()

@@ -1,0 +1,171 @@
+"""The engines under test: how each one is started, and how its metrics are named.
+
+stopline is started with its own CLI; peers with the scripts in bench/peers/ (outside the
+package: they install into their own prefixes). Each engine runs alone on the machine while
+it is measured, on a free loopback port, and is stopped (its own process group) after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from stopline.bench.probe import MetricNames
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+PEERS_DIR = Path(__file__).resolve().parents[2] / "bench" / "peers"
+
+STOPLINE_METRICS = MetricNames(
+    kv_used=("stopline_kv_blocks_used",), kv_total=("stopline_kv_blocks_total",),
+    busy=("stopline_requests_running", "stopline_requests_waiting", "stopline_requests_preempted"),
+    gen_tokens=("stopline_generation_tokens_total",), gen_tokens_per_step=False,
+    tokens_after_abort=("stopline_tokens_after_abort_total",),
+    preemptions=("stopline_preemptions_total",), recomputed=("stopline_recomputed_tokens_total",))
+VLLM_METRICS = MetricNames(
+    kv_used=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    busy=("vllm:num_requests_running", "vllm:num_requests_waiting"),
+    gen_tokens=("vllm:generation_tokens_total",),
+    preemptions=("vllm:num_preemptions_total",))
+LLAMACPP_METRICS = MetricNames(
+    kv_used=("llamacpp:kv_cache_usage_ratio",),
+    busy=("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+    gen_tokens=("llamacpp:tokens_predicted_total",), gen_tokens_per_step=False)
+HF_METRICS = MetricNames(busy=("hf_requests_running", "hf_requests_waiting"),
+                         gen_tokens=("hf_generation_tokens_total",))
+
+
+@dataclass
+class EngineSpec:
+    """How to start one engine. `command(port, kv_tokens)` builds its command line; kv_tokens
+    (None: the engine's default pool) sizes the KV pool for the preemption storm."""
+
+    name: str
+    command: Callable[[int, int | None, dict[str, str]], list[str]]
+    metrics: MetricNames
+    env: dict[str, str] = field(default_factory=dict)
+    start_timeout: float = 300.0
+    can_size_kv: bool = True  # False: no KV pool to shrink (the preemption storm is N/A)
+    no_kv_why: str = ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stopline_spec(model: str | None = None, extra: list[str] | None = None,
+                  block_size: int = 16) -> EngineSpec:
+    def command(port: int, kv_tokens: int | None, variant: dict[str, str]) -> list[str]:
+        cmd = [sys.executable, "-m", "stopline.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(port), "--served-model-name", MODEL_NAME, "--log-level", "warning",
+               "--no-access-log", "--block-size", str(block_size)]
+        if model is not None:
+            cmd += ["--model", model]
+        if kv_tokens is not None:
+            cmd += ["--num-blocks", str(-(-kv_tokens // block_size))]
+        for key, value in variant.items():
+            cmd += [f"--{key}", value]
+        return cmd + list(extra or [])
+    return EngineSpec("stopline", command, STOPLINE_METRICS, start_timeout=300.0)
+
+
+def vllm_spec(block_size: int = 16) -> EngineSpec:
+    def command(port: int, kv_tokens: int | None, variant: dict[str, str]) -> list[str]:
+        cmd = ["bash", str(PEERS_DIR / "start_vllm.sh"), "--block-size", str(block_size)]
+        if kv_tokens is not None:
+            cmd += ["--num-gpu-blocks-override", str(-(-kv_tokens // block_size))]
+        return cmd
+    return EngineSpec("vllm", command, VLLM_METRICS, start_timeout=900.0)
+
+
+def llamacpp_spec() -> EngineSpec:
+    def command(port: int, kv_tokens: int | None, variant: dict[str, str]) -> list[str]:
+        return ["bash", str(PEERS_DIR / "start_llamacpp.sh")]
+    return EngineSpec("llamacpp", command, LLAMACPP_METRICS, start_timeout=300.0,
+                      can_size_kv=False,
+                      no_kv_why="llama-server reserves each slot's context up front (-np x -c/np); "
+                                "a smaller pool truncates or rejects requests instead of preempting")
+
+
+def hf_spec() -> EngineSpec:
+    def command(port: int, kv_tokens: int | None, variant: dict[str, str]) -> list[str]:
+        return ["bash", str(PEERS_DIR / "start_hf.sh")]
+    return EngineSpec("hf", command, HF_METRICS, start_timeout=300.0, can_size_kv=False,
+                      no_kv_why="HF generate runs one prompt at a time with its own dynamic cache; "
+                                "there is no shared pool to preempt from")
+
+
+def spec_for(name: str, model: str | None = None) -> EngineSpec:
+    makers = {"stopline": lambda: stopline_spec(model), "vllm": vllm_spec,
+              "llamacpp": llamacpp_spec, "hf": hf_spec}
+    if name not in makers:
+        raise ValueError(f"unknown engine {name!r}; known: {', '.join(makers)}")
+    return makers[name]()
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+class RunningEngine:
+    """A started engine process (own process group), its URL and its log."""
+
+    def __init__(self, spec: EngineSpec, log_path: Path, kv_tokens: int | None = None,
+                 variant: dict[str, str] | None = None) -> None:
+        self.spec = spec
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.command = spec.command(self.port, kv_tokens, dict(variant or {}))
+        env = os.environ | spec.env | {"PORT": str(self.port), "SERVED_NAME": MODEL_NAME}
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._log.write(f"$ {' '.join(self.command)}\n".encode())
+        self._log.flush()
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+
+    def wait_ready(self) -> float:
+        """Seconds until /health answers 200; EngineStartError with the log's tail otherwise."""
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < self.spec.start_timeout:
+            if self.proc.poll() is not None:
+                raise EngineStartError(f"{self.spec.name} exited with status {self.proc.returncode} "
+                                       f"while starting:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
+                    return time.perf_counter() - t0
+            time.sleep(0.25)
+        self.stop()
+        raise EngineStartError(f"{self.spec.name} not ready after {self.spec.start_timeout:.0f} s:\n"
+                               f"{self.log_tail()}")
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            # The whole group: the start scripts exec, but engines fork workers of their own.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()

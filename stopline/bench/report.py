@@ -1,0 +1,368 @@
+"""docs/benchmarks.md from results files: tables (stopline vs each peer, ratios), targets met
+or missed by how much, and PNG plots (latency CDFs, KV use over time) that name the command
+and the machine that produced them. Only measured numbers are written; a missing one is "—"
+and a peer that failed to start is listed with its error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from stopline.bench.stats import ratio
+
+DASH = "—"
+PEER_ORDER = ("stopline", "vllm", "llamacpp", "hf")
+
+
+def load(paths: list[Path]) -> dict[str, Any]:
+    """Merge results files: engines by name (a later file wins), metas listed."""
+    merged: dict[str, Any] = {"metas": [], "configs": [], "engines": {}}
+    for p in paths:
+        r = json.loads(Path(p).read_text())
+        merged["metas"].append(r["meta"] | {"file": str(p)})
+        merged["configs"].append(r["config"])
+        for name, entry in r["engines"].items():
+            merged["engines"][name] = entry | {"run": len(merged["metas"]) - 1}
+    return merged
+
+
+def f(x: Any, digits: int = 2, unit: str = "") -> str:
+    if x is None:
+        return DASH
+    if isinstance(x, float):
+        return f"{x:.{digits}f}{unit}"
+    return f"{x}{unit}"
+
+
+def ms(x: float | None) -> str:
+    return DASH if x is None else f"{x * 1000:.0f} ms" if x < 10 else f"{x:.1f} s"
+
+
+def _engines(res: dict[str, Any]) -> list[str]:
+    return sorted(res["engines"], key=lambda e: PEER_ORDER.index(e) if e in PEER_ORDER else 99)
+
+
+def _wl(res: dict[str, Any], engine: str, name: str) -> dict[str, Any] | None:
+    w = res["engines"][engine].get("workloads", {}).get(name)
+    return None if w is None or "traceback" in w else w  # a workload that crashed: in _status
+
+
+def write_report(paths: list[Path], md_path: Path) -> Path:
+    res = load(paths)
+    img_dir = md_path.parent / "img"
+    img_dir.mkdir(parents=True, exist_ok=True)
+    figs = _plots(res, img_dir)
+    lines = _markdown(res, {k: str(v.relative_to(md_path.parent)) for k, v in figs.items()})
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text("\n".join(lines) + "\n")
+    return md_path
+
+
+# ---- markdown ------------------------------------------------------------------------------
+
+def _markdown(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
+    L: list[str] = ["# Serving benchmark: stopline vs vLLM, llama.cpp and HF transformers", ""]
+    L += ["Same model (SmolLM2-135M-Instruct: stopline and llama.cpp serve the embedded GGUF, vLLM "
+          "and HF an HF directory exported from it at float32), same machine, one engine at a time, "
+          "every engine driven through its OpenAI-compatible HTTP API by the same async `openai` "
+          "client on 127.0.0.1 (greedy, EOS ignored unless stated). Produced by:", ""]
+    for m in res["metas"]:
+        L += [f"- `{m['command']}` — {m['started']}, git {m.get('git') or DASH}; machine: "
+              f"{m['machine']['summary']}; results `{m['file']}`"]
+    L += ["", "Timings are wall-clock on a 2-core machine shared with other work: treat small "
+          "differences as noise, and compare ratios taken within one engine's run.", ""]
+    L += _status(res)
+    for title, fn in (("1. Throughput and latency", _throughput), ("2. Cancel storm", _storm),
+                      ("3. Batch invariance", _invariance), ("4. Head-of-line after disconnects", _hol),
+                      ("5. Preemption storm", _preemption), ("6. Non-stream disconnect", _nonstream)):
+        L += [f"## {title}", ""] + fn(res, figs) + [""]
+    L += ["## Targets", ""] + _targets(res) + [""]
+    L += ["## Reproducing", "", "```", "bash bench/peers/setup_vllm.sh      # own venv under /work/peers",
+          "bash bench/peers/setup_llamacpp.sh  # llama-server from the llama-cpp-python sdist",
+          "stopline bench serve --peers vllm,llamacpp,hf --profile quick",
+          "stopline bench serve-report bench-results/*/results.json   # re-render from results",
+          "```"]
+    return L
+
+
+def _status(res: dict[str, Any]) -> list[str]:
+    L = ["| engine | status | startup | note |", "|---|---|---|---|"]
+    for e in _engines(res):
+        entry = res["engines"][e]
+        launches = entry.get("launches") or []
+        start = f"{launches[0]['startup_s']:.0f} s" if launches else DASH
+        err = (entry.get("error") or "").strip().replace("\n", " ")
+        failed = [w for w, v in entry.get("workloads", {}).items() if "traceback" in v]
+        note = err[-400:] if err else "; ".join(
+            f"{w} failed: {entry['workloads'][w]['error'][:200]}" for w in failed)
+        L.append(f"| {e} | {entry['status']} | {start} | {note.replace('|', '/')} |")
+    return L + [""]
+
+
+def _throughput(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
+    engines = [e for e in _engines(res) if _wl(res, e, "throughput")]
+    if not engines:
+        return ["Not measured."]
+    levels = sorted({lv["concurrency"] for e in engines for lv in _wl(res, e, "throughput")["levels"]})
+    L = ["Output tokens/s (client-side), TTFT and ITL p50 / p99.", "",
+         "| concurrency | " + " | ".join(f"{e} tok/s" for e in engines)
+         + " | stopline ÷ best peer | " + " | ".join(f"{e} TTFT p50/p99" for e in engines)
+         + " | " + " | ".join(f"{e} ITL p50/p99" for e in engines) + " |",
+         "|---" * (2 + 3 * len(engines)) + "|"]
+    for c in levels:
+        row = {e: next((lv for lv in _wl(res, e, "throughput")["levels"] if lv["concurrency"] == c), None)
+               for e in engines}
+        tps = {e: (row[e] or {}).get("output_tok_s") for e in engines}
+        peers = [v for e, v in tps.items() if e != "stopline" and v]
+        best = ratio(tps.get("stopline"), max(peers)) if peers else None
+        L.append(f"| {c} | " + " | ".join(f(tps[e], 1) for e in engines) + f" | {f(best)}× | "
+                 + " | ".join(f"{ms((row[e] or {}).get('ttft', {}).get('p50'))} / "
+                              f"{ms((row[e] or {}).get('ttft', {}).get('p99'))}" for e in engines) + " | "
+                 + " | ".join(f"{ms((row[e] or {}).get('itl', {}).get('p50'))} / "
+                              f"{ms((row[e] or {}).get('itl', {}).get('p99'))}" for e in engines) + " |")
+    for key in ("throughput", "latency_cdf"):
+        if key in figs:
+            L += ["", f"![{key}]({figs[key]})"]
+    return L
+
+
+def _storm(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
+    L = ["ratio = survivors' mean completion time with twins (stopping on their own at the same "
+         "point) ÷ with client closes; 1.0 = a cancel costs no more than a natural stop. "
+         "Tokens after disconnect: the engine's own counter where it has one (stopline), else its "
+         "generation counter minus the tokens the clients received (vLLM counts per step; "
+         "llama.cpp's counter moves at request end, so its figure there is an upper bound).", "",
+         "| engine | variant | streams / closed (before 1st token) | ratio (mean) | ratio (makespan) "
+         "| tokens after disconnect | KV back to baseline |", "|---|---|---|---|---|---|---|"]
+    any_row = False
+    for e in _engines(res):
+        w = _wl(res, e, "cancel_storm")
+        if not w:
+            continue
+        for name, v in w.get("variants", {}).items():
+            any_row = True
+            before = sum(k["before_first_token"] for k in v["by_kind"].values())
+            tae = v.get("tokens_after_abort_engine")
+            tokens = f"{f(tae, 0)} (engine)" if tae is not None else f(v.get("generated_minus_received"), 0)
+            L.append(f"| {e} | {name} | {v['streams']} / {v['closed']} ({before}) | {f(v['ratio'])} | "
+                     f"{f(v['ratio_makespan'])} | {tokens} | {ms(v.get('kv_back_to_baseline_s'))} |")
+    if not any_row:
+        return ["Not measured."]
+    if "storm_kv" in figs:
+        L += ["", f"![KV use during the cancel storm]({figs['storm_kv']})"]
+    return L
+
+
+def _invariance(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
+    L = ["Each greedy request alone, then all at once: how many texts differ.", "",
+         "| engine | differ / compared |", "|---|---|"]
+    rows = [(e, _wl(res, e, "invariance")) for e in _engines(res)]
+    L += [f"| {e} | {w['differ']} / {w['compared']} |" for e, w in rows if w]
+    return L if any(w for _, w in rows) else ["Not measured."]
+
+
+def _hol(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
+    L = ["Long-prompt clients disconnect after the delay; then a short request. Ratio = its TTFT "
+         "÷ its TTFT alone (target ≤ 2×).", "",
+         "| engine | long prompts | delay | short TTFT | alone | ratio |", "|---|---|---|---|---|---|"]
+    any_row = False
+    for e in _engines(res):
+        w = _wl(res, e, "head_of_line")
+        if not w:
+            continue
+        for r in w["runs"]:
+            any_row = True
+            L.append(f"| {e} | {res['configs'][res['engines'][e]['run']]['hol_clients']} × "
+                     f"{f(r.get('long_prompt_tokens'))} tok | {r['delay_s']} s | {ms(r['short_ttft_s'])} | "
+                     f"{ms(w['ttft_alone_s'])} | {f(r['ratio'], 1)}× |")
+    return L if any_row else ["Not measured."]
+
+
+def _preemption(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
+    L = ["KV pool sized to a fraction of the storm's demand; throughput ÷ the same storm "
+         "unconstrained; light load right after ÷ the same load before (collapse check).", "",
+         "| engine | policy / mode | KV tokens / demand | tok/s | ÷ unconstrained | preemptions "
+         "| recomputed tokens | after ÷ before | finish reasons |", "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for e in _engines(res):
+        w = _wl(res, e, "preemption")
+        if not w:
+            continue
+        if "skipped" in w:
+            notes.append(f"- {e}: not applicable: {w['skipped']}")
+            continue
+        u = w["unconstrained"]
+        L.append(f"| {e} | unconstrained | — | {f(u['output_tok_s'], 1)} | 1.00 | {f(u['preemptions'], 0)} "
+                 f"| {f(u['recomputed_tokens'], 0)} | — | {', '.join(u['finish_reasons'])} |")
+        for v in w["variants"]:
+            if "error" in v:
+                L.append(f"| {e} | {v['policy']} / {v['mode']} | failed to start: "
+                         f"{v['error'][-200:].replace(chr(10), ' ')} ||||||| ")
+                continue
+            L.append(f"| {e} | {v['policy']} / {v['mode']} | {w['kv_tokens']} / {w['demand_tokens']} | "
+                     f"{f(v['output_tok_s'], 1)} | {f(v['throughput_ratio'])} | {f(v['preemptions'], 0)} | "
+                     f"{f(v['recomputed_tokens'], 0)} | {f(v['after_ratio'])} | {', '.join(v['finish_reasons'])} |")
+    if "preempt_kv" in figs:
+        L += ["", f"![KV use during the preemption storm]({figs['preempt_kv']})"]
+    return L + [""] + notes
+
+
+def _nonstream(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
+    L = ["A non-streaming request (EOS ignored) whose client drops after the delay: tokens computed "
+         "after the drop (engine counter; vLLM: its per-step counter read at the drop and at idle) and "
+         "seconds the engine stayed busy after the drop.", "",
+         "| engine | max_tokens | tokens after drop | busy after drop | counter moved in all |",
+         "|---|---|---|---|---|"]
+    any_row = False
+    for e in _engines(res):
+        w = _wl(res, e, "nonstream_disconnect")
+        if not w:
+            continue
+        any_row = True
+        tae = w.get("tokens_after_abort_engine")
+        tokens = f"{f(tae, 0)} (engine)" if tae is not None else f(w.get("gen_counter_after_drop"), 0)
+        if w.get("finished_before_drop"):
+            tokens = "finished before the drop"
+        L.append(f"| {e} | {w['max_tokens']} | {tokens} | {ms(w['busy_after_drop_s'])} | "
+                 f"{f(w.get('gen_counter_total'), 0)} |")
+    return L if any_row else ["Not measured."]
+
+
+def _targets(res: dict[str, Any]) -> list[str]:
+    if "stopline" not in res["engines"]:
+        return ["stopline was not in this run."]
+    L = ["| target | measured | met |", "|---|---|---|"]
+
+    def row(name: str, value: float | None, ok: bool | None, fmt: str) -> None:
+        L.append(f"| {name} | {DASH if value is None else fmt.format(value)} | "
+                 f"{DASH if ok is None else ('yes' if ok else 'no')} |")
+
+    tp = _wl(res, "stopline", "throughput")
+    for c in (32, 64):
+        s = next((lv for lv in (tp or {}).get("levels", []) if lv["concurrency"] == c), None)
+        peers = [lv["output_tok_s"] for e in _engines(res) if e != "stopline" and _wl(res, e, "throughput")
+                 for lv in _wl(res, e, "throughput")["levels"] if lv["concurrency"] == c and lv["output_tok_s"]]
+        r = ratio(s["output_tok_s"], max(peers)) if s and peers else None
+        row(f"throughput at {c} streams ≥ 1.0× best peer", r, None if r is None else r >= 1.0, "{:.2f}×")
+    st = _wl(res, "stopline", "cancel_storm")
+    for name, v in (st or {}).get("variants", {}).items():
+        r = v.get("ratio")
+        row(f"cancel storm ratio ≥ 0.95 ({name})", r, None if r is None else r >= 0.95, "{:.2f}")
+        tae = v.get("tokens_after_abort_engine")
+        row(f"tokens after disconnect ≤ 1 step per closed stream ({name})", tae,
+            None if tae is None else tae <= v["closed"], "{:.0f}")
+    hol = _wl(res, "stopline", "head_of_line")
+    for r in (hol or {}).get("runs", []):
+        row(f"head-of-line ≤ 2× (delay {r['delay_s']} s)", r["ratio"],
+            None if r["ratio"] is None else r["ratio"] <= 2.0, "{:.1f}×")
+    pre = _wl(res, "stopline", "preemption")
+    for v in (pre or {}).get("variants", []):
+        if "error" in v:
+            continue
+        r, a = v.get("throughput_ratio"), v.get("after_ratio")
+        row(f"preemption storm ≥ 0.8× unconstrained ({v['policy']}/{v['mode']})", r,
+            None if r is None else r >= 0.8, "{:.2f}×")
+        row(f"no collapse after the storm ({v['policy']}/{v['mode']}; after ÷ before ≥ 0.8)", a,
+            None if a is None else a >= 0.8, "{:.2f}×")
+    ns = _wl(res, "stopline", "nonstream_disconnect")
+    if ns:
+        t = ns.get("tokens_after_abort_engine")
+        row("non-stream disconnect: tokens after the drop ≤ 1 step", t, None if t is None else t <= 1, "{:.0f}")
+    return L
+
+
+# ---- plots -----------------------------------------------------------------------------------
+
+def _caption(res: dict[str, Any]) -> str:
+    m = res["metas"][-1]
+    return f"{m['command']}\n{m['machine']['summary']} · {m['started']} · git {m.get('git') or '?'}"
+
+
+def _plots(res: dict[str, Any], img_dir: Path) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out: dict[str, Path] = {}
+    cap = _caption(res)
+
+    def save(fig: Any, key: str, name: str) -> None:
+        fig.text(0.01, 0.005, cap, fontsize=6.5, color="0.35", va="bottom")
+        fig.tight_layout(rect=(0, 0.07, 1, 1))
+        path = img_dir / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out[key] = path
+
+    tps = {e: _wl(res, e, "throughput") for e in _engines(res)}
+    tps = {e: w for e, w in tps.items() if w}
+    if tps:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for e, w in tps.items():
+            lv = [x for x in w["levels"] if x["output_tok_s"]]
+            ax.plot([x["concurrency"] for x in lv], [x["output_tok_s"] for x in lv], "o-", label=e)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title("Throughput vs concurrency")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        save(fig, "throughput", "bench-throughput.png")
+
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.2))
+        for e, w in tps.items():
+            top = max(w["levels"], key=lambda x: x["concurrency"])
+            for ax, key in ((a1, "ttft_samples"), (a2, "itl_samples")):
+                xs = top.get(key) or []
+                if xs:
+                    ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))],
+                            label=f"{e} (c={top['concurrency']})")
+        for ax, t in ((a1, "TTFT"), (a2, "inter-token latency")):
+            ax.set_xscale("log")
+            ax.set_xlabel("seconds")
+            ax.set_ylabel("fraction of requests" if ax is a1 else "fraction of gaps")
+            ax.set_title(f"{t} CDF at the highest concurrency")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        save(fig, "latency_cdf", "bench-latency-cdf.png")
+
+    storms = {e: _wl(res, e, "cancel_storm") for e in _engines(res)}
+    series = {e: w["variants"]["mixed"] for e, w in storms.items()
+              if w and "mixed" in w.get("variants", {})}
+    if any(any(r[1] is not None for r in v["timeline"]) for v in series.values()):
+        fig, ax = plt.subplots(figsize=(7.5, 4.2))
+        for e, v in series.items():
+            rows = [r for r in v["timeline"] if r[1] is not None]
+            if rows:
+                (line,) = ax.plot([r[0] for r in rows], [100 * r[1] for r in rows], label=e)
+                for t in v.get("close_times", [])[:1]:
+                    ax.axvline(t, color=line.get_color(), ls=":", lw=0.8)
+        ax.set_xlabel("seconds since the storm started (dotted: first client close)")
+        ax.set_ylabel("KV pool in use (%)")
+        ax.set_title("KV use during the cancel storm (mixed closes)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        save(fig, "storm_kv", "bench-cancel-storm-kv.png")
+
+    pre = {e: _wl(res, e, "preemption") for e in _engines(res)}
+    curves = []
+    for e, w in pre.items():
+        if not w or "skipped" in w:
+            continue
+        for v in w.get("variants", []):
+            rows = [r for r in v.get("timeline", []) if r[1] is not None]
+            if rows:
+                curves.append((f"{e} {v['policy']}/{v['mode']}", rows))
+    if curves:
+        fig, ax = plt.subplots(figsize=(7.5, 4.2))
+        for label, rows in curves:
+            ax.plot([r[0] for r in rows], [100 * r[1] for r in rows], label=label)
+        ax.set_xlabel("seconds since the storm started")
+        ax.set_ylabel("KV pool in use (%)")
+        ax.set_title("KV use during the preemption storm (pool = 25% of demand)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        save(fig, "preempt_kv", "bench-preemption-kv.png")
+    return out

@@ -1,0 +1,81 @@
+"""Arguments and entry points of `stopline bench serve` and `stopline bench serve-report`
+(registered in stopline/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+ENGINES = ("stopline", "vllm", "llamacpp", "hf")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    from stopline.bench.workloads.config import PROFILES, WORKLOADS
+
+    p.add_argument("--peers", default="",
+                   help=f"comma-separated peers to run after stopline ({', '.join(ENGINES[1:])}); "
+                        "each is started by bench/peers/start_*.sh (set up with setup_*.sh)")
+    p.add_argument("--engines", default=None,
+                   help="comma-separated engines, overriding stopline + --peers (e.g. 'vllm' alone)")
+    p.add_argument("--profile", default="full", choices=sorted(PROFILES),
+                   help="workload sizes: full (the issue's), quick (minutes per engine on 2 cores), "
+                        "tiny (seconds, the test model)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated subset of: {', '.join(WORKLOADS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None,
+                   help="model stopline serves (default: the embedded SmolLM2 GGUF the peers also use)")
+    p.add_argument("--results-dir", default="bench-results", help="a run's folder is made under this")
+    p.add_argument("--report", default="docs/benchmarks.md",
+                   help="report to write after the run ('' to skip); plots go to its img/ folder")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from stopline.bench.report import write_report
+    from stopline.bench.serve import new_run_dir, run_bench
+    from stopline.bench.workloads.config import PROFILES, WORKLOADS
+
+    if args.engines:
+        engines = [e for e in args.engines.split(",") if e]
+    else:
+        engines = ["stopline", *(e for e in args.peers.split(",") if e)]
+    unknown = [e for e in engines if e not in ENGINES]
+    wanted = tuple(w for w in args.workloads.split(",") if w)
+    bad = [w for w in wanted if w not in WORKLOADS]
+    if unknown or bad:
+        print(f"error: unknown engine(s) {unknown} / workload(s) {bad}", file=sys.stderr)
+        return 2
+    cfg = replace(PROFILES[args.profile](), seed=args.seed, workloads=wanted)
+    out_dir = new_run_dir(Path(args.results_dir))
+    path = run_bench(engines, cfg, out_dir, model=args.model, progress=not args.no_progress,
+                     command=shlex.join(["stopline", *sys.argv[1:]]))
+    print(f"results: {path}")
+    if args.report:
+        md = write_report([path], Path(args.report))
+        print(f"report: {md}")
+    return 0
+
+
+def configure_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="*",
+                   help="results.json files, merged by engine (later wins); default: the newest run")
+    p.add_argument("--results-dir", default="bench-results")
+    p.add_argument("--report", default="docs/benchmarks.md")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from stopline.bench.report import write_report
+
+    paths = [Path(r) for r in args.results]
+    if not paths:
+        runs = sorted(Path(args.results_dir).glob("*/results.json"))
+        if not runs:
+            print(f"error: no results under {args.results_dir}/", file=sys.stderr)
+            return 2
+        paths = [runs[-1]]
+    print(f"report: {write_report(paths, Path(args.report))}")
+    return 0

@@ -1,0 +1,80 @@
+"""The serving benchmark's harness, run once end to end on the tiny random model so it can't rot.
+
+A real `stopline serve` on a free loopback port, the real async openai client, all six
+workloads at `tiny()` sizes (the preemption storm relaunches the server with a small pool),
+then the report with its plots. Peers are not involved: they live outside the test suite.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("stopline.server") is None
+    or importlib.util.find_spec("stopline.server.run") is None,
+    reason="stopline.server (the OpenAI-compatible server the harness drives) is not importable")
+
+
+@pytest.mark.timeout(600)
+def test_harness_end_to_end_on_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from stopline.bench.report import write_report
+    from stopline.bench.serve import run_bench
+    from stopline.bench.workloads.config import WORKLOADS, tiny
+
+    path = run_bench(["stopline"], tiny(), tmp_path, model=str(tiny_model_dir), progress=False,
+                     command="pytest tests/test_bench_harness.py")
+    res = json.loads(path.read_text())
+    entry = res["engines"]["stopline"]
+    assert entry["status"] == "ok", entry.get("error")
+    w = entry["workloads"]
+    assert set(w) == set(WORKLOADS)
+    crashed = {k: v["traceback"] for k, v in w.items() if "traceback" in v}
+    assert not crashed, crashed
+
+    for level in w["throughput"]["levels"]:
+        assert level["ok"] == level["requests"] and level["output_tokens"] > 0
+    # Batch invariance is a design property of stopline, not a measurement that may vary.
+    assert w["invariance"]["compared"] == w["invariance"]["requests"]
+    assert w["invariance"]["differ"] == 0
+    for v in w["cancel_storm"]["variants"].values():
+        assert v["closed"] == v["streams"] // 2
+        assert v["ratio"] is not None and v["kv_back_to_baseline_s"] is not None
+        # at most the step in flight per closed stream computes tokens nobody receives
+        assert v["tokens_after_abort_engine"] <= v["closed"]
+        assert not v["errors"]
+    assert all(r["short_ttft_s"] is not None for r in w["head_of_line"]["runs"])
+    assert w["nonstream_disconnect"]["dropped"]
+    assert w["nonstream_disconnect"]["tokens_after_abort_engine"] <= 1
+    pre = w["preemption"]
+    assert pre["kv_tokens"] < pre["demand_tokens"]
+    assert all("error" not in v and v["ok"] == v["requests"] for v in pre["variants"])
+    assert len(entry["launches"]) == 1 + len(pre["variants"])
+
+    md = write_report([path], tmp_path / "docs" / "benchmarks.md")
+    text = md.read_text()
+    assert "| stopline | ok |" in text and "## Targets" in text
+    for png in ("bench-throughput.png", "bench-latency-cdf.png", "bench-cancel-storm-kv.png",
+                "bench-preemption-kv.png"):
+        assert (md.parent / "img" / png).stat().st_size > 0, png
+
+
+def test_report_lists_a_peer_that_failed_to_start(tmp_path: Path) -> None:
+    """A peer that could not be set up is reported with its error, never silently dropped."""
+    pytest.importorskip("matplotlib")
+    from stopline.bench.report import write_report
+
+    results = {"meta": {"command": "stopline bench serve --peers vllm", "started": "now",
+                        "machine": {"summary": "test box"}, "git": None},
+               "config": {"hol_clients": 10},
+               "engines": {"vllm": {"status": "setup_failed", "workloads": {},
+                                    "error": "vllm exited with status 1 while starting: boom"}}}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    text = write_report([path], tmp_path / "benchmarks.md").read_text()
+    assert "| vllm | setup_failed |" in text and "boom" in text
+    assert "stopline was not in this run." in text
