@@ -19,6 +19,17 @@ def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser],
     return wrap
 
 
+_BENCHES: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Command]] = []
+
+
+def bench_command(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]):
+    """Register `stopline bench NAME` (decorator), like `command` one level down."""
+    def wrap(fn: Command) -> Command:
+        _BENCHES.append((name, help, configure, fn))
+        return fn
+    return wrap
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine settings shared by every command that builds an engine."""
     from stopline.config import PreemptionMode, VictimPolicy
@@ -134,6 +145,78 @@ def serve(args: argparse.Namespace) -> int:
     return run_server(args.model, engine_config(args), settings, host=args.host, port=args.port,
                       in_process=args.in_process, max_waiting=args.max_waiting,
                       log_level=args.log_level, access_log=args.access_log)
+
+
+def _stop_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=64, help="cancel storm size (half are aborted)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--storm-requests", type=int, default=32, help="preemption storm size")
+    p.add_argument("--pool-fraction", type=float, default=0.25, help="KV pool / demand in the storm")
+    p.add_argument("--combos", default="recompute:cost,recompute:newest,recompute:fewest-output,"
+                   "recompute:longest-output,recompute:least-computed,swap:cost,auto:cost",
+                   help="comma-separated mode:policy pairs for the preemption storm")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/stop.json")
+    p.add_argument("--report", default="docs/stop-benchmark.md")
+    add_engine_args(p)
+
+
+@bench_command("stop", "cost of stopping: cancel storm and preemption storm (in-process)", _stop_bench_args)
+def bench_stop(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from stopline.bench import stop, stop_report
+    from stopline.model.loader import load_model
+
+    loaded = load_model(args.model)
+    combos = [tuple(c.split(":", 1)) for c in args.combos.split(",") if c]
+    result = stop.run(loaded, Path(args.out), args.requests, args.max_tokens, args.storm_requests,
+                      args.pool_fraction, args.seed, combos, engine_config(args))
+    result["command"] = "stopline bench stop " + " ".join(sys.argv[3:])
+    Path(args.out).write_text(__import__("json").dumps(result, indent=2))
+    Path(args.report).write_text(stop_report.render(result))
+    print(f"results: {args.out}; report: {args.report}")
+    return 0
+
+
+def _serve_bench_args(p: argparse.ArgumentParser) -> None:
+    from stopline.bench.serve_cli import configure
+
+    configure(p)
+
+
+@bench_command("serve", "serving benchmark over the OpenAI HTTP API: stopline vs vLLM, llama.cpp, HF",
+               _serve_bench_args)
+def bench_serve(args: argparse.Namespace) -> int:
+    from stopline.bench.serve_cli import run
+
+    return run(args)
+
+
+def _serve_report_args(p: argparse.ArgumentParser) -> None:
+    from stopline.bench.serve_cli import configure_report
+
+    configure_report(p)
+
+
+@bench_command("serve-report", "render docs/benchmarks.md from `bench serve` results", _serve_report_args)
+def bench_serve_report(args: argparse.Namespace) -> int:
+    from stopline.bench.serve_cli import run_report
+
+    return run_report(args)
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", required=True)
+    for name, help_, configure, fn in _BENCHES:
+        b = sub.add_parser(name, help=help_)
+        configure(b)
+        b.set_defaults(bench_func=fn)
+
+
+@command("bench", "benchmarks (separate from the tests): stopline bench {stop,...}", _bench_args)
+def bench(args: argparse.Namespace) -> int:
+    return int(args.bench_func(args) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -369,3 +369,32 @@ def test_debug_mode_poisons_freed_blocks(tiny):
     eng.add_request("a", PROMPT, SamplingParams(max_tokens=2, **GREEDY))
     drain(eng)
     assert torch.isnan(eng.kv.k[0]).any(), "freed blocks were not poisoned"
+
+
+def test_prefill_budget_shrinks_beside_decodes(tiny):
+    """Interruptible steps, lever 1: with decodes running, a long prompt's chunk is capped so the
+    decodes' step time stays short; alone, it gets the whole budget."""
+    eng = engine(tiny, max_num_batched_tokens=64)
+    eng.add_request("short", PROMPT[:3], SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY))
+    eng.step()  # "short" is decoding from now on
+    eng.scheduler.prefill_cap = 8
+    eng.add_request("long", list(range(3, 63)), SamplingParams(max_tokens=2, **GREEDY))
+    eng.step()
+    long_req = eng.families["long"].members[0]
+    assert long_req.num_computed == 8
+    eng.abort("short")
+    eng.step()  # the abort frees the step of decodes: the cap no longer applies
+    assert long_req.num_computed == 8 + 52
+    drain(eng)
+
+
+def test_prefill_cap_follows_measured_cost(tiny):
+    eng = engine(tiny, max_num_batched_tokens=256, target_step_ms=50.0)
+    eng.add_request("a", list(range(3, 200)), SamplingParams(max_tokens=2, **GREEDY))
+    drain(eng)
+    assert eng._ms_per_prefill_token is not None
+    eng.add_request("b", PROMPT, SamplingParams(max_tokens=2, **GREEDY))
+    eng.step()
+    expected = max(eng.config.block_size, int(50.0 / eng._ms_per_prefill_token))
+    assert eng.scheduler.prefill_cap == expected
+    drain(eng)

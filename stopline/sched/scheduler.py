@@ -101,7 +101,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.fork_leader is not None:
                 continue
-            if req.is_prefilling:
+            prefilling = req.is_prefilling
+            if prefilling:
                 n = min(req.num_tokens - req.num_computed, budget, prefill_left)
                 if n <= 0:
                     continue
@@ -112,7 +113,7 @@ class Scheduler:
             self._add_chunk(plan, req, n)
             scheduled.add(req.internal_id)
             budget -= n
-            if req.is_prefilling:
+            if prefilling:
                 prefill_left -= n
 
         # 2. Admit waiting (and preempted) requests in arrival order while they fit.
@@ -223,7 +224,9 @@ class Scheduler:
         if req.status is RequestStatus.WAITING:
             req.num_cached = req.num_computed
         else:
-            req.num_recomputed += req.num_tokens - req.num_computed
+            redo = req.num_tokens - req.num_computed
+            req.num_recomputed += redo
+            self.lifecycle.stats.recomputed_tokens += redo
         for m in members[1:]:
             shared = req.block_ids[: req.prompt_len // self.pool.block_size]
             self.pool.touch(shared)

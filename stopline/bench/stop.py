@@ -1,0 +1,236 @@
+"""`stopline bench stop`: what stopping costs, measured in-process on the engine core.
+
+Two workloads (issue 3):
+  cancel storm      N requests, half aborted at random points (before the first token,
+                    mid-prefill, mid-decode); then the same run with each aborted request
+                    replaced by a twin whose max_tokens makes it stop by itself at the same
+                    point. Ratio = survivors' completion time with twins / with aborts
+                    (1.0: a cancel costs no more than a natural stop). Also tokens computed
+                    after the abort and steps from abort to reclaim.
+  preemption storm  the KV pool sized to a fraction of the demand; throughput against an
+                    unconstrained pool for each victim policy and preemption mode, with
+                    preemptions and recomputed tokens, then a light wave after the storm to
+                    see that throughput recovers (no lingering admission throttle).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from stopline.config import EngineConfig, PreemptionMode, VictimPolicy
+from stopline.engine.core import EngineCore
+from stopline.model.loader import LoadedModel
+from stopline.request import AbortSource, SamplingParams
+
+TOPICS = ["the ocean", "a lighthouse keeper", "prime numbers", "a city at night", "bread baking",
+          "the moon landing", "a lost cat", "volcanoes", "chess openings", "a rainy morning"]
+
+
+@dataclass
+class Job:
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    abort_kind: str | None = None  # "waiting", "prefill", "decode"
+    abort_after: int = 0  # decode: tokens delivered before the abort
+
+
+@dataclass
+class RunResult:
+    survivors_seconds: float
+    total_seconds: float
+    steps: int
+    tokens_out: int
+    aborted: int = 0
+    tokens_after_abort: int = 0
+    reclaim_steps: list[int] = field(default_factory=list)
+    reclaim_ms: list[float] = field(default_factory=list)
+    delivered_at_abort: dict[str, int] = field(default_factory=dict)
+    preemptions: dict[str, int] = field(default_factory=dict)
+    recomputed_tokens: int = 0
+
+
+def make_prompts(loaded: LoadedModel, n: int, seed: int, long_every: int = 4,
+                 long_tokens: int = 600) -> list[list[int]]:
+    rng = random.Random(seed)
+    tok = loaded.tokenizer
+    out = []
+    for i in range(n):
+        text = f"Write a short story about {rng.choice(TOPICS)} (story {i})."
+        if long_every and i % long_every == 0:
+            filler = " ".join(rng.choice(TOPICS) for _ in range(long_tokens // 3))
+            text = f"Here are some notes: {filler}. Now summarize them."
+        chat = tok.apply_chat_template([{"role": "user", "content": text}])
+        out.append(tok.encode(chat, add_special_tokens=False))
+    return out
+
+
+def run_jobs(loaded: LoadedModel, cfg: EngineConfig, jobs: list[Job], desc: str) -> RunResult:
+    eng = EngineCore(loaded, cfg)
+    t0 = time.perf_counter()
+    for j in jobs:
+        eng.add_request(j.rid, j.prompt, SamplingParams(temperature=0.0, max_tokens=j.max_tokens,
+                                                        ignore_eos=True))
+    delivered = {j.rid: 0 for j in jobs}
+    pending_abort = {j.rid: j for j in jobs if j.abort_kind}
+    survivors = {j.rid for j in jobs if not j.abort_kind}
+    survivors_done = None
+    res = RunResult(0, 0, 0, 0)
+    bar = tqdm(total=len(jobs), desc=desc, unit="req", leave=False)
+    while eng.has_unfinished():
+        for rid, j in list(pending_abort.items()):
+            fam = eng.families.get(rid)
+            req = fam.members[0] if fam else None
+            due = (j.abort_kind == "waiting"
+                   or j.abort_kind == "prefill" and req is not None and 0 < req.num_computed < req.prompt_len
+                   or j.abort_kind == "decode" and delivered[rid] >= j.abort_after)
+            if due:
+                res.delivered_at_abort[rid] = delivered[rid]
+                eng.abort(rid, AbortSource.CANCEL)
+                del pending_abort[rid]
+        for out in eng.step():
+            delivered[out.request_id] += len(out.new_token_ids)
+            res.tokens_out += len(out.new_token_ids)
+            if out.finished:
+                bar.update(1)
+                survivors.discard(out.request_id)
+                pending_abort.pop(out.request_id, None)
+                if not survivors and survivors_done is None:
+                    survivors_done = time.perf_counter() - t0
+    bar.close()
+    eng.audit()
+    st = eng.lifecycle.stats
+    res.total_seconds = time.perf_counter() - t0
+    res.survivors_seconds = survivors_done if survivors_done is not None else res.total_seconds
+    res.steps = eng.steps
+    res.aborted = sum(st.aborts.values())
+    res.tokens_after_abort = st.tokens_after_abort
+    res.reclaim_steps = list(st.abort_to_reclaim_steps)
+    res.reclaim_ms = [s * 1000 for s in st.reclaim_seconds]
+    res.preemptions = dict(st.preemptions)
+    res.recomputed_tokens = st.recomputed_tokens
+    return res
+
+
+def cancel_storm(loaded: LoadedModel, cfg: EngineConfig, n: int, max_tokens: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    prompts = make_prompts(loaded, n, seed)
+    jobs = []
+    for i, p in enumerate(prompts):
+        j = Job(f"c{i}", p, max_tokens)
+        if i % 2 == 1:
+            kinds = ["waiting", "decode", "decode"] + (["prefill"] if len(p) > 2 * cfg.max_num_batched_tokens // 3 else [])
+            j.abort_kind = rng.choice(kinds)
+            j.abort_after = rng.randrange(1, max_tokens)
+        jobs.append(j)
+    aborted = run_jobs(loaded, cfg, jobs, "cancel storm: aborts")
+    twins = []
+    for j in jobs:
+        if j.abort_kind is None:
+            twins.append(j)
+        else:
+            # The twin stops by itself where the abort hit (at least one token: a natural stop
+            # cannot happen before the prompt is computed, so prefill twins cost more).
+            twins.append(Job(j.rid, j.prompt, max(1, aborted.delivered_at_abort.get(j.rid, 1))))
+    twin = run_jobs(loaded, cfg, twins, "cancel storm: twins")
+    n_aborted = max(1, aborted.aborted)
+    return {
+        "requests": n, "aborted": aborted.aborted, "max_tokens": max_tokens,
+        "abort_kinds": {k: sum(1 for j in jobs if j.abort_kind == k) for k in ("waiting", "prefill", "decode")},
+        "survivors_s_with_aborts": aborted.survivors_seconds,
+        "survivors_s_with_twins": twin.survivors_seconds,
+        "ratio_twins_over_aborts": twin.survivors_seconds / aborted.survivors_seconds,
+        "tokens_after_abort_per_abort": aborted.tokens_after_abort / n_aborted,
+        "abort_to_reclaim_steps_max": max(aborted.reclaim_steps, default=0),
+        "reclaim_ms_p50": _pct(aborted.reclaim_ms, 50), "reclaim_ms_p99": _pct(aborted.reclaim_ms, 99),
+        "preemptions": aborted.preemptions,
+    }
+
+
+def preemption_storm(loaded: LoadedModel, base: EngineConfig, n: int, max_tokens: int,
+                     fraction: float, seed: int, combos: list[tuple[str, str]]) -> dict:
+    prompts = make_prompts(loaded, n, seed, long_every=0)
+    jobs = [Job(f"p{i}", p, max_tokens) for i, p in enumerate(prompts)]
+    demand = sum(-(-(len(p) + max_tokens) // base.block_size) for p in prompts)
+    light = jobs[: max(1, n // 4)]
+
+    def cfg(num_blocks: int, mode: str = "recompute", policy: str = "cost") -> EngineConfig:
+        return dataclasses.replace(base, num_blocks=num_blocks, preemption_mode=PreemptionMode(mode),
+                                   victim_policy=VictimPolicy(policy))
+
+    free = run_jobs(loaded, cfg(demand + 16), jobs, "preemption storm: unconstrained")
+    free_tps = free.tokens_out / free.total_seconds
+    light_free = run_jobs(loaded, cfg(demand + 16), light, "light wave: unconstrained")
+    rows = []
+    tight_blocks = max(int(demand * fraction), max(-(-(len(p) + max_tokens) // base.block_size) for p in prompts) + 1)
+    for mode, policy in combos:
+        r = run_jobs(loaded, cfg(tight_blocks, mode, policy), jobs, f"storm {mode}/{policy}")
+        rows.append({"mode": mode, "policy": policy, "tok_s": r.tokens_out / r.total_seconds,
+                     "ratio_vs_unconstrained": (r.tokens_out / r.total_seconds) / free_tps,
+                     "preemptions": sum(r.preemptions.values()), "by_mode": r.preemptions,
+                     "recomputed_tokens": r.recomputed_tokens})
+    # Recovery: the same light wave on an engine that just went through the storm would need
+    # engine reuse; here the storm's adaptive headroom is per engine, so run storm then wave.
+    eng_cfg = cfg(tight_blocks)
+    recovery = _storm_then_light(loaded, eng_cfg, jobs, light)
+    return {"requests": n, "max_tokens": max_tokens, "demand_blocks": demand, "pool_blocks": tight_blocks,
+            "unconstrained_tok_s": free_tps, "rows": rows,
+            "light_wave_tok_s_fresh": light_free.tokens_out / light_free.total_seconds,
+            "light_wave_tok_s_after_storm": recovery}
+
+
+def _storm_then_light(loaded: LoadedModel, cfg: EngineConfig, storm: list[Job], light: list[Job]) -> float:
+    eng = EngineCore(loaded, cfg)
+    for j in storm:
+        eng.add_request(j.rid, j.prompt, SamplingParams(temperature=0.0, max_tokens=j.max_tokens, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    t0 = time.perf_counter()
+    toks = 0
+    for j in light:
+        eng.add_request("after-" + j.rid, j.prompt, SamplingParams(temperature=0.0, max_tokens=j.max_tokens, ignore_eos=True))
+    while eng.has_unfinished():
+        toks += sum(len(o.new_token_ids) for o in eng.step())
+    return toks / (time.perf_counter() - t0)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
+
+
+def machine() -> str:
+    import os
+
+    import torch
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def run(loaded: LoadedModel, out: Path, n: int, max_tokens: int, storm_n: int, fraction: float,
+        seed: int, combos: list[tuple[str, str]], base: EngineConfig) -> dict:
+    result = {"machine": machine(), "command": None,
+              "cancel_storm": cancel_storm(loaded, base, n, max_tokens, seed),
+              "cancel_storm_under_pressure": cancel_storm(
+                  loaded, dataclasses.replace(base, num_blocks=_pressure_blocks(loaded, base, n, max_tokens, seed)),
+                  n, max_tokens, seed + 1),
+              "preemption_storm": preemption_storm(loaded, base, storm_n, max_tokens, fraction, seed, combos)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _pressure_blocks(loaded: LoadedModel, base: EngineConfig, n: int, max_tokens: int, seed: int) -> int:
+    prompts = make_prompts(loaded, n, seed + 1)
+    demand = sum(-(-(len(p) + max_tokens) // base.block_size) for p in prompts)
+    biggest = max(-(-(len(p) + max_tokens) // base.block_size) for p in prompts)
+    return max(biggest + 1, demand // 2)

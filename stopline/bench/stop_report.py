@@ -1,0 +1,73 @@
+"""Markdown for `stopline bench stop` results."""
+
+from __future__ import annotations
+
+
+def _f(x: object, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _cancel(title: str, c: dict) -> list[str]:
+    return [
+        f"### {title}",
+        "",
+        f"{c['requests']} requests, {c['aborted']} aborted "
+        f"(before first token {c['abort_kinds']['waiting']}, mid-prefill {c['abort_kinds']['prefill']}, "
+        f"mid-decode {c['abort_kinds']['decode']}), max_tokens {c['max_tokens']}.",
+        "",
+        "| measure | value | target |",
+        "|---|---|---|",
+        f"| survivors' completion, with aborts (s) | {_f(c['survivors_s_with_aborts'])} | |",
+        f"| survivors' completion, with twins (s) | {_f(c['survivors_s_with_twins'])} | |",
+        f"| ratio twins / aborts | {_f(c['ratio_twins_over_aborts'], 3)} | >= 0.95 |",
+        f"| tokens computed after abort, per aborted request | {_f(c['tokens_after_abort_per_abort'], 3)} | <= 1 step's worth (1) |",
+        f"| steps from abort to reclaim (max) | {c['abort_to_reclaim_steps_max']} | <= 1 |",
+        f"| abort to reclaim, p50 / p99 (ms) | {_f(c['reclaim_ms_p50'])} / {_f(c['reclaim_ms_p99'])} | |",
+        f"| preemptions during the run | {c['preemptions'] or 0} | |",
+        "",
+    ]
+
+
+def render(r: dict) -> str:
+    p = r["preemption_storm"]
+    lines = [
+        "# Cost of stopping (stopline bench stop)",
+        "",
+        f"Machine: {r['machine']}. Command: `{r['command']}`. Model: SmolLM2-135M-Instruct (GGUF, fp32 "
+        "compute), greedy, EOS ignored. In-process engine core; figures from one run.",
+        "",
+        "A twin is the same request with max_tokens set to the tokens its aborted counterpart had "
+        "received, so it stops by itself at the same point; a request aborted before its first token "
+        "or mid-prefill gets a twin with max_tokens=1 (a natural stop can't come earlier), which "
+        "makes those twins slightly more expensive than the aborts they stand for.",
+        "",
+    ]
+    lines += _cancel("Cancel storm", r["cancel_storm"])
+    lines += _cancel("Cancel storm with the pool at half the demand (aborts under preemption)",
+                     r["cancel_storm_under_pressure"])
+    lines += [
+        "### Preemption storm",
+        "",
+        f"{p['requests']} requests x {p['max_tokens']} tokens; demand {p['demand_blocks']} blocks, "
+        f"pool {p['pool_blocks']} blocks. Unconstrained: {_f(p['unconstrained_tok_s'], 1)} tok/s.",
+        "",
+        "| mode | victim policy | tok/s | vs unconstrained (target >= 0.8) | preemptions | recomputed tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in p["rows"]:
+        lines.append(f"| {row['mode']} | {row['policy']} | {_f(row['tok_s'], 1)} | "
+                     f"{_f(row['ratio_vs_unconstrained'], 3)} | {row['preemptions']} {row['by_mode'] or ''} | "
+                     f"{row['recomputed_tokens']} |")
+    fresh, after = p["light_wave_tok_s_fresh"], p["light_wave_tok_s_after_storm"]
+    lines += [
+        "",
+        f"Recovery: a light wave ({max(1, p['requests'] // 4)} requests) on the engine that just went "
+        f"through the storm ran at {_f(after, 1)} tok/s, against {_f(fresh, 1)} tok/s on a fresh "
+        f"unconstrained engine (ratio {_f(after / fresh, 3)}; target >= 0.95).",
+        "",
+    ]
+    return "\n".join(lines)
