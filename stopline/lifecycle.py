@@ -144,11 +144,15 @@ class Lifecycle:
             return
         req.finish_reason = reason
         req.stop_detail = detail
-        if req.last_scheduled_step > self.last_processed_step and req.inflight_samples:
+        in_flight = req.last_scheduled_step > self.last_processed_step
+        if in_flight and req.inflight_samples:
             # The step in flight computes tokens this request will never deliver.
             req.undelivered += req.inflight_samples
             if aborted_at is not None:
                 self.stats.tokens_after_abort += req.inflight_samples
+        if aborted_at is not None:
+            # Quiet: taking part in no step. At most the one already running.
+            self.stats.abort_to_quiet_steps.append(1 if in_flight else 0)
         self._release(req, keep_cached, aborted_at)
         req.move_to(RequestStatus.FINISHED)
         self.stats.finished[reason.value] += 1

@@ -107,6 +107,7 @@ def test_abort_between_forward_and_processing_releases_through_fence(tiny):
     assert len(res[("a", 0)]["tokens"]) == 3
     # reclaimed when the step that could write its blocks was processed: the same step
     assert eng.lifecycle.stats.abort_to_reclaim_steps == [1]
+    assert eng.lifecycle.stats.abort_to_quiet_steps == [1]
     assert res[("b", 0)]["tokens"] == solo(tiny, PROMPT[:4], SamplingParams(max_tokens=5, ignore_eos=True, **GREEDY))
 
 
@@ -121,6 +122,7 @@ def test_abort_waiting_unknown_twice(tiny):
     assert outs[0].new_token_ids == [] and outs[0].usage.completion_tokens == 0
     assert eng.steps == 1 and not eng.has_unfinished()
     assert eng.lifecycle.stats.aborts[("cancel", "waiting")] == 1
+    assert eng.lifecycle.stats.abort_to_quiet_steps == [0]
     eng.abort("w")  # already finished: no-op, no second terminal output
     assert eng.step() == []
 
