@@ -57,11 +57,16 @@ class ServerProcess:
         return Path(self.log.name).read_text(errors="replace")[-6000:]
 
     def core_pid(self) -> int:
-        """The engine-core process: the server's only child."""
-        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        pids = [int(p) for p in children]
+        """The engine-core process: the server's child started by multiprocessing's spawn (not
+        its resource tracker)."""
+        pids = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            for pid in (task / "children").read_text().split():
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"spawn_main" in cmdline:
+                    pids.append(int(pid))
         if len(pids) != 1:
-            raise RuntimeError(f"expected one child of the server, found {pids}")
+            raise RuntimeError(f"expected one engine-core child of the server, found {pids}")
         return pids[0]
 
     def stop(self) -> None:

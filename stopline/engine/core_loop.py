@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from stopline.engine.messages import AbortTiming, Batch, CoreInfo
+from stopline.engine.output import RequestOutput
 from stopline.engine.snapshot import take_snapshot
 from stopline.request import AbortSource, FinishReason, SamplingParams
 
@@ -52,6 +53,10 @@ class CoreLoop:
         self._pending: dict[str, _AbortClock] = {}  # accepted, not yet seen to end
         self._reclaiming: dict[str, _AbortClock] = {}  # ended, blocks maybe behind the fence
         self._calls: list[tuple[str, Future]] = []
+        self._ended: dict[str, float] = {}  # aborted request id -> when its terminal came out
+        # With async scheduling the core hands out outputs mid-step (while the next forward
+        # runs): send them at once rather than at the end of the step.
+        core.output_sink = self._sink
 
     # ---- any thread -----------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -109,7 +114,8 @@ class CoreLoop:
             with self._lock:
                 self._step_no += 1
             outputs = core.step()
-            self.emit(Batch(outputs, self._timings(outputs), take_snapshot(core)))
+            self._note_ended(outputs)
+            self.emit(Batch(outputs, self._timings(), take_snapshot(core)))
         self._run_calls()
 
     def _run_calls(self) -> None:
@@ -131,17 +137,28 @@ class CoreLoop:
             return self.core.pool.reset_prefix_cache()
         raise ValueError(f"unknown utility method {method!r}")
 
-    def _timings(self, outputs: list) -> list[AbortTiming]:
+    def _sink(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self._note_ended(outputs)
+            self.emit(Batch(outputs))
+
+    def _note_ended(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for o in outputs:
+            if o.finished and o.finish_reason is FinishReason.ABORT:
+                self._ended.setdefault(o.request_id, now)
+
+    def _timings(self) -> list[AbortTiming]:
         """Close the clocks of aborts that ended a request in this step. An abort accepted
         before this step began and still not ended was for an unknown or finished request:
         it did nothing, so it is not timed."""
         now = time.monotonic()
-        ended = {o.request_id for o in outputs if o.finished and o.finish_reason is FinishReason.ABORT}
+        ended, self._ended = self._ended, {}
         with self._lock:
             for rid in list(self._pending):
                 clock = self._pending[rid]
                 if rid in ended:
-                    clock.quiet = now
+                    clock.quiet = ended[rid]
                     self._reclaiming[rid] = self._pending.pop(rid)
                 elif clock.step_at_accept < self._step_no:
                     del self._pending[rid]

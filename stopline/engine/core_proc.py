@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stopline.core_proc")
 
+ABORT_SWITCH_INTERVAL = 0.0002  # seconds; measured: 5 ms (default) -> p50 5 ms, 0.1 ms -> p50 0.4 ms
+
 
 def main(addrs: CoreAddresses, model: str | None, config: EngineConfig | None, progress: bool,
          parent_pid: int) -> None:
@@ -52,6 +54,9 @@ def main(addrs: CoreAddresses, model: str | None, config: EngineConfig | None, p
                         format="%(asctime)s %(levelname)s [core] %(message)s")
     # Ctrl-C in a terminal signals the whole process group; the frontend decides how we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The input thread must get the GIL quickly while the stepping thread runs Python code:
+    # with the default 5 ms switch interval an abort waits about that long to be accepted.
+    sys.setswitchinterval(ABORT_SWITCH_INTERVAL)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
                      name="stopline-parent-watch").start()
     ctx = zmq.Context()

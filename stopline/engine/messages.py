@@ -23,7 +23,7 @@ class AbortTiming(msgspec.Struct, frozen=True):
     request_id: str
     source: str
     accept_s: float  # -> the engine core recorded the abort
-    quiet_s: float  # -> the end of the step that applied it: the request computes no more
+    quiet_s: float  # -> its terminal output left the core: it computes nothing more
     reclaim_s: float  # -> the first step boundary with its KV blocks back in the pool
 
 

@@ -24,7 +24,8 @@ from stopline.engine.async_engine import AsyncEngine, EngineObserver
 from stopline.engine.messages import AbortTiming
 from stopline.request import AbortSource, FinishReason, Usage
 
-LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05,
+                   0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ABORT_STATES = ("waiting", "prefilling", "running", "preempted", "swapped")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -40,7 +41,7 @@ class ServerMetrics(EngineObserver):
             src, buckets=LATENCY_BUCKETS, registry=r)
         self.abort_quiet = Histogram(
             "stopline_abort_latency_seconds",
-            "Disconnect or cancel call -> engine quiet (end of the step that applied the abort).",
+            "Disconnect or cancel call -> engine quiet (the terminal output left the core; no further step includes the request).",
             src, buckets=LATENCY_BUCKETS, registry=r)
         self.reclaim = Histogram(
             "stopline_reclaim_latency_seconds",
