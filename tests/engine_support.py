@@ -81,11 +81,12 @@ def load_hf(model_dir: Path):  # -> transformers.PreTrainedModel
 def hf_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, batch_size: int = 16,
               pad_id: int = 0, **generate_kwargs: object) -> Reference:
     """HF `generate` greedy continuations, batched with left padding (HF's own recipe for
-    batched decoder-only generation), plus the logit margin of every step."""
-    tokens: list[list[int]] = []
-    margins: list[float] = []
-    for s in range(0, len(prompts), batch_size):
-        group = [list(p) for p in prompts[s:s + batch_size]]
+    batched decoder-only generation), plus the logit margin of every step. Prompts are grouped
+    by length (less padding to compute) and repeats are computed once."""
+    unique = sorted({tuple(p) for p in prompts}, key=len)
+    done: dict[tuple[int, ...], tuple[list[int], float]] = {}
+    for s in range(0, len(unique), batch_size):
+        group = [list(p) for p in unique[s:s + batch_size]]
         width = max(len(p) for p in group)
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
@@ -96,9 +97,9 @@ def hf_greedy(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, b
         scores = torch.stack(out.scores, dim=1)  # [batch, steps, vocab]
         top2 = scores.topk(2, dim=-1).values
         gap = (top2[..., 0] - top2[..., 1]).min(dim=1).values
-        tokens += out.sequences[:, width:].tolist()
-        margins += gap.tolist()
-    return Reference(tokens, margins)
+        for p, toks, g in zip(group, out.sequences[:, width:].tolist(), gap.tolist(), strict=True):
+            done[tuple(p)] = (toks, g)
+    return Reference([done[tuple(p)][0] for p in prompts], [done[tuple(p)][1] for p in prompts])
 
 
 @torch.inference_mode()
