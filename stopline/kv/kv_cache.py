@@ -8,13 +8,19 @@ import torch
 
 
 class KVCache:
-    """Per layer, K and V as [num_blocks * block_size, num_kv_heads, head_dim] slot arrays."""
+    """Per layer, K and V as [(num_blocks + 1) * block_size, num_kv_heads, head_dim] slot arrays.
+
+    The extra block at the end (`null_block`) is never handed out and stays zero: padded
+    attention reads point there, so a masked position multiplies zeros, never stale or
+    poisoned (NaN) data.
+    """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.null_block = num_blocks
+        shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 

@@ -100,8 +100,8 @@ class LlamaModel:
                 raise StepInterrupted(f"interrupted before layer {li}")
             h = rms_norm(x, layer["ln1"], c.rms_norm_eps)
             qkv = inp.split.linear(h, layer["qkv"])
-            q = self._rope(qkv[:, : hq * d].reshape(n, hq, d), cos, sin)
-            k = self._rope(qkv[:, hq * d:(hq + hk) * d].reshape(n, hk, d), cos, sin)
+            qk = self._rope(qkv[:, :(hq + hk) * d].reshape(n, hq + hk, d), cos, sin)
+            q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
             kv.k[li].index_copy_(0, inp.write_slots, k)
             kv.v[li].index_copy_(0, inp.write_slots, v)
@@ -138,7 +138,7 @@ class LlamaModel:
             flat = dec.slots.reshape(-1)
             keys = kc.index_select(0, flat).view(b, ctx, hk, d).double().permute(0, 2, 3, 1)
             vals = vc.index_select(0, flat).view(b, ctx, hk, d).double()
-            vals = vals.masked_fill(~dec.valid[:, :, None, None], 0.0).permute(0, 2, 1, 3)
+            vals = vals.permute(0, 2, 1, 3)  # padded slots point at the zero block
             scores = torch.matmul(qs, keys) * self.scale  # [b, hk, g, ctx]
             scores.masked_fill_(~dec.valid[:, None, None, :], float("-inf"))
             o = torch.matmul(torch.softmax(scores, dim=-1), vals)  # [b, hk, g, d]

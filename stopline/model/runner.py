@@ -66,10 +66,14 @@ class ModelRunner:
         decode = None
         if dec_rows:
             width = max(len(t) for t in dec_tables)
-            table = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long)
+            null = self.kv.null_block
+            table = torch.tensor([t + [null] * (width - len(t)) for t in dec_tables], dtype=torch.long)
             dslots = (table[:, :, None] * bs + torch.arange(bs)).reshape(len(dec_rows), -1)
             lens = torch.tensor(dec_lens, dtype=torch.long)
+            # Positions past a sequence's length inside its last block hold stale data: mask them
+            # too, and point them at the zero block so that 0 * V stays 0.
             valid = torch.arange(dslots.shape[1])[None, :] < lens[:, None]
+            dslots = torch.where(valid, dslots, null * bs)
             decode = DecodeBatch(torch.tensor(dec_rows, dtype=torch.long).to(self.device),
                                  dslots.to(self.device), valid.to(self.device))
         dev = self.device
