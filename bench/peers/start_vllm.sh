@@ -6,7 +6,10 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 PORT=${PORT:-8101}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
-export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-all}
+# By default vLLM CPU keeps one core for its frontend and computes on the rest: on 2 cores that
+# is 1 compute thread. Bind both, as stopline (torch) and llama-server (-t 2) use both.
+export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1}
+export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
 exec "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
     --model "$HF_DIR" --served-model-name "${SERVED_NAME:-SmolLM2-135M-Instruct}" \
     --host 127.0.0.1 --port "$PORT" --dtype float32 \

@@ -80,7 +80,7 @@ def stopline_spec(model: str | None = None, extra: list[str] | None = None,
     return EngineSpec("stopline", command, STOPLINE_METRICS, start_timeout=300.0)
 
 
-def vllm_spec(block_size: int = 16) -> EngineSpec:
+def vllm_spec(block_size: int = 32) -> EngineSpec:
     def command(port: int, kv_tokens: int | None, variant: dict[str, str]) -> list[str]:
         cmd = ["bash", str(PEERS_DIR / "start_vllm.sh"), "--block-size", str(block_size)]
         if kv_tokens is not None:
@@ -118,6 +118,15 @@ class EngineStartError(RuntimeError):
     pass
 
 
+_LIVE: set[RunningEngine] = set()
+
+
+def stop_all() -> None:
+    """Stop every engine this process started (the bench's last line of defence)."""
+    for eng in list(_LIVE):
+        eng.stop()
+
+
 class RunningEngine:
     """A started engine process (own process group), its URL and its log."""
 
@@ -135,6 +144,7 @@ class RunningEngine:
         self._log.flush()
         self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        _LIVE.add(self)
 
     def wait_ready(self) -> float:
         """Seconds until /health answers 200; EngineStartError with the log's tail otherwise."""
@@ -169,3 +179,4 @@ class RunningEngine:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+        _LIVE.discard(self)

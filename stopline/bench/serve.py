@@ -28,6 +28,7 @@ from stopline.bench.engines import (
     EngineStartError,
     RunningEngine,
     spec_for,
+    stop_all,
 )
 from stopline.bench.probe import Probe
 from stopline.bench.prompts import make_prompts
@@ -69,20 +70,28 @@ def run_bench(engines: list[str], cfg: BenchConfig, out_dir: Path, *, model: str
     def save() -> None:
         path.write_text(json.dumps(results, indent=1, default=str))
 
-    for name in engines:
-        spec = (specs or {}).get(name) or spec_for(name, model)
-        results["engines"][name] = entry = {"status": "running", "workloads": {}}
-        save()
-        try:
-            asyncio.run(_bench_engine(spec, cfg, out_dir, entry, save, progress))
-        except EngineStartError as exc:
-            entry.update(status="setup_failed", error=str(exc))
-        except Exception as exc:  # record and go on to the next engine
-            entry.update(status="failed", error=f"{exc}\n{traceback.format_exc()[-2000:]}")
-        else:
-            entry["status"] = "ok"
-        save()
+    try:
+        for name in engines:
+            _one(name, specs, model, cfg, out_dir, results, save, progress)
+    finally:
+        stop_all()  # also on Ctrl-C / SIGTERM: no engine outlives the bench
     return path
+
+
+def _one(name: str, specs: dict[str, EngineSpec] | None, model: str | None, cfg: BenchConfig,
+         out_dir: Path, results: dict[str, Any], save: Callable[[], None], progress: bool) -> None:
+    spec = (specs or {}).get(name) or spec_for(name, model)
+    results["engines"][name] = entry = {"status": "running", "workloads": {}}
+    save()
+    try:
+        asyncio.run(_bench_engine(spec, cfg, out_dir, entry, save, progress))
+    except EngineStartError as exc:
+        entry.update(status="setup_failed", error=str(exc))
+    except Exception as exc:  # record and go on to the next engine
+        entry.update(status="failed", error=f"{exc}\n{traceback.format_exc()[-2000:]}")
+    else:
+        entry["status"] = "ok"
+    save()
 
 
 async def _bench_engine(spec: EngineSpec, cfg: BenchConfig, out_dir: Path, entry: dict[str, Any],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -50,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: unknown engine(s) {unknown} / workload(s) {bad}", file=sys.stderr)
         return 2
     cfg = replace(PROFILES[args.profile](), seed=args.seed, workloads=wanted)
+    # SIGTERM unwinds like Ctrl-C, so the engines this run started are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out_dir = new_run_dir(Path(args.results_dir))
     path = run_bench(engines, cfg, out_dir, model=args.model, progress=not args.no_progress,
                      command=shlex.join(["stopline", *sys.argv[1:]]))

@@ -62,7 +62,19 @@ def quick() -> BenchConfig:
                    storm_prompt_tokens=128, invariance_tokens=32, hol_prompt_tokens=1500,
                    preempt_output_tokens=64, preempt_prompt_tokens=64, preempt_after_s=3.0,
                    nonstream_max_tokens=1024,
-                   preempt_variants=(("cost", "recompute"), ("cost", "swap"), ("newest", "recompute")))
+                   preempt_variants=(("cost", "recompute"), ("cost", "swap")))
+
+
+def small() -> BenchConfig:
+    """Every workload at the smallest size that still says something: for an engine that
+    takes seconds per step (stopline's batch-invariant kernels on 2 busy cores)."""
+    return replace(BenchConfig(), output_tokens=16, prompt_tokens=64, waves=1,
+                   storm_streams=32, storm_output_tokens=16, storm_prompt_tokens=64,
+                   storm_decode_streams=16, invariance_requests=6, invariance_tokens=8,
+                   invariance_prompt_tokens=32, hol_prompt_tokens=1500, hol_short_tokens=2,
+                   preempt_streams=32, preempt_output_tokens=16, preempt_prompt_tokens=64,
+                   preempt_after_s=5.0, preempt_variants=(("cost", "recompute"),),
+                   nonstream_max_tokens=512, idle_timeout=300.0)
 
 
 def tiny() -> BenchConfig:
@@ -78,4 +90,4 @@ def tiny() -> BenchConfig:
                    nonstream_max_tokens=500, idle_timeout=30.0, request_timeout=60.0)
 
 
-PROFILES = {"full": BenchConfig, "quick": quick, "tiny": tiny}
+PROFILES = {"full": BenchConfig, "quick": quick, "small": small, "tiny": tiny}
