@@ -206,6 +206,34 @@ def bench_serve_report(args: argparse.Namespace) -> int:
     return run_report(args)
 
 
+def _offline_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--streams", type=int, default=32, help="concurrent prompts in the batched run")
+    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per request (EOS ignored)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers side")
+    p.add_argument("--hf-dir", default=None,
+                   help="HF export of the model for transformers (default: exported to a temp dir)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out", default="bench-results/offline.json")
+    add_engine_args(p)
+
+
+@bench_command("offline", "offline tokens/s, 1 and N streams, next to HF transformers generate",
+               _offline_bench_args)
+def bench_offline(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from stopline.bench import offline
+
+    result = offline.run(args.model, engine_config(args), streams=args.streams,
+                         max_tokens=args.max_tokens, hf=not args.no_hf,
+                         hf_dir=Path(args.hf_dir) if args.hf_dir else None, threads=args.threads)
+    result["command"] = "stopline bench offline " + " ".join(sys.argv[3:])
+    offline.write(result, Path(args.out))
+    print(offline.summary(result))
+    print(f"results: {args.out}")
+    return 0
+
+
 def _bench_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", required=True)
     for name, help_, configure, fn in _BENCHES:

