@@ -2,10 +2,11 @@
 same weights (exported as an HF directory), 32 greedy tokens per prompt.
 
 16 prompts of 1 to ~100 tokens (raw text, code, chat-templated questions, a repeated one) run
-alone, as one batch of 16, among 24, with prefill chunked to 32 tokens per step (chat prompts
-then hit the blocks of the shared system prompt and the repeat hits everything), and (8 of
-them) in a pool so small that requests are preempted and recomputed. SmolLM2 is loaded once per session and
-the HF reference is computed once per module; each engine run takes a few seconds on 2 cores.
+alone, as one batch of 16, among 24, with a budget of 64 tokens per step (prefills are chunked;
+chat prompts hit the blocks of the shared system prompt, the repeat hits all its full blocks),
+and (8 of them) in a pool so small that requests are preempted and recomputed. SmolLM2 is
+loaded once per session and the HF reference computed once per module; an engine run over
+the batch takes 10-20 s of one core.
 """
 
 from __future__ import annotations
@@ -132,12 +133,12 @@ def test_alone_vs_24_concurrent_is_bitwise_equal(smollm2, prompts, reference, al
 
 
 def test_chunked_prefill_with_prefix_hits(smollm2, prompts, reference) -> None:
-    llm = _llm(smollm2, max_num_batched_tokens=32, target_step_ms=None, debug=True)
+    llm = _llm(smollm2, max_num_batched_tokens=64, target_step_ms=None, debug=True)
     plans = record_plans(llm.engine)
     res = llm.generate(prompts, _params())
     _assert_matches(res, reference, list(range(16)))
     longest = max(range(16), key=lambda i: len(prompts[i]))
-    assert sum(1 for p in plans for c in p if c[0] == res[longest].request_id and c[2] > 1) >= 3
+    assert sum(1 for p in plans for c in p if c[0] == res[longest].request_id and c[2] > 1) >= 2
     cached = [r.outputs[0].usage.cached_tokens for r in res]
     # The repeated question hits all its full blocks; other chats hit the system prompt.
     assert cached[15] == (len(prompts[15]) - 1) // 16 * 16
@@ -145,9 +146,9 @@ def test_chunked_prefill_with_prefix_hits(smollm2, prompts, reference) -> None:
 
 
 def test_after_forced_preemption(smollm2, prompts, reference) -> None:
-    # 12 blocks of 16 tokens: the longest request (~100 + 32 tokens, 9 blocks) fits alone,
+    # 16 blocks of 16 tokens: the longest request (~100 + 32 tokens, 9 blocks) fits alone,
     # the 8 together (~35 blocks) do not.
-    llm = _llm(smollm2, num_blocks=12, max_preemptions=1000, debug=True)
+    llm = _llm(smollm2, num_blocks=16, max_preemptions=1000, debug=True)
     res = llm.generate([prompts[i] for i in PREEMPT], _params())
     _assert_matches(res, reference, PREEMPT)
     assert sum(llm.engine.lifecycle.stats.preemptions.values()) > 0
