@@ -4,6 +4,10 @@
 # --metrics exposes llamacpp:* counters; --slots lets the bench read per-slot state.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
+if [[ ! -x "$LLAMA_SERVER" ]]; then
+    echo "start_llamacpp.sh: $LLAMA_SERVER is missing: run bench/peers/setup_llamacpp.sh first (log: \$PEERS_DIR/setup_llamacpp.log)" >&2
+    exit 127
+fi
 PORT=${PORT:-8102}
 exec "$LLAMA_SERVER" -m "$(gguf_path)" --host 127.0.0.1 --port "$PORT" \
     -np "${NP:-32}" -c "${CTX:-131072}" -cb --metrics --slots \

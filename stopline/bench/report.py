@@ -16,14 +16,19 @@ PEER_ORDER = ("stopline", "vllm", "llamacpp", "hf")
 
 
 def load(paths: list[Path]) -> dict[str, Any]:
-    """Merge results files: engines by name (a later file wins), metas listed."""
+    """Merge results files: engines by name, workloads by name (a later file wins)."""
     merged: dict[str, Any] = {"metas": [], "configs": [], "engines": {}}
     for p in paths:
         r = json.loads(Path(p).read_text())
         merged["metas"].append(r["meta"] | {"file": str(p)})
         merged["configs"].append(r["config"])
         for name, entry in r["engines"].items():
-            merged["engines"][name] = entry | {"run": len(merged["metas"]) - 1}
+            # Workload by workload: a later run of some workloads keeps an earlier run's others.
+            prev = merged["engines"].get(name, {})
+            workloads = prev.get("workloads", {}) | entry.get("workloads", {})
+            merged["engines"][name] = entry | {"run": len(merged["metas"]) - 1,
+                                               "workloads": workloads,
+                                               "launches": prev.get("launches", []) + entry.get("launches", [])}
     return merged
 
 
@@ -54,6 +59,11 @@ def write_report(paths: list[Path], md_path: Path) -> Path:
     img_dir.mkdir(parents=True, exist_ok=True)
     figs = _plots(res, img_dir)
     lines = _markdown(res, {k: str(v.relative_to(md_path.parent)) for k, v in figs.items()})
+    # Findings written by a person about a run live beside the report and survive re-rendering.
+    notes = md_path.with_name(md_path.stem + "-notes.md")
+    if notes.is_file():
+        lines[lines.index("## Targets"):lines.index("## Targets")] = [
+            notes.read_text().rstrip(), ""]
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text("\n".join(lines) + "\n")
     return md_path
