@@ -236,12 +236,10 @@ class AsyncEngine:
         """Stop the core. Streams still open end with EngineDead."""
         if self.state == "closed":
             return
-        was_dead = self.state == "dead"
         self.state = "closed"
         for s in list(self._streams.values()):
             self._fail(s, EngineDead("the engine was shut down"))
-        if not was_dead:
-            await self.backend.close()
+        await self.backend.close()  # also after a death: sockets and threads must go
 
     def unavailable_why(self) -> str:
         if self.state == "starting":

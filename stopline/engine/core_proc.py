@@ -72,6 +72,11 @@ def main(addrs: CoreAddresses, model: str | None, config: EngineConfig | None, p
             out.send(data)
 
     try:
+        from tqdm import tqdm
+
+        # tqdm's default lock is a multiprocessing semaphore registered with the frontend's
+        # resource tracker; we leave with os._exit, so it would be reported as leaked.
+        tqdm.set_lock(threading.RLock())
         from stopline.engine.core import EngineCore
 
         core = EngineCore(model, config, progress=progress)
