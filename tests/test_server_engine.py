@@ -98,8 +98,8 @@ def test_two_process_transport(tiny_model_dir):
                 await engine.add("bad", [1, 10**6], SamplingParams())
             assert engine.num_open == 0
 
-            # An abort issued before the core acknowledged the add is held, then sent: it
-            # can't overtake its add on the priority socket and get lost.
+            # An abort sent before the core acknowledged the add goes out at once on the
+            # priority socket; if it overtakes its add, the core keeps it until the add comes.
             adding = asyncio.create_task(engine.add("early", prompt, long_params()))
             await asyncio.sleep(0)  # the add is on its way, its acknowledgement is not back
             assert "early" in engine.backend._acks
@@ -135,3 +135,16 @@ def test_two_process_transport(tiny_model_dir):
             await engine.close()
 
     asyncio.run(run())
+
+
+def test_early_abort_waits_for_its_add():
+    from stopline.engine.core_proc import EarlyAborts
+
+    e = EarlyAborts(remember=2)
+    e.on_abort(["a"], AbortSource.DISCONNECT, 1.0)  # overtook its add
+    assert e.on_add("b") is None
+    assert e.on_add("a") == (AbortSource.DISCONNECT, 1.0)
+    e.on_abort(["a", "b"], AbortSource.CANCEL, 2.0)  # both seen: nothing kept
+    assert e.early == {}
+    e.on_add("c")  # bounded: the oldest ("b") is forgotten
+    assert list(e.added) == ["a", "c"]

@@ -9,9 +9,9 @@ High-water marks are unlimited: a burst of adds must neither block the event loo
 deadlock against a core that is busy sending outputs.
 
 Adds are acknowledged by the core (it validates them, so a bad request is a 400 here exactly
-as in-process). An abort for a request whose add is not yet acknowledged is held until the
-acknowledgement arrives: otherwise it could overtake its add on the priority socket and be
-dropped as unknown. Core death is noticed by waiting on the process sentinel (no polling).
+as in-process). Aborts never wait for that acknowledgement: one that overtakes its add on the
+priority socket is kept by the core until the add arrives (core_proc.EarlyAborts). Core
+death is noticed by waiting on the process sentinel (no polling).
 """
 
 from __future__ import annotations
@@ -74,7 +74,6 @@ class ProcCore:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(FromCore)
         self._acks: dict[str, asyncio.Future[None]] = {}  # add sent, reply not yet here
-        self._held_aborts: dict[str, tuple[AbortSource, float]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._fatal: str | None = None
@@ -143,22 +142,18 @@ class ProcCore:
             await fut
         except asyncio.CancelledError:
             # Our caller left before the core answered: whatever the answer, nobody listens.
-            if request_id in self._acks:
-                self._held_aborts.setdefault(request_id, (AbortSource.CANCEL, time.monotonic()))
+            self._acks.pop(request_id, None)
+            try:
+                self._send(self._abort, AbortMsg([request_id], AbortSource.CANCEL, time.monotonic()))
+            except EngineDead:
+                pass
             raise
         except BaseException:
             self._acks.pop(request_id, None)
             raise
 
     def abort(self, request_ids: list[str], source: AbortSource, t0: float) -> None:
-        now_ids = []
-        for rid in request_ids:
-            if rid in self._acks:
-                self._held_aborts.setdefault(rid, (source, t0))
-            else:
-                now_ids.append(rid)
-        if now_ids:
-            self._send(self._abort, AbortMsg(now_ids, source, t0))
+        self._send(self._abort, AbortMsg(list(request_ids), source, t0))
 
     async def utility(self, method: str) -> Any:
         call_id = next(self._call_ids)
@@ -212,19 +207,12 @@ class ProcCore:
 
     def _on_add_reply(self, msg: AddReply) -> None:
         fut = self._acks.pop(msg.request_id, None)
-        held = self._held_aborts.pop(msg.request_id, None)
-        if msg.error is not None:
-            if fut is not None and not fut.done():
-                fut.set_exception(InvalidRequest(msg.error))
+        if fut is None or fut.done():
             return
-        if fut is not None and not fut.done():
+        if msg.error is not None:
+            fut.set_exception(InvalidRequest(msg.error))
+        else:
             fut.set_result(None)
-        if held is not None:
-            source, t0 = held
-            try:
-                self._send(self._abort, AbortMsg([msg.request_id], source, t0))
-            except EngineDead:
-                pass  # the death handler ends the request
 
     def _died(self) -> None:
         if self._closing or self._dead is not None:
