@@ -285,8 +285,9 @@ def _targets(res: dict[str, Any]) -> list[str]:
 # ---- plots -----------------------------------------------------------------------------------
 
 def _caption(res: dict[str, Any]) -> str:
-    m = res["metas"][-1]
-    return f"{m['command']}\n{m['machine']['summary']} · {m['started']} · git {m.get('git') or '?'}"
+    # Every run merged into the report: a figure may mix engines measured by different runs.
+    runs = [f"{m['command']}  ({m['started']}, git {m.get('git') or '?'})" for m in res["metas"]]
+    return "\n".join(runs + [res["metas"][-1]["machine"]["summary"]])
 
 
 def _plots(res: dict[str, Any], img_dir: Path) -> dict[str, Path]:
@@ -300,7 +301,7 @@ def _plots(res: dict[str, Any], img_dir: Path) -> dict[str, Path]:
 
     def save(fig: Any, key: str, name: str) -> None:
         fig.text(0.01, 0.005, cap, fontsize=6.5, color="0.35", va="bottom")
-        fig.tight_layout(rect=(0, 0.07, 1, 1))
+        fig.tight_layout(rect=(0, 0.03 + 0.03 * cap.count("\n"), 1, 1))
         path = img_dir / name
         fig.savefig(path, dpi=110)
         plt.close(fig)
