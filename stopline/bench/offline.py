@@ -145,6 +145,8 @@ def run(model: str | None, config: EngineConfig, *, streams: int = 32, max_token
         progress: bool = True) -> dict[str, Any]:
     if threads:
         torch.set_num_threads(threads)
+    # Other work on the machine slows both sides; the load average says how much there was.
+    load_before = os.getloadavg()
     loaded, load_s = _timed(lambda: load_model(model, progress=progress))
     llm = LLM(model=loaded, config=config, progress=progress)  # type: ignore[arg-type]
     hf_model = _load_hf(loaded, hf_dir) if hf else None
@@ -195,6 +197,7 @@ def run(model: str | None, config: EngineConfig, *, streams: int = 32, max_token
         "machine": describe(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "model": loaded.source,
         "model_load_seconds": round(load_s, 2),
         "weights_from_cache": loaded.from_cache,
