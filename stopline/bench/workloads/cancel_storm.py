@@ -71,12 +71,14 @@ async def _storm(ctx: Ctx, n: int, kinds: tuple[str, ...], label: str,
     after = await ctx.probe.read()
 
     # Twins stop on their own where the close happened; a close before the first token is
-    # matched by the nearest natural stop, one token.
+    # matched by the nearest natural stop, one token. Fresh prompts of the same length: the
+    # first run's prompts would be prefix-cache hits now and make the twin run look cheap.
     twin_tokens = {i: max(1, closed_run[i].chunks) for i in plan}
+    twin_prompts = make_prompts(cfg.seed * 1000 + 150 + len(label), n, cfg.storm_prompt_tokens)
     await ctx.settle()
     t1 = time.perf_counter()
     twin_run = await asyncio.gather(*(
-        ctx.send(p, twin_tokens.get(i, cfg.storm_output_tokens)) for i, p in enumerate(prompts)))
+        ctx.send(p, twin_tokens.get(i, cfg.storm_output_tokens)) for i, p in enumerate(twin_prompts)))
 
     survivors = [i for i in range(n) if i not in plan]
 
