@@ -119,6 +119,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds open requests may run before they are aborted")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    g.add_argument("--core-threads", type=int, default=None,
+                   help="torch threads in the engine-core process (default: all CPUs but one "
+                        "when there are more than two, so aborts are taken in at once)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True)
     add_engine_args(p)
@@ -144,7 +147,8 @@ def serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout)
     return run_server(args.model, engine_config(args), settings, host=args.host, port=args.port,
                       in_process=args.in_process, max_waiting=args.max_waiting,
-                      log_level=args.log_level, access_log=args.access_log)
+                      core_threads=args.core_threads, log_level=args.log_level,
+                      access_log=args.access_log)
 
 
 def _stop_bench_args(p: argparse.ArgumentParser) -> None:

@@ -200,22 +200,27 @@ def test_non_streaming_dropped_while_queued(server, baseline):
 
 def test_disconnect_while_preempted(server, baseline):
     """Four requests that outgrow the pool together: the engine preempts one, and clients
-    that leave while their request is preempted still abort it at once."""
-    before = server.metrics()
-    socks = [raw_request(server.port, "/v1/completions", json.dumps(
-        # 190-token prompts: the pool is nearly full from the start, preemption comes soon.
-        {"model": "tiny", "prompt": [10 + i] * 190, "max_tokens": 400,
-         "ignore_eos": True, "stream": True}).encode(), server.headers) for i in range(MAX_SEQS)]
-    server.wait_for(lambda m: m["stopline_requests_preempted"] >= 1, timeout=30)
-    for s in socks:
-        s.close()
-    server.wait_idle(baseline)
-    after = server.metrics()
+    that leave while their request is preempted still abort it at once. A victim may be
+    resumed within a step or two of its preemption, so a round in which every client left
+    after the victim had resumed is tried again (up to four rounds)."""
     key = 'stopline_aborts_total{source="disconnect",state="preempted"}'
-    assert after[key] >= before[key] + 1
-    assert total(after, 'stopline_aborts_total{source="disconnect"') == \
-        total(before, 'stopline_aborts_total{source="disconnect"') + MAX_SEQS
-    assert total(after, "stopline_preemptions_total") > total(before, "stopline_preemptions_total")
+    for _ in range(4):
+        before = server.metrics()
+        socks = [raw_request(server.port, "/v1/completions", json.dumps(
+            # 190-token prompts: the pool is nearly full from the start, preemption comes soon.
+            {"model": "tiny", "prompt": [10 + i] * 190, "max_tokens": 400,
+             "ignore_eos": True, "stream": True}).encode(), server.headers) for i in range(MAX_SEQS)]
+        server.wait_for(lambda m: m["stopline_requests_preempted"] >= 1, timeout=30)
+        for s in socks:
+            s.close()
+        server.wait_idle(baseline)
+        after = server.metrics()
+        assert total(after, 'stopline_aborts_total{source="disconnect"') == \
+            total(before, 'stopline_aborts_total{source="disconnect"') + MAX_SEQS
+        assert total(after, "stopline_preemptions_total") > total(before, "stopline_preemptions_total")
+        if after[key] > before[key]:
+            return
+    pytest.fail("no disconnect landed while a request was preempted in four rounds")
 
 
 def test_cancel_endpoint_ends_open_stream(server, client, baseline):

@@ -97,11 +97,13 @@ class AsyncEngine:
 
     @classmethod
     def in_subprocess(cls, model: str | None = None, config: EngineConfig | None = None, *,
-                      progress: bool = True, **kwargs: Any) -> AsyncEngine:
-        """The core runs in its own process and talks ZMQ."""
+                      progress: bool = True, core_threads: int | None = None,
+                      **kwargs: Any) -> AsyncEngine:
+        """The core runs in its own process and talks ZMQ. core_threads: torch threads there
+        (None: all CPUs but one when there are more than two)."""
         from stopline.engine.transport import ProcCore
 
-        return cls(ProcCore(model, config, progress=progress), **kwargs)
+        return cls(ProcCore(model, config, progress=progress, threads=core_threads), **kwargs)
 
     async def start(self) -> CoreInfo:
         """Load the model and start the core; returns when requests can be admitted."""

@@ -54,6 +54,9 @@ class CoreLoop:
         self._reclaiming: dict[str, _AbortClock] = {}  # ended, blocks maybe behind the fence
         self._calls: list[tuple[str, Future]] = []
         self._ended: dict[str, float] = {}  # aborted request id -> when its terminal came out
+        # Called before each step on the stepping thread (the core process lets its input
+        # thread in here: see core_proc.Doorbell).
+        self.before_step: Callable[[], None] | None = None
         # With async scheduling the core hands out outputs mid-step (while the next forward
         # runs): send them at once rather than at the end of the step.
         core.output_sink = self._sink
@@ -111,6 +114,8 @@ class CoreLoop:
                 self._work.wait()
                 self._work.clear()
                 continue
+            if self.before_step is not None:
+                self.before_step()
             with self._lock:
                 self._step_no += 1
             outputs = core.step()

@@ -61,14 +61,16 @@ class CoreAddresses(msgspec.Struct, frozen=True):
     input: str
     abort: str
     output: str
+    doorbell: str  # a FIFO: one byte per abort sent, see core_proc.Doorbell
 
 
 class ProcCore:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, *,
-                 progress: bool = True) -> None:
+                 progress: bool = True, threads: int | None = None) -> None:
         self.model = model
         self.config = config
         self.progress = progress
+        self.threads = threads  # torch threads in the core (None: all CPUs but one, see core_proc)
         self.tokenizer: Tokenizer | None = None
         self.proc: multiprocessing.process.BaseProcess | None = None
         self._enc = msgspec.msgpack.Encoder()
@@ -81,6 +83,7 @@ class ProcCore:
         self._closing = False
         self._reader: asyncio.Task | None = None
         self._dir: str | None = None
+        self._bell: int | None = None
 
     # ---- start ----------------------------------------------------------------------------
     async def start(self, on_batch: Callable[[Batch], None],
@@ -91,7 +94,9 @@ class ProcCore:
         self._aloop = aloop = asyncio.get_running_loop()
         self._on_batch, self._on_dead = on_batch, on_dead
         self._dir = tempfile.mkdtemp(prefix="stopline-ipc-")
-        addrs = CoreAddresses(*(f"ipc://{self._dir}/{name}" for name in ("input", "abort", "output")))
+        addrs = CoreAddresses(*(f"ipc://{self._dir}/{name}" for name in ("input", "abort", "output")),
+                              doorbell=f"{self._dir}/doorbell")
+        os.mkfifo(addrs.doorbell)
         self._ctx = zmq.Context()
         self._in = self._push(addrs.input)
         self._abort = self._push(addrs.abort)
@@ -104,7 +109,8 @@ class ProcCore:
         self._reader = asyncio.create_task(self._read(), name="stopline-core-reader")
         mp = multiprocessing.get_context("spawn")  # a clean interpreter: no inherited threads or loop
         self.proc = mp.Process(target=core_proc.main, name="stopline-core", daemon=True,
-                               args=(addrs, self.model, self.config, self.progress, os.getpid()))
+                               args=(addrs, self.model, self.config, self.progress, os.getpid(),
+                                     self.threads))
         self.proc.start()
         threading.Thread(target=self._watch, args=(self.proc.sentinel,), daemon=True,
                          name="stopline-core-watch").start()
@@ -114,6 +120,8 @@ class ProcCore:
         for sock in (self._in, self._abort):
             if not await asyncio.to_thread(sock.poll, 10_000, zmq.POLLOUT):
                 raise EngineDead("the engine core never connected its input sockets")
+        # The core opened the FIFO for reading before it said ready, so this can't block.
+        self._bell = os.open(addrs.doorbell, os.O_WRONLY | os.O_NONBLOCK)
         self.tokenizer = Tokenizer.from_state(info.tokenizer_state)
         log.info("engine core ready in process %d (%s)", self.proc.pid, info.source)
         return info
@@ -154,6 +162,10 @@ class ProcCore:
 
     def abort(self, request_ids: list[str], source: AbortSource, t0: float) -> None:
         self._send(self._abort, AbortMsg(list(request_ids), source, t0))
+        try:
+            os.write(self._bell, b"!")
+        except BlockingIOError:
+            pass  # the FIFO is full of rings already: the core will look
 
     async def utility(self, method: str) -> Any:
         call_id = next(self._call_ids)
@@ -260,6 +272,9 @@ class ProcCore:
             sock = getattr(self, name, None)
             if sock is not None:
                 sock.close(linger=0)
+        if getattr(self, "_bell", None) is not None:
+            os.close(self._bell)
+            self._bell = None
         for name in ("_ctx", "_actx"):
             ctx = getattr(self, name, None)
             if ctx is not None:

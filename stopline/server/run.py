@@ -60,12 +60,16 @@ class _Server(uvicorn.Server):
 
 def serve(model: str | None, config: EngineConfig, settings: ServerSettings, *,
           host: str = "127.0.0.1", port: int = 8000, in_process: bool = False,
-          max_waiting: int | None = None, log_level: str = "info", access_log: bool = True) -> int:
+          max_waiting: int | None = None, core_threads: int | None = None,
+          log_level: str = "info", access_log: bool = True) -> int:
     """Serve until stopped; returns the process exit status."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    make = AsyncEngine.in_process if in_process else AsyncEngine.in_subprocess
-    engine = make(model, config, progress=True, max_waiting=max_waiting)
+    if in_process:
+        engine = AsyncEngine.in_process(model, config, progress=True, max_waiting=max_waiting)
+    else:
+        engine = AsyncEngine.in_subprocess(model, config, progress=True, max_waiting=max_waiting,
+                                           core_threads=core_threads)
     state = ServerState(engine, settings)
     app = build_app(state)
     uconfig = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
