@@ -138,10 +138,12 @@ class Doorbell:
 
     The input thread needs the GIL to accept an abort, and a stepping thread running many small
     torch ops keeps taking it back: each op releases and retakes the GIL, which resets
-    CPython's switch-interval clock, so the waiting thread only gets in if it wins a race
-    (measured on an idle 16-core machine: 3.4 ms median). The frontend writes one byte to a
-    FIFO per abort; before each step the stepping thread checks the FIFO (one select() call)
-    and, if it rings, blocks until the input thread has taken the aborts (at most 5 ms).
+    CPython's switch-interval clock, so a waiting thread gets in only when it wins a race. The
+    frontend writes one byte to a FIFO per abort; before each step the stepping thread checks
+    the FIFO (one select() call) and, if it rings, blocks until the input thread has taken the
+    aborts (at most 5 ms), so that wait is bounded by one step. (Its own effect is not
+    isolated in the measurements: the 3 ms medians seen on an idle 16-CPU machine were CPU
+    starvation, which _set_threads fixes.)
     """
 
     WAIT = 0.005
