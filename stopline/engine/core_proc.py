@@ -54,8 +54,10 @@ def main(addrs: CoreAddresses, model: str | None, config: EngineConfig | None, p
          parent_pid: int, threads: int | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [core] %(message)s")
-    # Ctrl-C in a terminal signals the whole process group; the frontend decides how we stop.
+    # Ctrl-C in a terminal, and systemd's stop, signal the whole process group: the frontend
+    # decides how we stop (it drains first, then sends ShutdownMsg; if it dies, so do we).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # The input thread must get the GIL quickly while the stepping thread runs Python code:
     # with the default 5 ms switch interval an abort waits about that long to be accepted.
     sys.setswitchinterval(ABORT_SWITCH_INTERVAL)
