@@ -84,7 +84,10 @@ def vllm_spec(block_size: int = 32) -> EngineSpec:
     def command(port: int, kv_tokens: int | None, variant: dict[str, str]) -> list[str]:
         cmd = ["bash", str(PEERS_DIR / "start_vllm.sh"), "--block-size", str(block_size)]
         if kv_tokens is not None:
-            cmd += ["--num-gpu-blocks-override", str(-(-kv_tokens // block_size))]
+            blocks = -(-kv_tokens // block_size)
+            # vLLM refuses to start when one max-length sequence can't fit in the pool.
+            cmd += ["--num-gpu-blocks-override", str(blocks),
+                    "--max-model-len", str(blocks * block_size)]
         return cmd
     return EngineSpec("vllm", command, VLLM_METRICS, start_timeout=900.0)
 
