@@ -40,7 +40,7 @@ def state_name(req: Request) -> str:
     if req.status is RequestStatus.RUNNING:
         if req.fork_leader is not None:
             return "waiting"
-        return "prefilling" if req.is_prefilling else "running"
+        return "prefilling" if req.was_prefilling else "running"
     return req.status.value
 
 

@@ -187,6 +187,7 @@ class Request:
     first_scheduled: float | None = None
     last_scheduled_step: int = -1  # fence: the newest step that may write this request's blocks
     inflight_samples: int = 0  # tokens the step in flight will sample for this request
+    inflight_tokens: int = 0  # tokens the step in flight computes for it (already in num_computed)
     num_preemptions: int = 0
     num_recomputed: int = 0
     undelivered: int = 0
@@ -217,6 +218,12 @@ class Request:
     def is_prefilling(self) -> bool:
         # A decode step computes exactly the last sampled token; anything more is (re)prefill.
         return not (self.output_token_ids and self.num_computed == self.num_tokens - 1)
+
+    @property
+    def was_prefilling(self) -> bool:
+        """is_prefilling as of before the step in flight (which already counts in num_computed)."""
+        computed = self.num_computed - self.inflight_tokens
+        return not (self.output_token_ids and computed == self.num_tokens - 1)
 
     @property
     def max_tokens(self) -> int:

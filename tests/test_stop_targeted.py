@@ -104,6 +104,7 @@ def test_abort_between_forward_and_processing_releases_through_fence(tiny):
     abort_during_forward(eng, "a", on_step=3)
     res = drain(eng)
     assert res[("a", 0)]["terminal"][0].finish_reason is FinishReason.ABORT
+    assert eng.lifecycle.stats.aborts[("cancel", "running")] == 1  # a decode, not a prefill
     assert len(res[("a", 0)]["tokens"]) == 3
     # reclaimed when the step that could write its blocks was processed: the same step
     assert eng.lifecycle.stats.abort_to_reclaim_steps == [1]

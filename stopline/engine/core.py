@@ -208,7 +208,7 @@ class EngineCore:
             bad_rows = {i for i, b in enumerate(nan) if b}
         for ci, ch in enumerate(plan.chunks):
             req = ch.req
-            req.inflight_samples = 0
+            req.inflight_samples = req.inflight_tokens = 0
             if req.status is not RequestStatus.RUNNING:
                 continue  # ended while the step ran; the lifecycle counted what it wasted
             self._register_prefix(req)

@@ -152,6 +152,7 @@ class Scheduler:
             req.first_scheduled = time.monotonic()
         sample = req.num_computed == req.num_tokens
         req.inflight_samples = (1 + len(req.forks_pending)) if sample else 0
+        req.inflight_tokens = n
         plan.chunks.append(ScheduledChunk(req, start, n, sample=sample))
 
     def _grow(self, req: Request, upto: int, scheduled: set[int]) -> bool:
