@@ -48,7 +48,7 @@ class EngineConfig:
     # result never depends on how many other rows share its step. Prompt rows and generated
     # rows may use different heights (big tiles are cheap per row, small ones per step).
     prompt_tile: int = 64
-    decode_tile: int = 8
+    decode_tile: int = 16
     lm_head_tile: int = 16
     device: str = "cpu"
     seed: int = 0
