@@ -6,6 +6,7 @@ and a peer that failed to start is listed with its error."""
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,7 @@ def _markdown(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
     L += ["## Reproducing", "", "```", "bash bench/peers/setup_vllm.sh      # own venv under /work/peers",
           "bash bench/peers/setup_llamacpp.sh  # llama-server from the llama-cpp-python sdist",
           "stopline bench serve --peers vllm,llamacpp,hf --profile quick",
-          "stopline bench serve-report bench-results/*/results.json   # re-render from results",
+          "stopline bench serve-report docs/bench-data/*.json   # re-render this report",
           "```"]
     return L
 
@@ -207,8 +208,10 @@ def _preemption(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
                  f"| {f(u['recomputed_tokens'], 0)} | — | {', '.join(u['finish_reasons'])} |")
         for v in w["variants"]:
             if "error" in v:
-                L.append(f"| {e} | {v['policy']} / {v['mode']} | failed to start: "
-                         f"{v['error'][-200:].replace(chr(10), ' ')} ||||||| ")
+                why = v["error"].strip().splitlines()
+                why = next((w for w in reversed(why) if "Error" in w), why[-1] if why else "")
+                L.append(f"| {e} | {v['policy']} / {v['mode']} | {w['kv_tokens']} / {w['demand_tokens']} | "
+                         f"failed to start: {why[:200].replace('|', '/')} | — | — | — | — | — |")
                 continue
             L.append(f"| {e} | {v['policy']} / {v['mode']} | {w['kv_tokens']} / {w['demand_tokens']} | "
                      f"{f(v['output_tok_s'], 1)} | {f(v['throughput_ratio'])} | {f(v['preemptions'], 0)} | "
@@ -287,6 +290,7 @@ def _targets(res: dict[str, Any]) -> list[str]:
 def _caption(res: dict[str, Any]) -> str:
     # Every run merged into the report: a figure may mix engines measured by different runs.
     runs = [f"{m['command']}  ({m['started']}, git {m.get('git') or '?'})" for m in res["metas"]]
+    runs = [line for r in runs for line in textwrap.wrap(r, 170, subsequent_indent="    ")]
     return "\n".join(runs + [res["metas"][-1]["machine"]["summary"]])
 
 
