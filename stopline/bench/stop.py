@@ -66,7 +66,7 @@ def make_prompts(loaded: LoadedModel, n: int, seed: int, long_every: int = 4,
     out = []
     for i in range(n):
         text = f"Write a short story about {rng.choice(TOPICS)} (story {i})."
-        if long_every and i % long_every == 0:
+        if long_every and i % long_every == 1:  # odd indices are the aborted half
             filler = " ".join(rng.choice(TOPICS) for _ in range(long_tokens // 3))
             text = f"Here are some notes: {filler}. Now summarize them."
         chat = tok.apply_chat_template([{"role": "user", "content": text}])
