@@ -8,26 +8,24 @@ import time
 from collections.abc import Callable
 
 Command = Callable[[argparse.Namespace], int]
-_COMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Command]] = []
+Configure = Callable[[argparse.ArgumentParser], None]
+Registry = list[tuple[str, str, Configure, Command]]
+_COMMANDS: Registry = []  # stopline NAME
+_BENCHES: Registry = []  # stopline bench NAME
 
 
-def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]):
-    """Register a subcommand (decorator). Each subcommand lives in its own function."""
-    def wrap(fn: Command) -> Command:
-        _COMMANDS.append((name, help, configure, fn))
-        return fn
-    return wrap
+def _registrar(registry: Registry, doc: str) -> Callable[[str, str, Configure], Callable[[Command], Command]]:
+    def register(name: str, help: str, configure: Configure) -> Callable[[Command], Command]:
+        def wrap(fn: Command) -> Command:
+            registry.append((name, help, configure, fn))
+            return fn
+        return wrap
+    register.__doc__ = doc
+    return register
 
 
-_BENCHES: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Command]] = []
-
-
-def bench_command(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None]):
-    """Register `stopline bench NAME` (decorator), like `command` one level down."""
-    def wrap(fn: Command) -> Command:
-        _BENCHES.append((name, help, configure, fn))
-        return fn
-    return wrap
+command = _registrar(_COMMANDS, "Register a subcommand (decorator); each lives in its own function.")
+bench_command = _registrar(_BENCHES, "Register `stopline bench NAME` (decorator), like `command`.")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
