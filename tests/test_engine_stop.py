@@ -119,6 +119,9 @@ def test_stop_token_ids(llm: LLM, continuations) -> None:
         assert res.finish_reason is FinishReason.STOP
         assert res.stop_detail == f"stop_token_id:{cont[k]}"
         assert res.token_ids == cont[:k + 1]
+        # like a stop string, the stop token's own text is not output
+        assert res.text == _streamed(res)
+        assert res.text == llm.tokenizer.decode(cont[:k])
 
 
 # ---- stop strings ---------------------------------------------------------------------------

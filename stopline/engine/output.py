@@ -68,7 +68,10 @@ class OutputProcessor:
             return None
         p = req.params
         longest = max((len(s) for s in p.stop), default=0)
-        while req.num_detokenized < len(req.output_token_ids):
+        end = len(req.output_token_ids)
+        if end and end >= p.min_tokens and req.output_token_ids[-1] in p.stop_token_ids:
+            end -= 1  # the stop token ended the request: like a stop string, it is not output text
+        while req.num_detokenized < end:
             token = req.output_token_ids[req.num_detokenized]
             req.num_detokenized += 1
             old_len = len(req.text)
