@@ -20,7 +20,7 @@ import torch
 
 from stopline.config import EngineConfig, PreemptionMode
 from stopline.engine.output import OutputProcessor, RequestOutput, Stop
-from stopline.kv.block_pool import BlockPool, LedgerError, hash_blocks
+from stopline.kv.block_pool import BlockPool, LedgerError
 from stopline.kv.kv_cache import KVCache, SwapSpace
 from stopline.lifecycle import Lifecycle
 from stopline.model.llama import LlamaModel, StepInterrupted
@@ -278,10 +278,9 @@ class EngineCore:
         n_full = min(req.num_computed, req.prompt_len) // bs
         if n_full <= req.num_hashed_blocks:
             return
-        if req.prompt_hashes is None:
-            req.prompt_hashes = hash_blocks(req.prompt_token_ids, bs)
+        hashes = self.scheduler.prompt_hashes(req)
         for i in range(req.num_hashed_blocks, n_full):
-            self.pool.register(req.block_ids[i], req.prompt_hashes[i])
+            self.pool.register(req.block_ids[i], hashes[i])
         req.num_hashed_blocks = n_full
 
     # ---- inbox, deadlines, terminal outputs --------------------------------------------

@@ -21,16 +21,14 @@ class OutOfBlocks(RuntimeError):
     """allocate() was asked for more blocks than can be had; callers check can_allocate first."""
 
 
-def hash_blocks(token_ids: Sequence[int], block_size: int, parent: int | None = None,
-                start_block: int = 0, limit: int | None = None) -> list[int]:
-    """Chained hashes of the full blocks of token_ids, starting at block `start_block`.
+def hash_blocks(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of token_ids.
 
     Each hash covers every token before it (the chain), so equal hashes mean equal prefixes.
     """
-    n_full = len(token_ids) // block_size if limit is None else min(limit, len(token_ids)) // block_size
     out: list[int] = []
-    h = parent if parent is not None else 0x5707_11E
-    for i in range(start_block, n_full):
+    h = 0x5707_11E
+    for i in range(len(token_ids) // block_size):
         h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size])))
         out.append(h)
     return out

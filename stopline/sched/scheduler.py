@@ -189,6 +189,13 @@ class Scheduler:
             )
         return False
 
+    def prompt_hashes(self, req: Request) -> list[int]:
+        """Chained hashes of the prompt's full blocks, computed once per request (a request
+        at the head of the queue is looked up again at every step until it fits)."""
+        if req.prompt_hashes is None:
+            req.prompt_hashes = hash_blocks(req.prompt_token_ids, self.pool.block_size)
+        return req.prompt_hashes
+
     def _never_fits(self, req: Request) -> str | None:
         need = self.blocks_for(req.num_tokens + 1) + len(req.forks_pending)
         if need > self.pool.num_blocks:
@@ -207,9 +214,8 @@ class Scheduler:
         hits: list[int] = []
         if self.config.enable_prefix_caching:
             # Never cover the last token: its logits must be computed.
-            hashes = hash_blocks(req.prompt_token_ids, self.pool.block_size,
-                                 limit=min(req.prompt_len, req.num_tokens - 1))
-            hits = self.pool.lookup(hashes)
+            n_full = min(req.prompt_len, req.num_tokens - 1) // self.pool.block_size
+            hits = self.pool.lookup(self.prompt_hashes(req)[:n_full])
         hits_free = sum(1 for b in hits if self.pool.refcount[b] == 0)
         # Each forked sample needs its own copy of the last, partial prompt block.
         partial = 1 if req.prompt_len % self.pool.block_size else 0
