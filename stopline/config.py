@@ -44,12 +44,6 @@ class EngineConfig:
     admission_headroom: float = 0.0
     async_scheduling: bool = False
     debug: bool = False  # audit after every step and poison freed blocks
-    # Batch invariance: every linear layer runs on row tiles of a fixed height, so a row's
-    # result never depends on how many other rows share its step. Prompt rows and generated
-    # rows may use different heights (big tiles are cheap per row, small ones per step).
-    prompt_tile: int = 64
-    decode_tile: int = 16
-    lm_head_tile: int = 16
     device: str = "cpu"
     seed: int = 0
 
@@ -60,8 +54,7 @@ class EngineConfig:
             self.debug = True
         if self.max_preemptions < 0:
             raise ValueError(f"EngineConfig.max_preemptions must be >= 0, got {self.max_preemptions}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "prompt_tile", "decode_tile", "lm_head_tile"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks is not None and self.num_blocks < 1:

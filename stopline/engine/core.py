@@ -63,7 +63,8 @@ class EngineCore:
         swap = None
         if cfg.preemption_mode is not PreemptionMode.RECOMPUTE:
             swap = SwapSpace(cfg.swap_space_blocks or num_blocks)
-        self.model = LlamaModel(mc, loaded.weights, cfg.lm_head_tile, device=cfg.device)
+        self.model = LlamaModel(mc, loaded.weights, max_rows=cfg.max_num_batched_tokens,
+                                max_logit_rows=cfg.max_num_seqs, device=cfg.device)
         self.runner = ModelRunner(self.model, self.kv, cfg)
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)

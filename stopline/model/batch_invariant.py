@@ -1,64 +1,155 @@
 """Kernels whose result for a row does not depend on the other rows of the batch.
 
-CPU GEMM libraries pick a different kernel (and so a different summation order) depending
-on how many rows a call has: measured here, torch's fp32 linear gives bitwise different
-rows for M in 1..15 and 57..79 than for other M. So every linear runs on row tiles of a fixed
-height: a row then always goes through the same kernel, whatever shares its step. Attention
-reduces over each sequence's own keys in float64 and rounds once to float32, so that the
-order of the reduction (which depends on padding and chunking) is lost in the rounding.
+A GEMM library picks its kernel (and so its summation order) by the shape of the call, so a
+row can come out with different bits depending on how many rows share its step. Measured on
+this machine's MKL: `F.linear(x, w)` gives different rows for M = 1, M in 2..15 and M >= 16;
+`x @ w_t` with the weight stored transposed (K x N, contiguous) gives the same rows for
+every M >= 2 with one thread, while with two threads the K = 1536 projection splits again
+at M = 17..129. Rather than trust either, each weight calibrates itself: it multiplies
+random rows at a ladder of row counts (shifted, so a row also changes its place in the
+tile) and keeps the row counts whose every row matches the others bit for bit. A batch then
+runs as tiles of kept heights only (padded with zero rows), which is one GEMM whenever the
+library allows it.
+
+Attention reduces over each sequence's own keys in float64 and rounds once to float32, so
+the order of the reduction (which depends on padding and chunking) is lost in the rounding.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import torch.nn.functional as F
+
+# A tile costs its rows plus this many rows' worth of fixed overhead (call, weight reads).
+_TILE_OVERHEAD_ROWS = 8
 
 
-def tiled_linear(x: torch.Tensor, w: torch.Tensor, tile: int) -> torch.Tensor:
-    """x @ w.T computed on fixed-height row tiles (the last one zero-padded)."""
-    n = x.shape[0]
-    if n == tile:
-        return F.linear(x, w)
-    if n == 0:
-        return x.new_empty(0, w.shape[0])
-    full = n - n % tile
-    if full == n:
-        return torch.cat([F.linear(x[s:s + tile], w) for s in range(0, n, tile)])
-    pad = x.new_zeros(tile, x.shape[1])
-    pad[: n - full] = x[full:]
-    parts = [F.linear(x[s:s + tile], w) for s in range(0, full, tile)]
-    parts.append(F.linear(pad, w)[: n - full])
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+def probe_heights(max_rows: int) -> list[int]:
+    """Row counts to calibrate: every count up to 16, then steps of about 1/8."""
+    out = list(range(1, min(16, max_rows) + 1))
+    h = 16
+    while h < max_rows:
+        h += max(4, 1 << max(0, h.bit_length() - 4))
+        out.append(min(h, max_rows))
+    return out
 
 
-class RowSplit:
-    """Rows of a step in two classes with their own tile heights: prompt rows and generated
-    rows. A recomputed (preempted) request's generated tokens are generated rows again, so
-    their K/V come out bitwise identical to the first time."""
+def calibrate(w_t: torch.Tensor, max_rows: int, seed: int = 0) -> tuple[int, ...]:
+    """The row counts at which `x @ w_t` gives every row the same bits as at every other
+    kept count. Seeded from 2 rows (a lone decode pads to 2; one row goes down another path
+    in every library tried); if that class stops short of 16 rows, the class of 16 is tried
+    too and the one that keeps more counts wins."""
+    probes = [h for h in probe_heights(max_rows) if h >= 2] or [2]
+    best: tuple[int, ...] = ()
+    for seed_height in (2, 16):
+        kept = _chain(w_t, probes, seed_height, seed)
+        if len(kept) > len(best):
+            best = kept
+        if best and best[-1] >= 16:
+            break
+    return best
 
-    def __init__(self, is_generated: torch.Tensor, prompt_tile: int, decode_tile: int) -> None:
-        self.prompt_tile = prompt_tile
-        self.decode_tile = decode_tile
-        n_gen = int(is_generated.sum())
-        self.n = is_generated.numel()
-        self.all_gen = n_gen == self.n
-        self.all_prompt = n_gen == 0
-        if not (self.all_gen or self.all_prompt):
-            order = torch.argsort(is_generated.to(torch.int8), stable=True)
-            self.order = order
-            self.inverse = torch.empty_like(order)
-            self.inverse[order] = torch.arange(self.n)
-            self.n_prompt = self.n - n_gen
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.all_gen:
-            return tiled_linear(x, w, self.decode_tile)
-        if self.all_prompt:
-            return tiled_linear(x, w, self.prompt_tile)
-        xs = x.index_select(0, self.order)
-        y = torch.cat([tiled_linear(xs[: self.n_prompt], w, self.prompt_tile),
-                       tiled_linear(xs[self.n_prompt:], w, self.decode_tile)])
-        return y.index_select(0, self.inverse)
+def _chain(w_t: torch.Tensor, probes: list[int], first: int, seed: int) -> tuple[int, ...]:
+    k = w_t.shape[0]
+    shift_span = 8
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(max(probes) + shift_span, k, generator=gen).to(w_t.device, w_t.dtype)
+    ref = torch.zeros(x.shape[0], w_t.shape[1], device=w_t.device, dtype=w_t.dtype)
+    known = torch.zeros(x.shape[0], dtype=torch.bool, device=w_t.device)
+    order = [h for h in probes if h == first] + [h for h in probes if h != first]
+    kept = []
+    for h in order:
+        s = (h * 5) % shift_span  # the rows sit at a different place in each tile
+        y = x[s:s + h] @ w_t
+        seen = known[s:s + h]
+        if not kept or torch.equal(y[seen], ref[s:s + h][seen]):
+            if not kept and h != first:
+                continue
+            ref[s:s + h] = y
+            known[s:s + h] = True
+            kept.append(h)
+    return tuple(sorted(kept))
+
+
+def tile_plan(n: int, heights: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Cover n rows with tiles of allowed heights: [(rows used, tile height), ...], chosen
+    by cost (padded rows plus a fixed overhead per tile)."""
+    return list(_plans(heights)[n]) if n < len(_plans(heights)) else _plan_long(n, heights)
+
+
+@functools.lru_cache(maxsize=64)
+def _plans(heights: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:
+    top = heights[-1]
+    cost = [0.0] * (top + 1)
+    plans: list[tuple[tuple[int, int], ...]] = [()] * (top + 1)
+    for n in range(1, top + 1):
+        best_cost, best_plan = float("inf"), ()
+        for h in heights:
+            if h >= n:
+                c = h + _TILE_OVERHEAD_ROWS
+                if c < best_cost:
+                    best_cost, best_plan = c, ((n, h),)
+                break  # larger heights only pad more
+            c = h + _TILE_OVERHEAD_ROWS + cost[n - h]
+            if c < best_cost:
+                best_cost, best_plan = c, ((h, h),) + plans[n - h]
+        cost[n], plans[n] = best_cost, best_plan
+    return plans
+
+
+def _plan_long(n: int, heights: tuple[int, ...]) -> list[tuple[int, int]]:
+    top = heights[-1]
+    full, rest = divmod(n, top)
+    return [(top, top)] * full + (list(_plans(heights)[rest]) if rest else [])
+
+
+class InvariantLinear:
+    """y = x @ w.T whose rows never depend on the other rows of x."""
+
+    def __init__(self, w: torch.Tensor, max_rows: int) -> None:
+        self.w_t = w.t().contiguous()
+        self.max_rows = max(2, max_rows)
+        self._heights: dict[int, tuple[int, ...]] = {}
+
+    def heights(self) -> tuple[int, ...]:
+        # The library's choice of kernel depends on the thread count too.
+        threads = torch.get_num_threads()
+        found = self._heights.get(threads)
+        if found is None:
+            found = _calibrated(self.w_t, self.max_rows, threads)
+            self._heights[threads] = found
+        return found
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if n == 0:
+            return x.new_empty(0, self.w_t.shape[1])
+        heights = self.heights()
+        plan = tile_plan(n, heights)
+        if len(plan) == 1 and plan[0][1] == n:
+            return x @ self.w_t
+        parts = []
+        start = 0
+        for used, h in plan:
+            tile = x[start:start + used]
+            if used < h:
+                tile = torch.cat([tile, x.new_zeros(h - used, x.shape[1])])
+            parts.append((tile @ self.w_t)[:used])
+            start += used
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+_CALIBRATED: dict[tuple, tuple[int, ...]] = {}
+
+
+def _calibrated(w_t: torch.Tensor, max_rows: int, threads: int) -> tuple[int, ...]:
+    """Calibration depends on the shape, not the values: one per shape and thread count."""
+    key = (tuple(w_t.shape), w_t.dtype, str(w_t.device), max_rows, threads)
+    if key not in _CALIBRATED:
+        _CALIBRATED[key] = calibrate(w_t, max_rows)
+    return _CALIBRATED[key]
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from stopline.kv.kv_cache import KVCache
-from stopline.model.batch_invariant import RowSplit, rms_norm, tiled_linear
+from stopline.model.batch_invariant import InvariantLinear, rms_norm
 from stopline.model.config import ModelConfig
 
 
@@ -38,17 +38,16 @@ class StepInputs:
     token_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
     write_slots: torch.Tensor  # [N] where each row's K/V goes
-    split: RowSplit
     prefills: list[PrefillSeq]
     decode: DecodeBatch | None
     logit_rows: torch.Tensor  # rows whose next-token logits are needed
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], lm_head_tile: int,
-                 device: str = "cpu") -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, max_rows: int,
+                 max_logit_rows: int, device: str = "cpu") -> None:
+        """max_rows: most rows a step carries; max_logit_rows: most rows that need logits."""
         self.config = config
-        self.lm_head_tile = lm_head_tile
         c = config
         self.group = c.num_heads // c.num_kv_heads
         self.scale = 1.0 / math.sqrt(c.head_dim)
@@ -58,8 +57,12 @@ class LlamaModel:
             # about 4x slower here.
             return weights[name].to(device=device, dtype=torch.float32).clone()
 
+        def linear(*names: str) -> InvariantLinear:
+            return InvariantLinear(torch.cat([w(n) for n in names]), max_rows)
+
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed
+        head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+        self.lm_head = InvariantLinear(w(head), max_logit_rows)
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(c.num_layers):
@@ -67,12 +70,11 @@ class LlamaModel:
             self.layers.append({
                 "ln1": w(p + "input_layernorm.weight"),
                 "ln2": w(p + "post_attention_layernorm.weight"),
-                "qkv": torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                                  w(p + "self_attn.v_proj.weight")]).contiguous(),
-                "o": w(p + "self_attn.o_proj.weight"),
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"),
-                                      w(p + "mlp.up_proj.weight")]).contiguous(),
-                "down": w(p + "mlp.down_proj.weight"),
+                "qkv": linear(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                              p + "self_attn.v_proj.weight"),
+                "o": linear(p + "self_attn.o_proj.weight"),
+                "gate_up": linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                "down": linear(p + "mlp.down_proj.weight"),
             })
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
         pos = torch.arange(c.max_position, dtype=torch.float32)
@@ -99,20 +101,20 @@ class LlamaModel:
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted(f"interrupted before layer {li}")
             h = rms_norm(x, layer["ln1"], c.rms_norm_eps)
-            qkv = inp.split.linear(h, layer["qkv"])
+            qkv = layer["qkv"](h)
             qk = self._rope(qkv[:, :(hq + hk) * d].reshape(n, hq + hk, d), cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
             kv.k[li].index_copy_(0, inp.write_slots, k)
             kv.v[li].index_copy_(0, inp.write_slots, v)
             o = self._attention(q, inp, kv.k[li], kv.v[li])
-            x = x + inp.split.linear(o, layer["o"])
+            x = x + layer["o"](o)
             h = rms_norm(x, layer["ln2"], c.rms_norm_eps)
-            gu = inp.split.linear(h, layer["gate_up"])
+            gu = layer["gate_up"](h)
             inter = gu.shape[1] // 2
-            x = x + inp.split.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer["down"])
+            x = x + layer["down"](F.silu(gu[:, :inter]) * gu[:, inter:])
         last = rms_norm(x.index_select(0, inp.logit_rows), self.final_norm, c.rms_norm_eps)
-        return tiled_linear(last, self.lm_head, self.lm_head_tile)
+        return self.lm_head(last)
 
     def _attention(self, q: torch.Tensor, inp: StepInputs, kc: torch.Tensor,
                    vc: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,6 @@ import torch
 
 from stopline.config import EngineConfig
 from stopline.kv.kv_cache import KVCache
-from stopline.model.batch_invariant import RowSplit
 from stopline.model.llama import DecodeBatch, LlamaModel, PrefillSeq, StepInputs
 from stopline.sched.scheduler import StepPlan
 
@@ -34,7 +33,6 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        generated: list[bool] = []
         prefills: list[PrefillSeq] = []
         dec_rows: list[int] = []
         dec_tables: list[list[int]] = []
@@ -50,7 +48,6 @@ class ModelRunner:
             for pos in range(ch.start, end):
                 positions.append(pos)
                 slots.append(req.block_ids[pos // bs] * bs + pos % bs)
-                generated.append(pos >= req.prompt_len)
             if ch.num_tokens == 1:
                 dec_rows.append(row0)
                 dec_tables.append(req.block_ids[: (end + bs - 1) // bs])
@@ -77,12 +74,11 @@ class ModelRunner:
             decode = DecodeBatch(torch.tensor(dec_rows, dtype=torch.long).to(self.device),
                                  dslots.to(self.device), valid.to(self.device))
         dev = self.device
-        split = RowSplit(torch.tensor(generated), self.config.prompt_tile, self.config.decode_tile)
         inputs = StepInputs(
             token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             write_slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            split=split, prefills=prefills, decode=decode,
+            prefills=prefills, decode=decode,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
         )
         return inputs, logit_index
