@@ -30,7 +30,8 @@ class PrefillSeq:
 class DecodeBatch:
     rows: torch.Tensor  # [B] row index of each decode
     slots: torch.Tensor  # [B, ctx_max] cache slots, padded
-    valid: torch.Tensor  # [B, ctx_max] bool
+    invalid: torch.Tensor  # [B, 1, 1, ctx_max] bool: padding, masked out of the softmax
+    all_rows: bool  # the step is decodes only, in row order
 
 
 @dataclass
@@ -136,13 +137,15 @@ class LlamaModel:
         dec = inp.decode
         if dec is not None:
             b, ctx = dec.slots.shape
-            qs = q.index_select(0, dec.rows).double().view(b, hk, g, d)
+            qs = (q if dec.all_rows else q.index_select(0, dec.rows)).double().view(b, hk, g, d)
             flat = dec.slots.reshape(-1)
             keys = kc.index_select(0, flat).view(b, ctx, hk, d).double().permute(0, 2, 3, 1)
             vals = vc.index_select(0, flat).view(b, ctx, hk, d).double()
             vals = vals.permute(0, 2, 1, 3)  # padded slots point at the zero block
             scores = torch.matmul(qs, keys) * self.scale  # [b, hk, g, ctx]
-            scores.masked_fill_(~dec.valid[:, None, None, :], float("-inf"))
-            o = torch.matmul(torch.softmax(scores, dim=-1), vals)  # [b, hk, g, d]
-            out.index_copy_(0, dec.rows, o.reshape(b, -1).float())
+            scores.masked_fill_(dec.invalid, float("-inf"))
+            o = torch.matmul(torch.softmax(scores, dim=-1), vals).reshape(b, -1)  # [b, hk*g*d]
+            if dec.all_rows:
+                return o.float()
+            out.index_copy_(0, dec.rows, o.float())
         return out

@@ -72,7 +72,8 @@ class ModelRunner:
             valid = torch.arange(dslots.shape[1])[None, :] < lens[:, None]
             dslots = torch.where(valid, dslots, null * bs)
             decode = DecodeBatch(torch.tensor(dec_rows, dtype=torch.long).to(self.device),
-                                 dslots.to(self.device), valid.to(self.device))
+                                 dslots.to(self.device), (~valid)[:, None, None, :].to(self.device),
+                                 all_rows=len(dec_rows) == len(tokens))
         dev = self.device
         inputs = StepInputs(
             token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),

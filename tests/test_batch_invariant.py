@@ -1,0 +1,50 @@
+"""Row-invariant linear layers: calibration, tile plans, and the property itself."""
+
+import pytest
+import torch
+
+from stopline.model.batch_invariant import InvariantLinear, calibrate, probe_heights, tile_plan
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (960, 576), (576, 1536)])
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(shape):
+    # A plain F.linear fails this on MKL: 1 row, 2..15 rows and 16+ rows take three kernels.
+    torch.manual_seed(0)
+    lin = InvariantLinear(torch.randn(shape) * 0.05, max_rows=128)
+    x = torch.randn(128, shape[1])
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(128)])
+    for n in (2, 3, 7, 15, 16, 17, 33, 57, 64, 100, 128):
+        start = (n * 3) % (128 - n + 1)
+        assert torch.equal(lin(x[start:start + n]), alone[start:start + n]), n
+
+
+def test_calibration_keeps_only_row_counts_that_agree():
+    w_t = torch.randn(64, 48)
+
+    def odd_kernel(x, w):  # a library whose kernel for 17..40 rows sums in another order
+        y = torch.matmul(x, w)
+        return y + 1e-3 if 17 <= x.shape[0] <= 40 else y
+
+    kept = calibrate(w_t, 64, matmul=odd_kernel)
+    assert all(h not in kept for h in range(17, 41))
+    assert set(range(2, 17)) <= set(kept) and 64 in kept
+    assert set(kept) == {h for h in probe_heights(64) if h >= 2 and not 17 <= h <= 40}
+
+
+def test_a_lone_seed_class_falls_back_to_the_class_of_sixteen():
+    def two_is_odd(x, w):
+        y = torch.matmul(x, w)
+        return y + 1e-3 if x.shape[0] < 16 else y
+
+    kept = calibrate(torch.randn(32, 16), 64, matmul=two_is_odd)
+    assert kept[0] == 16 and 64 in kept
+
+
+@pytest.mark.parametrize("heights", [tuple(h for h in probe_heights(512) if h >= 2),
+                                     (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 208, 256),
+                                     (16,)])
+def test_tile_plan_covers_every_row_with_allowed_heights(heights):
+    for n in range(1, 700):
+        plan = tile_plan(n, heights)
+        assert sum(used for used, _ in plan) == n
+        assert all(h in heights and 0 < used <= h for used, h in plan)
