@@ -2,10 +2,15 @@
 
 import os
 
-# OpenMP threads that spin while waiting turned a contended 2-core machine into a 10x
-# slowdown (measured: 0.66 vs 6.4 tok/s for one stream with another process busy). Passive
-# waiting must be chosen before torch loads its OpenMP runtime; an explicit setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How long OpenMP threads spin between parallel regions. libgomp's default spin (300k) made
+# a contended 2-core machine 10x slower (0.5 vs 3.8 tok/s, one stream, two busy processes
+# beside it), while not spinning at all (OMP_WAIT_POLICY=PASSIVE) halves a quiet machine's
+# speed, since every GEMM then wakes its threads from sleep (6.6-10 vs 14-16 tok/s). A short
+# spin covers the gaps between a step's GEMMs and gives the core back soon after: 3.3 tok/s
+# contended, 14-16 quiet. It must be set before torch loads its OpenMP runtime; explicit
+# settings win.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "20000"
 
 from stopline.config import EngineConfig, PreemptionMode, VictimPolicy
 from stopline.engine.llm import LLM, Completion, GenerationResult

@@ -12,14 +12,13 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})})
 
 
-def test_import_chooses_passive_openmp_waits_unless_set():
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", "import stopline, os; print(os.environ['OMP_WAIT_POLICY'])"],
-                         capture_output=True, text=True, timeout=120, env=env)
-    assert out.stdout.strip() == "PASSIVE"
-    out = _run("-c", "import stopline, os; print(os.environ['OMP_WAIT_POLICY'])",
-               env={"OMP_WAIT_POLICY": "ACTIVE"})
-    assert out.stdout.strip() == "ACTIVE"
+def test_import_chooses_a_short_openmp_spin_unless_set():
+    show = "import stopline, os; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    seen = [subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, timeout=120,
+                           env={**env, **extra}).stdout.split()
+            for extra in ({}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "5"})]
+    assert seen == [["20000", "None"], ["None", "PASSIVE"], ["5", "None"]]
 
 
 def test_cli_lists_its_commands():
