@@ -60,6 +60,7 @@ class EngineCore:
                           device=cfg.device)
         if cfg.debug:
             self.pool.on_garbage = self.kv.poison
+        self.pool.on_allocate = self.kv.zero
         swap = None
         if cfg.preemption_mode is not PreemptionMode.RECOMPUTE:
             swap = SwapSpace(cfg.swap_space_blocks or num_blocks)

@@ -48,6 +48,8 @@ class BlockPool:
         self.num_hashed_free = 0
         # Called with block ids whose contents become garbage (debug poisoning).
         self.on_garbage: Callable[[list[int]], None] | None = None
+        # Called with block ids just handed out (the KV cache zeroes them).
+        self.on_allocate: Callable[[list[int]], None] | None = None
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -86,6 +88,8 @@ class BlockPool:
             out.append(b)
         if evicted and self.on_garbage is not None:
             self.on_garbage(evicted)
+        if out and self.on_allocate is not None:
+            self.on_allocate(out)
         return out
 
     def touch(self, blocks: Iterable[int]) -> None:

@@ -10,9 +10,10 @@ import torch
 class KVCache:
     """Per layer, K and V as [(num_blocks + 1) * block_size, num_kv_heads, head_dim] slot arrays.
 
-    The extra block at the end (`null_block`) is never handed out and stays zero: padded
-    attention reads point there, so a masked position multiplies zeros, never stale or
-    poisoned (NaN) data.
+    Attention multiplies the V of masked positions by exactly 0, so those must never hold
+    NaN or inf: the extra block at the end (`null_block`) is never handed out and stays zero
+    (padded reads point there), and a block is zeroed when it is handed out, so the unwritten
+    tail of a sequence's last block is zero rather than stale or poisoned (debug NaN) data.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -32,6 +33,11 @@ class KVCache:
     def _slots(self, blocks: Sequence[int]) -> torch.Tensor:
         b = torch.as_tensor(list(blocks), dtype=torch.long, device=self.k[0].device)
         return (b[:, None] * self.block_size + torch.arange(self.block_size, device=b.device)).reshape(-1)
+
+    def zero(self, blocks: Sequence[int]) -> None:
+        slots = self._slots(blocks)
+        for t in self.k + self.v:
+            t.index_fill_(0, slots, 0.0)
 
     def poison(self, blocks: Sequence[int]) -> None:
         """Debug mode: fill freed blocks with NaN so that any read of them shows in outputs."""

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from stopline.kv.kv_cache import KVCache
+from stopline.model.attention import attend
 from stopline.model.batch_invariant import InvariantLinear, rms_norm
 from stopline.model.config import ModelConfig
 
@@ -23,14 +24,15 @@ class PrefillSeq:
     row_start: int
     row_end: int
     start_pos: int  # position of the first row
-    ctx_slots: torch.Tensor  # [ctx_len] cache slots of positions 0 .. start_pos + rows - 1
+    blocks: torch.Tensor  # [nb] KV blocks of positions 0 .. start_pos + rows - 1
+    masked: torch.Tensor  # [rows, nb * block_size] bool: keys after the row (causal) or unwritten
 
 
 @dataclass
 class DecodeBatch:
     rows: torch.Tensor  # [B] row index of each decode
-    slots: torch.Tensor  # [B, ctx_max] cache slots, padded
-    invalid: torch.Tensor  # [B, 1, 1, ctx_max] bool: padding, masked out of the softmax
+    blocks: torch.Tensor  # [B, nb_max] KV blocks, padded with the zero block
+    masked: torch.Tensor  # [B, 1, 1, nb_max * block_size] bool: keys past each sequence's end
     all_rows: bool  # the step is decodes only, in row order
 
 
@@ -108,7 +110,7 @@ class LlamaModel:
             v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
             kv.k[li].index_copy_(0, inp.write_slots, k)
             kv.v[li].index_copy_(0, inp.write_slots, v)
-            o = self._attention(q, inp, kv.k[li], kv.v[li])
+            o = self._attention(q, inp, kv.k[li], kv.v[li], kv.block_size)
             x = x + layer["o"](o)
             h = rms_norm(x, layer["ln2"], c.rms_norm_eps)
             gu = layer["gate_up"](h)
@@ -118,34 +120,29 @@ class LlamaModel:
         return self.lm_head(last)
 
     def _attention(self, q: torch.Tensor, inp: StepInputs, kc: torch.Tensor,
-                   vc: torch.Tensor) -> torch.Tensor:
+                   vc: torch.Tensor, bs: int) -> torch.Tensor:
         n = q.shape[0]
         hk, g, d = self.config.num_kv_heads, self.group, self.config.head_dim
+        kb = kc.view(-1, bs, hk, d)
+        vb = vc.view(-1, bs, hk, d)
         out = q.new_empty(n, hk * g * d)
         for p in inp.prefills:
-            rows = p.row_end - p.row_start
-            qs = q[p.row_start:p.row_end].double().view(rows, hk, g, d).permute(1, 2, 0, 3)
-            keys = kc.index_select(0, p.ctx_slots).double().permute(1, 2, 0)  # [hk, d, ctx]
-            vals = vc.index_select(0, p.ctx_slots).double().permute(1, 0, 2)  # [hk, ctx, d]
-            scores = torch.matmul(qs.reshape(hk, g * rows, d), keys) * self.scale
-            ctx = p.ctx_slots.shape[0]
-            qpos = torch.arange(p.start_pos, p.start_pos + rows, device=q.device).repeat(g)
-            future = torch.arange(ctx, device=q.device)[None, :] > qpos[:, None]
-            scores.masked_fill_(future, float("-inf"))
-            o = torch.matmul(torch.softmax(scores, dim=-1), vals)  # [hk, g*rows, d]
-            out[p.row_start:p.row_end] = o.view(hk, g, rows, d).permute(2, 0, 1, 3).reshape(rows, -1).float()
+            rows, nb = p.row_end - p.row_start, p.blocks.shape[0]
+            qs = q[p.row_start:p.row_end].view(rows, hk, g, d).permute(1, 0, 2, 3).reshape(hk, rows * g, d)
+            keys = kb.index_select(0, p.blocks).permute(2, 3, 0, 1).reshape(hk, d, nb * bs)
+            vals = vb.index_select(0, p.blocks).permute(2, 0, 1, 3).reshape(hk, nb * bs, d)
+            masked = p.masked[:, None, :].expand(rows, g, nb * bs).reshape(rows * g, nb * bs)
+            o = attend(qs, keys, vals, masked, self.scale)  # [hk, rows * g, d]
+            out[p.row_start:p.row_end] = o.view(hk, rows, g, d).permute(1, 0, 2, 3).reshape(rows, -1)
         dec = inp.decode
         if dec is not None:
-            b, ctx = dec.slots.shape
-            qs = (q if dec.all_rows else q.index_select(0, dec.rows)).double().view(b, hk, g, d)
-            flat = dec.slots.reshape(-1)
-            keys = kc.index_select(0, flat).view(b, ctx, hk, d).double().permute(0, 2, 3, 1)
-            vals = vc.index_select(0, flat).view(b, ctx, hk, d).double()
-            vals = vals.permute(0, 2, 1, 3)  # padded slots point at the zero block
-            scores = torch.matmul(qs, keys) * self.scale  # [b, hk, g, ctx]
-            scores.masked_fill_(dec.invalid, float("-inf"))
-            o = torch.matmul(torch.softmax(scores, dim=-1), vals).reshape(b, -1)  # [b, hk*g*d]
+            b, nb = dec.blocks.shape
+            qs = (q if dec.all_rows else q.index_select(0, dec.rows)).view(b, hk, g, d)
+            flat = dec.blocks.reshape(-1)
+            keys = kb.index_select(0, flat).view(b, nb * bs, hk, d).permute(0, 2, 3, 1)  # [b, hk, d, ctx]
+            vals = vb.index_select(0, flat).view(b, nb * bs, hk, d).permute(0, 2, 1, 3)  # [b, hk, ctx, d]
+            o = attend(qs, keys, vals, dec.masked, self.scale).reshape(b, -1)  # [b, hk*g*d]
             if dec.all_rows:
-                return o.float()
-            out.index_copy_(0, dec.rows, o.float())
+                return o
+            out.index_copy_(0, dec.rows, o)
         return out

@@ -55,8 +55,10 @@ class ModelRunner:
             else:
                 nb = (end + bs - 1) // bs
                 table = torch.tensor(req.block_ids[:nb], dtype=torch.long)
-                ctx = (table[:, None] * bs + torch.arange(bs)).reshape(-1)[:end]
-                prefills.append(PrefillSeq(row0, row0 + ch.num_tokens, ch.start, ctx.to(self.device)))
+                row_pos = torch.arange(ch.start, end)
+                masked = torch.arange(nb * bs)[None, :] > row_pos[:, None]  # causal
+                prefills.append(PrefillSeq(row0, row0 + ch.num_tokens, ch.start, table.to(self.device),
+                                           masked.to(self.device)))
             if ch.sample:
                 logit_index[ci] = len(logit_rows)
                 logit_rows.append(len(tokens) - 1)
@@ -65,14 +67,12 @@ class ModelRunner:
             width = max(len(t) for t in dec_tables)
             null = self.kv.null_block
             table = torch.tensor([t + [null] * (width - len(t)) for t in dec_tables], dtype=torch.long)
-            dslots = (table[:, :, None] * bs + torch.arange(bs)).reshape(len(dec_rows), -1)
             lens = torch.tensor(dec_lens, dtype=torch.long)
-            # Positions past a sequence's length inside its last block hold stale data: mask them
-            # too, and point them at the zero block so that 0 * V stays 0.
-            valid = torch.arange(dslots.shape[1])[None, :] < lens[:, None]
-            dslots = torch.where(valid, dslots, null * bs)
+            # Positions past a sequence's length (the rest of its last block, which is zero
+            # until written, and the padding blocks, which point at the zero block) are masked.
+            masked = torch.arange(width * bs)[None, :] >= lens[:, None]
             decode = DecodeBatch(torch.tensor(dec_rows, dtype=torch.long).to(self.device),
-                                 dslots.to(self.device), (~valid)[:, None, None, :].to(self.device),
+                                 table.to(self.device), masked[:, None, None, :].to(self.device),
                                  all_rows=len(dec_rows) == len(tokens))
         dev = self.device
         inputs = StepInputs(
