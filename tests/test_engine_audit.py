@@ -147,11 +147,11 @@ def test_debug_poisons_freed_blocks(model_dir: Path) -> None:
     llm = _llm(model_dir, num_blocks=64, enable_prefix_caching=False, debug=True)
     llm.generate(random_prompts(3, [9, 30], seed=1), greedy(10))
     kv = llm.engine.kv
-    used = [b for b in range(64) if not torch.all(kv.k[0][b * BS:(b + 1) * BS] == 0)]
+    used = [b for b in range(64) if not torch.all(kv.block(kv.k[0], b) == 0)]
     assert used, "nothing was written"
     for t in kv.k + kv.v:
         for b in used:
-            assert torch.isnan(t[b * BS:(b + 1) * BS]).all(), f"freed block {b} not poisoned"
+            assert torch.isnan(kv.block(t, b)).all(), f"freed block {b} not poisoned"
 
 
 def test_a_read_of_poisoned_kv_is_an_error_not_a_token(model_dir: Path) -> None:

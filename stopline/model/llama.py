@@ -108,8 +108,8 @@ class LlamaModel:
             qk = self._rope(qkv[:, :(hq + hk) * d].reshape(n, hq + hk, d), cos, sin)
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
-            kv.k[li].index_copy_(0, inp.write_slots, k)
-            kv.v[li].index_copy_(0, inp.write_slots, v)
+            kv.k[li].index_copy_(1, inp.write_slots, k.transpose(0, 1))
+            kv.v[li].index_copy_(1, inp.write_slots, v.transpose(0, 1))
             o = self._attention(q, inp, kv.k[li], kv.v[li], kv.block_size)
             x = x + layer["o"](o)
             h = rms_norm(x, layer["ln2"], c.rms_norm_eps)
@@ -121,28 +121,44 @@ class LlamaModel:
 
     def _attention(self, q: torch.Tensor, inp: StepInputs, kc: torch.Tensor,
                    vc: torch.Tensor, bs: int) -> torch.Tensor:
+        """kc, vc: one layer's cache, [hk, slots, d]. Gathered blocks keep heads first, so the
+        keys enter the score GEMM as a transposed view, without a copy."""
         n = q.shape[0]
         hk, g, d = self.config.num_kv_heads, self.group, self.config.head_dim
-        kb = kc.view(-1, bs, hk, d)
-        vb = vc.view(-1, bs, hk, d)
+        kb = kc.view(hk, -1, bs, d)
+        vb = vc.view(hk, -1, bs, d)
         out = q.new_empty(n, hk * g * d)
         for p in inp.prefills:
             rows, nb = p.row_end - p.row_start, p.blocks.shape[0]
             qs = q[p.row_start:p.row_end].view(rows, hk, g, d).permute(1, 0, 2, 3).reshape(hk, rows * g, d)
-            keys = kb.index_select(0, p.blocks).permute(2, 3, 0, 1).reshape(hk, d, nb * bs)
-            vals = vb.index_select(0, p.blocks).permute(2, 0, 1, 3).reshape(hk, nb * bs, d)
+            keys = _gather(kb, p.blocks).view(hk, nb * bs, d)
+            vals = _gather(vb, p.blocks).view(hk, nb * bs, d)
             masked = p.masked[:, None, :].expand(rows, g, nb * bs).reshape(rows * g, nb * bs)
-            o = attend(qs, keys, vals, masked, self.scale)  # [hk, rows * g, d]
+            o = attend(qs, keys.transpose(1, 2), vals, masked, self.scale)  # [hk, rows * g, d]
             out[p.row_start:p.row_end] = o.view(hk, rows, g, d).permute(1, 0, 2, 3).reshape(rows, -1)
         dec = inp.decode
         if dec is not None:
             b, nb = dec.blocks.shape
-            qs = (q if dec.all_rows else q.index_select(0, dec.rows)).view(b, hk, g, d)
+            qs = (q if dec.all_rows else q.index_select(0, dec.rows)).view(b, hk, g, d).transpose(0, 1)
             flat = dec.blocks.reshape(-1)
-            keys = kb.index_select(0, flat).view(b, nb * bs, hk, d).permute(0, 2, 3, 1)  # [b, hk, d, ctx]
-            vals = vb.index_select(0, flat).view(b, nb * bs, hk, d).permute(0, 2, 1, 3)  # [b, hk, ctx, d]
-            o = attend(qs, keys, vals, dec.masked, self.scale).reshape(b, -1)  # [b, hk*g*d]
+            keys = _gather(kb, flat).view(hk, b, nb * bs, d)
+            vals = _gather(vb, flat).view(hk, b, nb * bs, d)
+            masked = dec.masked.transpose(0, 1)  # [1, b, 1, ctx]
+            o = attend(qs, keys.transpose(2, 3), vals, masked, self.scale)  # [hk, b, g, d]
+            o = o.transpose(0, 1).reshape(b, -1)
             if dec.all_rows:
                 return o
             out.index_copy_(0, dec.rows, o)
         return out
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [hk, num_blocks, bs, d] -> [hk, len(blocks), bs, d]. index_select along dim 1
+    is slow for many blocks (measured: 0.9 ms for 512 blocks against 0.36 ms one head at a
+    time along dim 0), while one call is cheaper for a few."""
+    if blocks.numel() <= 64:
+        return cache.index_select(1, blocks)
+    out = cache.new_empty(cache.shape[0], blocks.numel(), *cache.shape[2:])
+    for h in range(cache.shape[0]):
+        torch.index_select(cache[h], 0, blocks, out=out[h])
+    return out
