@@ -212,6 +212,8 @@ def _offline_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=32, help="concurrent prompts in the batched run")
     p.add_argument("--max-tokens", type=int, default=256, help="new tokens per request (EOS ignored)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers side")
+    p.add_argument("--hf-cb", action="store_true",
+                   help="also time HF transformers' continuous batching (generate_batch) on the N streams")
     p.add_argument("--hf-dir", default=None,
                    help="HF export of the model for transformers (default: exported to a temp dir)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -228,7 +230,8 @@ def bench_offline(args: argparse.Namespace) -> int:
 
     result = offline.run(args.model, engine_config(args), streams=args.streams,
                          max_tokens=args.max_tokens, hf=not args.no_hf,
-                         hf_dir=Path(args.hf_dir) if args.hf_dir else None, threads=args.threads)
+                         hf_dir=Path(args.hf_dir) if args.hf_dir else None, threads=args.threads,
+                         hf_cb=args.hf_cb)
     result["command"] = "stopline bench offline " + " ".join(sys.argv[3:])
     offline.write(result, Path(args.out))
     print(offline.summary(result))

@@ -125,7 +125,24 @@ def run_hf(model: Any, prompts: list[list[int]], max_tokens: int, pad_id: int, b
             "tok_s": round(n_out / secs, 2), "tokens": tokens}
 
 
-def _load_hf(loaded: LoadedModel, hf_dir: Path | None) -> Any:
+@torch.inference_mode()
+def run_hf_cb(model: Any, prompts: list[list[int]], max_tokens: int, bar: tqdm) -> dict[str, Any]:
+    """HF transformers' continuous batching (`generate_batch`, paged attention), greedy."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                           pad_token_id=0, block_size=16, max_batch_tokens=512,
+                           num_blocks=-(-len(prompts) * (max(len(p) for p in prompts) + max_tokens) // 16) + 16)
+    out, secs = _timed(lambda: model.generate_batch(inputs=prompts, generation_config=gen,
+                                                    progress_bar=False))
+    bar.update(len(prompts) * max_tokens)
+    tokens = [list(out[k].generated_tokens)[:max_tokens] for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+    n_out = sum(len(t) for t in tokens)
+    return {"streams": len(prompts), "output_tokens": n_out, "seconds": round(secs, 3),
+            "tok_s": round(n_out / secs, 2), "tokens": tokens}
+
+
+def _load_hf(loaded: LoadedModel, hf_dir: Path | None, attn: str | None = None) -> Any:
     from transformers import AutoModelForCausalLM
 
     if hf_dir is None or not (hf_dir / "config.json").is_file():
@@ -133,7 +150,8 @@ def _load_hf(loaded: LoadedModel, hf_dir: Path | None) -> Any:
 
         hf_dir = Path(tempfile.mkdtemp(prefix="stopline-hf-"))
         export_hf_dir(loaded, hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    extra = {"attn_implementation": attn} if attn else {}
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **extra)
     model.eval()
     # EOS is ignored on both sides: every request generates exactly max_tokens tokens.
     model.generation_config.eos_token_id = None
@@ -142,7 +160,7 @@ def _load_hf(loaded: LoadedModel, hf_dir: Path | None) -> Any:
 
 def run(model: str | None, config: EngineConfig, *, streams: int = 32, max_tokens: int = 256,
         hf: bool = True, hf_dir: Path | None = None, threads: int | None = None,
-        progress: bool = True) -> dict[str, Any]:
+        progress: bool = True, hf_cb: bool = False) -> dict[str, Any]:
     if threads:
         torch.set_num_threads(threads)
     # Other work on the machine slows both sides; the load average says how much there was.
@@ -150,6 +168,8 @@ def run(model: str | None, config: EngineConfig, *, streams: int = 32, max_token
     loaded, load_s = _timed(lambda: load_model(model, progress=progress))
     llm = LLM(model=loaded, config=config, progress=progress)  # type: ignore[arg-type]
     hf_model = _load_hf(loaded, hf_dir) if hf else None
+    # Continuous batching needs the paged attention implementation: a second instance.
+    hf_cb_model = _load_hf(loaded, hf_dir, attn="paged|sdpa") if hf_cb else None
     prompts = chat_prompts(loaded, streams)
     pad_id = loaded.config.eos_token_ids[0]
 
@@ -159,6 +179,9 @@ def run(model: str | None, config: EngineConfig, *, streams: int = 32, max_token
     if hf_model is not None:
         with tqdm(disable=True) as null:
             run_hf(hf_model, prompts[:2], 4, pad_id, null)
+    if hf_cb_model is not None:
+        with tqdm(disable=True) as null:
+            run_hf_cb(hf_cb_model, prompts[:2], 4, null)
 
     phases: list[tuple[str, str, list[list[int]]]] = [("stopline", "1", prompts[:1])]
     if hf_model is not None:
@@ -166,14 +189,18 @@ def run(model: str | None, config: EngineConfig, *, streams: int = 32, max_token
     phases.append(("stopline", str(streams), prompts))
     if hf_model is not None:
         phases.append(("hf", str(streams), prompts))
+    if hf_cb_model is not None:
+        phases.append(("hf_cb", str(streams), prompts))
     total = sum(len(p) * max_tokens for _, _, p in phases)
-    results: dict[str, dict[str, Any]] = {"stopline": {}, "hf": {}}
+    results: dict[str, dict[str, Any]] = {"stopline": {}, "hf": {}, "hf_cb": {}}
     with tqdm(total=total, unit="tok", desc="bench offline", disable=not progress,
               file=sys.stderr) as bar:
         for engine, key, ps in phases:
             bar.set_postfix_str(f"{engine}, {len(ps)} stream{'s' if len(ps) > 1 else ''}")
             if engine == "stopline":
                 results[engine][key] = run_stopline(llm, ps, max_tokens, bar)
+            elif engine == "hf_cb":
+                results[engine][key] = run_hf_cb(hf_cb_model, ps, max_tokens, bar)
             else:
                 results[engine][key] = run_hf(hf_model, ps, max_tokens, pad_id, bar)
 
@@ -182,12 +209,13 @@ def run(model: str | None, config: EngineConfig, *, streams: int = 32, max_token
     agree: dict[str, str] = {}
     ratios: dict[str, float] = {}
     for key, ours in results["stopline"].items():
-        theirs = results["hf"].get(key)
-        if theirs is None:
-            continue
-        same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"], strict=True))
-        agree[key] = f"{same}/{len(ours['tokens'])}"
-        ratios[key] = round(ours["tok_s"] / theirs["tok_s"], 2)
+        for side, suffix in (("hf", ""), ("hf_cb", "_cb")):
+            theirs = results[side].get(key)
+            if theirs is None:
+                continue
+            same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"], strict=True))
+            agree[key + suffix] = f"{same}/{len(ours['tokens'])}"
+            ratios[key + suffix] = round(ours["tok_s"] / theirs["tok_s"], 2)
     for side in results.values():
         for r in side.values():
             del r["tokens"]
@@ -222,6 +250,11 @@ def summary(result: dict[str, Any]) -> str:
             line += (f"   HF generate {theirs['tok_s']:8.1f} tok/s   ratio "
                      f"{result['speedup_vs_hf'][key]:.2f}x   greedy equal "
                      f"{result['greedy_sequences_equal_to_hf'][key]}")
+        cb = result["results"].get("hf_cb", {}).get(key)
+        if cb is not None:
+            line += (f"   HF continuous batching {cb['tok_s']:8.1f} tok/s   ratio "
+                     f"{result['speedup_vs_hf'][key + '_cb']:.2f}x   greedy equal "
+                     f"{result['greedy_sequences_equal_to_hf'][key + '_cb']}")
         lines.append(line)
     return "\n".join(lines)
 
