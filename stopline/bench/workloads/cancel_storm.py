@@ -76,9 +76,14 @@ async def _storm(ctx: Ctx, n: int, kinds: tuple[str, ...], label: str,
     twin_tokens = {i: max(1, closed_run[i].chunks) for i in plan}
     twin_prompts = make_prompts(cfg.seed * 1000 + 150 + len(label), n, cfg.storm_prompt_tokens)
     await ctx.settle()
+    # The metrics scrape runs during both runs: on 2 cores its load alone slowed the close
+    # run's survivors by 13-17% when only that run was scraped (ratio 0.83-0.87, against
+    # 0.97 from a client that scraped neither).
+    ctx.probe.start()
     t1 = time.perf_counter()
     twin_run = await asyncio.gather(*(
         ctx.send(p, twin_tokens.get(i, cfg.storm_output_tokens)) for i, p in enumerate(twin_prompts)))
+    await ctx.probe.stop()
 
     survivors = [i for i in range(n) if i not in plan]
 
