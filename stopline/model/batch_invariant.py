@@ -9,16 +9,13 @@ at M = 17..129. Rather than trust either, each weight calibrates itself: it mult
 random rows at a ladder of row counts (shifted, so a row also changes its place in the
 tile) and keeps the row counts whose every row matches the others bit for bit. A batch then
 runs as tiles of kept heights only (padded with zero rows), which is one GEMM whenever the
-library allows it.
-
-Attention reduces over each sequence's own keys in float64 and rounds once to float32, so
-the order of the reduction (which depends on padding and chunking) is lost in the rounding.
+library allows it. (Attention's own fixed reduction order is in `attention.py`.)
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -66,25 +63,25 @@ def _chain(w_t: torch.Tensor, probes: list[int], first: int, seed: int,
     x = torch.randn(max(probes) + shift_span, k, generator=gen).to(w_t.device, w_t.dtype)
     ref = torch.zeros(x.shape[0], w_t.shape[1], device=w_t.device, dtype=w_t.dtype)
     known = torch.zeros(x.shape[0], dtype=torch.bool, device=w_t.device)
-    order = [h for h in probes if h == first] + [h for h in probes if h != first]
+    if first not in probes:
+        return ()
     kept = []
-    for h in order:
+    for h in [first] + [h for h in probes if h != first]:
         s = (h * 5) % shift_span  # the rows sit at a different place in each tile
         y = matmul(x[s:s + h], w_t)
         seen = known[s:s + h]
         if not kept or torch.equal(y[seen], ref[s:s + h][seen]):
-            if not kept and h != first:
-                continue
             ref[s:s + h] = y
             known[s:s + h] = True
             kept.append(h)
     return tuple(sorted(kept))
 
 
-def tile_plan(n: int, heights: tuple[int, ...]) -> list[tuple[int, int]]:
+def tile_plan(n: int, heights: tuple[int, ...]) -> Sequence[tuple[int, int]]:
     """Cover n rows with tiles of allowed heights: [(rows used, tile height), ...], chosen
     by cost (padded rows plus a fixed overhead per tile)."""
-    return list(_plans(heights)[n]) if n < len(_plans(heights)) else _plan_long(n, heights)
+    plans = _plans(heights)
+    return plans[n] if n < len(plans) else _plan_long(n, heights)
 
 
 @functools.lru_cache(maxsize=64)
@@ -111,10 +108,10 @@ def _plan_cost(n: int, heights: tuple[int, ...]) -> int:
     return sum(h + _TILE_OVERHEAD_ROWS for _, h in tile_plan(n, heights))
 
 
-def _plan_long(n: int, heights: tuple[int, ...]) -> list[tuple[int, int]]:
+def _plan_long(n: int, heights: tuple[int, ...]) -> Sequence[tuple[int, int]]:
     top = heights[-1]
     full, rest = divmod(n, top)
-    return [(top, top)] * full + (list(_plans(heights)[rest]) if rest else [])
+    return ((top, top),) * full + (_plans(heights)[rest] if rest else ())
 
 
 class InvariantLinear:
@@ -139,17 +136,14 @@ class InvariantLinear:
         if n == 0:
             return x.new_empty(0, self.w_t.shape[1])
         plan = tile_plan(n, self.heights())
-        if len(plan) == 1:
-            used, h = plan[0]
-            if h == n:
-                return x @ self.w_t
-            return (F.pad(x, (0, 0, 0, h - n)) @ self.w_t)[:n]
+        if len(plan) == 1 and plan[0][1] == n:
+            return x @ self.w_t
         parts = []
         start = 0
         for used, h in plan:
             tile = x[start:start + used]
-            if used < h:
-                tile = torch.cat([tile, x.new_zeros(h - used, x.shape[1])])
+            if used < h:  # zero rows pad the tile up to a kept height
+                tile = F.pad(tile, (0, 0, 0, h - used))
             parts.append((tile @ self.w_t)[:used])
             start += used
         return torch.cat(parts) if len(parts) > 1 else parts[0]
