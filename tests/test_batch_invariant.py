@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from stopline.model.batch_invariant import InvariantLinear, calibrate, probe_heights, tile_plan
+import stopline.model.batch_invariant as bi
+from stopline.model.batch_invariant import (
+    InvariantLinear,
+    calibrate,
+    probe_heights,
+    rms_norm,
+    tile_plan,
+)
 
 
 @pytest.mark.parametrize("shape", [(96, 64), (960, 576), (576, 1536)])
@@ -48,3 +55,28 @@ def test_tile_plan_covers_every_row_with_allowed_heights(heights):
         plan = tile_plan(n, heights)
         assert sum(used for used, _ in plan) == n
         assert all(h in heights and 0 < used <= h for used, h in plan)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_rms_norm_gives_a_row_the_same_bits_alone_and_in_any_batch(monkeypatch, fused):
+    monkeypatch.setattr(bi, "_fused_norm_ok", lambda device, threads: fused)
+    torch.manual_seed(1)
+    x, w = torch.randn(100, 576) * 3, torch.randn(576)
+    alone = torch.cat([rms_norm(x[i:i + 1].clone(), w, 1e-5) for i in range(100)])
+    for n in (2, 5, 16, 31, 64, 100):
+        assert torch.equal(rms_norm(x[:n].clone(), w, 1e-5), alone[:n]), n
+    ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    torch.testing.assert_close(alone.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_falls_back_to_float64_when_the_fused_kernel_is_not_row_invariant(monkeypatch):
+    def drifting(x, shape, w, eps):  # a kernel whose rows change with the batch size
+        y = torch.nn.functional.layer_norm(x, shape, w, None, eps)
+        return y + 1e-4 * x.shape[0]
+
+    bi._fused_norm_ok.cache_clear()
+    monkeypatch.setattr(bi.F, "rms_norm", drifting)
+    try:
+        assert not bi._fused_norm_ok("cpu", torch.get_num_threads())
+    finally:
+        bi._fused_norm_ok.cache_clear()

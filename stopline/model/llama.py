@@ -84,12 +84,13 @@ class LlamaModel:
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        # rotate_half(x) * sin == roll(x, half) * sin with the first half's sign flipped:
+        # the same products (negation is exact) in 2 ops fewer.
+        sin = emb.sin()
+        self.sin = torch.cat([-sin[:, :c.head_dim // 2], sin[:, c.head_dim // 2:]], dim=-1).to(device)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return (x * cos).add_(torch.roll(x, x.shape[-1] // 2, dims=-1).mul_(sin))
 
     def forward(self, inp: StepInputs, kv: KVCache,
                 interrupt: threading.Event | None = None) -> torch.Tensor:

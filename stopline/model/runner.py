@@ -9,6 +9,7 @@ import torch
 
 from stopline.config import EngineConfig
 from stopline.kv.kv_cache import KVCache
+from stopline.model.attention import KEY_TILE
 from stopline.model.llama import DecodeBatch, LlamaModel, PrefillSeq, StepInputs
 from stopline.sched.scheduler import StepPlan
 
@@ -28,6 +29,12 @@ class ModelRunner:
         self.config = config
         self.bs = kv.block_size
         self.device = config.device
+        # Block tables are padded (with the zero block, masked) to whole attention tiles, so
+        # attention never pads the gathered keys and values with another copy.
+        self.tile_blocks = KEY_TILE // self.bs if KEY_TILE % self.bs == 0 else 1
+
+    def _width(self, nb: int) -> int:
+        return -(-nb // self.tile_blocks) * self.tile_blocks
 
     def prepare(self, plan: StepPlan) -> tuple[StepInputs, dict[int, int]]:
         bs = self.bs
@@ -55,17 +62,26 @@ class ModelRunner:
                 dec_lens.append(end)
             else:
                 nb = (end + bs - 1) // bs
-                table = torch.tensor(req.block_ids[:nb], dtype=torch.long)
+                width = self._width(nb)
+                table = torch.tensor(req.block_ids[:nb] + [self.kv.null_block] * (width - nb), dtype=torch.long)
                 row_pos = torch.arange(ch.start, end)
-                masked = torch.arange(nb * bs)[None, :] > row_pos[:, None]  # causal
+                masked = torch.arange(width * bs)[None, :] > row_pos[:, None]  # causal
                 prefills.append(PrefillSeq(row0, row0 + ch.num_tokens, ch.start, table.to(self.device),
                                            masked.to(self.device)))
             if ch.sample:
                 logit_index[ci] = len(logit_rows)
                 logit_rows.append(len(tokens) - 1)
+        if len(tokens) == 1 and dec_rows:
+            # A lone decode runs as two copies of itself: every GEMM kernel here takes
+            # another path for one row than for two or more (so the linears would pad it
+            # anyway, one copy per call), and rows never see each other. Both copies write
+            # the same K/V to the same slot.
+            tokens, positions, slots = tokens * 2, positions * 2, slots * 2
+            dec_rows, dec_tables, dec_lens = [0, 1], dec_tables * 2, dec_lens * 2
+            logit_rows = logit_rows * 2
         decode = None
         if dec_rows:
-            width = max(len(t) for t in dec_tables)
+            width = self._width(max(len(t) for t in dec_tables))
             null = self.kv.null_block
             table = torch.tensor([t + [null] * (width - len(t)) for t in dec_tables], dtype=torch.long)
             lens = torch.tensor(dec_lens, dtype=torch.long)
