@@ -1,8 +1,19 @@
 """Paged attention: a query row's output has the same bits however it is batched."""
 
+import pytest
 import torch
 
+import stopline.model.attention as attention
 from stopline.model.attention import attend
+
+PROBE = attention._fused_softmax_ok  # the real probe, before the fixture replaces it
+
+
+@pytest.fixture(params=["fused", "float64"], autouse=True)
+def softmax_path(request, monkeypatch):
+    """Every property holds on both softmax paths (the probe picks fused where it can)."""
+    monkeypatch.setattr(attention, "_fused_softmax_ok", lambda device, threads: request.param == "fused")
+    return request.param
 
 HK, G, D = 2, 3, 64
 SCALE = D ** -0.5
@@ -81,3 +92,15 @@ def test_masked_keys_with_zero_values_contribute_nothing_even_if_keys_are_nan():
     vals = v2.permute(1, 0, 2)[None]
     masked = (torch.arange(32) >= n)[None, None, None, :]
     assert torch.equal(attend(qs, keys, vals, masked, SCALE), clean)
+
+
+def test_softmax_probe_rejects_a_kernel_whose_rows_move_with_the_padding(monkeypatch):
+    def width_dependent(x, dim):  # a kernel whose result depends on the row's padded length
+        return torch.nn.functional.softmax(x, dim=dim) * (1 + 1e-6 * (x.shape[-1] > 1024))
+
+    PROBE.cache_clear()
+    monkeypatch.setattr(attention.torch, "softmax", width_dependent)
+    try:
+        assert not PROBE("cpu", torch.get_num_threads())
+    finally:
+        PROBE.cache_clear()

@@ -66,6 +66,7 @@ class EngineCore:
             swap = SwapSpace(cfg.swap_space_blocks or num_blocks)
         self.model = LlamaModel(mc, loaded.weights, max_rows=cfg.max_num_batched_tokens,
                                 max_logit_rows=cfg.max_num_seqs, device=cfg.device)
+        self.model.calibrate()
         self.runner = ModelRunner(self.model, self.kv, cfg)
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)

@@ -8,15 +8,19 @@ change order with the batch, the padding or the chunking:
 - scores: `q @ k` reduces over head_dim only; measured, the batched GEMM gives the same
   bits for every row count >= 2 and any key count, so a query block with one row gets a zero
   row beside it;
-- softmax max: exact whatever the order;
-- exp: in float64, rounded once (an element's path through the vectorized or the scalar
-  tail loop then cannot show in the float32 result);
-- P @ V and the sum of P: per tile of KEY_TILE (64) keys (a fixed shape, whatever the KV block
-  size), then summed over tiles in order by `cumsum`, which accumulates sequentially in
-  float64 on CPU; tiles past a row's last key add exact zeros.
+- softmax: rows are padded with -inf to whole tiles of KEY_TILE (64) keys, so torch's fused
+  softmax takes every element through its vector loop, and the padding only adds exact
+  zeros to its per-lane sums; a probe at start checks that a row's bits do not move with
+  its padding or its neighbours (measured: they do not, and it is 25-35% faster than the
+  float64 form), else exp runs in float64, rounded once, with the sum per tile;
+- P @ V: per tile of 64 keys (a fixed shape, whatever the KV block size), then summed over
+  tiles in order by `cumsum`, which accumulates sequentially in float64 on CPU; tiles past
+  a row's last key add exact zeros.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -43,14 +47,49 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
     if m == 1:
         scores = scores[..., :1, :]
     scores.masked_fill_(masked, float("-inf"))
+    p = _softmax(scores)
     nt = vals.shape[-2] // KEY_TILE
     vals = vals.unflatten(-2, (nt, KEY_TILE))  # [..., nt, tile, d]
-    top = scores.amax(dim=-1, keepdim=True)
-    p = scores.sub_(top).double().exp_().float().unflatten(-1, (nt, KEY_TILE))  # [..., m, nt, tile]
-    sums = p.sum(dim=-1).cumsum(dim=-1)[..., -1:]  # [..., m, 1]
-    pb = p.transpose(-3, -2)  # [..., nt, m, tile]
+    pb = p.unflatten(-1, (nt, KEY_TILE)).transpose(-3, -2)  # [..., nt, m, tile]
     if m == 1:
         pb = torch.cat([pb, torch.zeros_like(pb)], dim=-2)
     acc = torch.matmul(pb, vals)  # [..., nt, m', d], per tile
-    acc = acc.cumsum(dim=-3)[..., -1, :m, :]
-    return acc / sums
+    return acc.cumsum(dim=-3)[..., -1, :m, :]
+
+
+def probe(device: str) -> bool:
+    """Run (once) the probe that picks the softmax path; True for the fused one."""
+    return _fused_softmax_ok(device, torch.get_num_threads())
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    if _fused_softmax_ok(scores.device.type, torch.get_num_threads()):
+        return torch.softmax(scores, dim=-1)
+    # exp in float64, rounded once; the sum per tile, tiles summed in order.
+    p = scores.sub_(scores.amax(dim=-1, keepdim=True)).double().exp_().float()
+    nt = p.shape[-1] // KEY_TILE
+    sums = p.unflatten(-1, (nt, KEY_TILE)).sum(dim=-1).cumsum(dim=-1)[..., -1:]
+    return p.div_(sums)
+
+
+@functools.lru_cache(maxsize=8)
+def _fused_softmax_ok(device: str, threads: int) -> bool:
+    """Whether torch's softmax gives a row the same bits whatever its padding (whole tiles of
+    -inf) and whatever rows share the call. Probed, like the linears, rather than trusted."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    rows = torch.randn(9, 1000, generator=gen).to(device) * 4
+    lens = [1, 5, 63, 64, 65, 200, 333, 640, 1000]
+    ref = []
+    for r, n in zip(rows, lens, strict=True):
+        one = torch.full((1, -(-n // KEY_TILE) * KEY_TILE), float("-inf"), device=device)
+        one[0, :n] = r[:n]
+        ref.append(torch.softmax(one, dim=-1)[0, :n])
+    for width in (1024, 1280, 2048):
+        batch = torch.full((len(lens) + 3, width), float("-inf"), device=device)
+        batch[len(lens):] = torch.randn(3, width, generator=gen).to(device)
+        for i, (r, n) in enumerate(zip(rows, lens, strict=True)):
+            batch[i, :n] = r[:n]
+        out = torch.softmax(batch, dim=-1)
+        if not all(torch.equal(out[i, :n], ref[i]) for i, n in enumerate(lens)):
+            return False
+    return True
