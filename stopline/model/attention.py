@@ -77,14 +77,14 @@ def _fused_softmax_ok(device: str, threads: int) -> bool:
     """Whether torch's softmax gives a row the same bits whatever its padding (whole tiles of
     -inf) and whatever rows share the call. Probed, like the linears, rather than trusted."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    rows = torch.randn(9, 1000, generator=gen).to(device) * 4
-    lens = [1, 5, 63, 64, 65, 200, 333, 640, 1000]
+    rows = torch.randn(10, 3000, generator=gen).to(device) * 4
+    lens = [1, 5, 63, 64, 65, 200, 333, 640, 1000, 3000]
     ref = []
     for r, n in zip(rows, lens, strict=True):
         one = torch.full((1, -(-n // KEY_TILE) * KEY_TILE), float("-inf"), device=device)
         one[0, :n] = r[:n]
         ref.append(torch.softmax(one, dim=-1)[0, :n])
-    for width in (1024, 1280, 2048):
+    for width in (3008, 4096, 8192):  # up to a long context's padding
         batch = torch.full((len(lens) + 3, width), float("-inf"), device=device)
         batch[len(lens):] = torch.randn(3, width, generator=gen).to(device)
         for i, (r, n) in enumerate(zip(rows, lens, strict=True)):
