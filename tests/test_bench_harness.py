@@ -78,3 +78,13 @@ def test_report_lists_a_peer_that_failed_to_start(tmp_path: Path) -> None:
     text = write_report([path], tmp_path / "benchmarks.md").read_text()
     assert "| vllm | setup_failed |" in text and "boom" in text
     assert "stopline was not in this run." in text
+
+
+def test_stopline_and_vllm_get_the_same_kv_pool_unless_a_workload_sizes_it():
+    from stopline.bench.engines import KV_GIB, stopline_spec, vllm_spec
+
+    cmd = stopline_spec().command(8000, None, {})
+    assert cmd[cmd.index("--kv-cache-gb") + 1] == str(KV_GIB)
+    assert vllm_spec().env["VLLM_CPU_KVCACHE_SPACE"] == str(KV_GIB)
+    sized = stopline_spec().command(8000, 1000, {})
+    assert "--kv-cache-gb" not in sized and sized[sized.index("--num-blocks") + 1] == "63"

@@ -23,6 +23,11 @@ import httpx
 from stopline.bench.probe import MetricNames
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
+# The KV pool every engine that has one gets unless a workload sizes it (vLLM's
+# VLLM_CPU_KVCACHE_SPACE). stopline's own default (1 GiB) holds ~23k float32 tokens of
+# SmolLM2: less than 64 streams x (118 + 256) tokens, which made the 64-stream level wait for
+# blocks while vLLM had 2 GiB.
+KV_GIB = 2
 PEERS_DIR = Path(__file__).resolve().parents[2] / "bench" / "peers"
 
 STOPLINE_METRICS = MetricNames(
@@ -74,6 +79,8 @@ def stopline_spec(model: str | None = None, extra: list[str] | None = None,
             cmd += ["--model", model]
         if kv_tokens is not None:
             cmd += ["--num-blocks", str(-(-kv_tokens // block_size))]
+        else:
+            cmd += ["--kv-cache-gb", str(KV_GIB)]
         for key, value in variant.items():
             cmd += [f"--{key}", value]
         return cmd + list(extra or [])
@@ -90,7 +97,8 @@ def vllm_spec(block_size: int = 32) -> EngineSpec:
             cmd += ["--num-gpu-blocks-override", str(blocks),
                     "--max-model-len", str((blocks - 1) * block_size)]
         return cmd
-    return EngineSpec("vllm", command, VLLM_METRICS, start_timeout=900.0)
+    return EngineSpec("vllm", command, VLLM_METRICS, env={"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB)},
+                      start_timeout=900.0)
 
 
 def llamacpp_spec() -> EngineSpec:
