@@ -42,20 +42,20 @@ class KVCache:
         return t[:, b * self.block_size:(b + 1) * self.block_size]
 
     def zero(self, blocks: Sequence[int]) -> None:
-        slots = self._slots(blocks)
-        for t in self.k + self.v:
-            t.index_fill_(1, slots, 0.0)
+        self._fill(blocks, 0.0)
 
     def poison(self, blocks: Sequence[int]) -> None:
         """Debug mode: fill freed blocks with NaN so that any read of them shows in outputs."""
+        self._fill(blocks, float("nan"))
+
+    def _fill(self, blocks: Sequence[int], value: float) -> None:
         slots = self._slots(blocks)
         for t in self.k + self.v:
-            t.index_fill_(1, slots, float("nan"))
+            t.index_fill_(1, slots, value)
 
     def copy_block(self, src: int, dst: int) -> None:
-        s, d = src * self.block_size, dst * self.block_size
         for t in self.k + self.v:
-            t[:, d:d + self.block_size].copy_(t[:, s:s + self.block_size])
+            self.block(t, dst).copy_(self.block(t, src))
 
     def read_blocks(self, blocks: Sequence[int]) -> list[torch.Tensor]:
         slots = self._slots(blocks)

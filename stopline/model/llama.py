@@ -24,8 +24,7 @@ class StepInterrupted(Exception):
 class PrefillSeq:
     row_start: int
     row_end: int
-    start_pos: int  # position of the first row
-    blocks: torch.Tensor  # [nb] KV blocks of positions 0 .. start_pos + rows - 1
+    blocks: torch.Tensor  # [nb] KV blocks of positions 0 .. the chunk's last row
     masked: torch.Tensor  # [rows, nb * block_size] bool: keys after the row (causal) or unwritten
 
 

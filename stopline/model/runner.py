@@ -66,7 +66,7 @@ class ModelRunner:
                 table = torch.tensor(req.block_ids[:nb] + [self.kv.null_block] * (width - nb), dtype=torch.long)
                 row_pos = torch.arange(ch.start, end)
                 masked = torch.arange(width * bs)[None, :] > row_pos[:, None]  # causal
-                prefills.append(PrefillSeq(row0, row0 + ch.num_tokens, ch.start, table.to(self.device),
+                prefills.append(PrefillSeq(row0, row0 + ch.num_tokens, table.to(self.device),
                                            masked.to(self.device)))
             if ch.sample:
                 logit_index[ci] = len(logit_rows)
