@@ -299,8 +299,8 @@ def test_nan_logits_fail_one_request_only(tiny):
     eng.add_request("bad", PROMPT, SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY))
     eng.add_request("good", PROMPT[:6], SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY))
 
-    def poisoned(inp, kv, interrupt=None):
-        logits = forward(inp, kv, interrupt)
+    def poisoned(inp, kv, interrupt=None, decode_rows=None):
+        logits = forward(inp, kv, interrupt, decode_rows)
         logits[0] = float("nan")  # the first sampling row belongs to "bad"
         return logits
 

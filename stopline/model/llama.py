@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from stopline.kv.kv_cache import KVCache
+from stopline.kv.decode_rows import DecodeRows, RowPlan
+from stopline.kv.kv_cache import KVCache, gather_blocks
 from stopline.model.attention import attend
 from stopline.model.attention import probe as attention_probe
 from stopline.model.batch_invariant import InvariantLinear, rms_norm
@@ -34,6 +35,7 @@ class DecodeBatch:
     blocks: torch.Tensor  # [B, nb_max] KV blocks, padded with the zero block
     masked: torch.Tensor  # [B, 1, 1, nb_max * block_size] bool: keys past each sequence's end
     all_rows: bool  # the step is decodes only, in row order
+    staged: RowPlan | None = None  # where the decodes sit in DecodeRows; None: gather blocks
 
 
 @dataclass
@@ -101,15 +103,18 @@ class LlamaModel:
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return (x * cos).add_(torch.roll(x, x.shape[-1] // 2, dims=-1).mul_(sin))
 
-    def forward(self, inp: StepInputs, kv: KVCache,
-                interrupt: threading.Event | None = None) -> torch.Tensor:
-        """Run one step; returns float32 logits for inp.logit_rows."""
+    def forward(self, inp: StepInputs, kv: KVCache, interrupt: threading.Event | None = None,
+                decode_rows: DecodeRows | None = None) -> torch.Tensor:
+        """Run one step; returns float32 logits for inp.logit_rows. decode_rows: the buffers
+        inp.decode.staged refers to, if any."""
         c = self.config
         n = inp.token_ids.shape[0]
         x = self.embed.index_select(0, inp.token_ids)
         cos = self.cos.index_select(0, inp.positions)[:, None, :]
         sin = self.sin.index_select(0, inp.positions)[:, None, :]
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+        dec = inp.decode
+        staged = dec.staged if dec is not None else None
         for li, layer in enumerate(self.layers):
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted(f"interrupted before layer {li}")
@@ -120,7 +125,11 @@ class LlamaModel:
             v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
             kv.k[li].index_copy_(1, inp.write_slots, k.transpose(0, 1))
             kv.v[li].index_copy_(1, inp.write_slots, v.transpose(0, 1))
-            o = self._attention(q, inp, kv.k[li], kv.v[li], kv.block_size)
+            rows_kv = None
+            if staged is not None and dec is not None and decode_rows is not None:
+                kd, vd = (k, v) if dec.all_rows else (k.index_select(0, dec.rows), v.index_select(0, dec.rows))
+                rows_kv = decode_rows.update(li, kv.k[li], kv.v[li], kd, vd, staged)
+            o = self._attention(q, inp, kv.k[li], kv.v[li], kv.block_size, rows_kv)
             x = x + layer["o"](o)
             h = rms_norm(x, layer["ln2"], c.rms_norm_eps)
             gu = layer["gate_up"](h)
@@ -129,9 +138,10 @@ class LlamaModel:
         last = rms_norm(x.index_select(0, inp.logit_rows), self.final_norm, c.rms_norm_eps)
         return self.lm_head(last)
 
-    def _attention(self, q: torch.Tensor, inp: StepInputs, kc: torch.Tensor,
-                   vc: torch.Tensor, bs: int) -> torch.Tensor:
-        """kc, vc: one layer's cache, [hk, slots, d]. Gathered blocks keep heads first, so the
+    def _attention(self, q: torch.Tensor, inp: StepInputs, kc: torch.Tensor, vc: torch.Tensor,
+                   bs: int, rows_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """kc, vc: one layer's cache, [hk, slots, d]; rows_kv: the decodes' K/V rows
+        [used rows, hk, width, d] when DecodeRows holds them. Gathered blocks keep heads first, so the
         keys enter the score GEMM as a transposed view, without a copy."""
         n = q.shape[0]
         hk, g, d = self.config.num_kv_heads, self.group, self.config.head_dim
@@ -141,8 +151,8 @@ class LlamaModel:
         for p in inp.prefills:
             rows, nb = p.row_end - p.row_start, p.blocks.shape[0]
             qs = q[p.row_start:p.row_end].view(rows, hk, g, d).permute(1, 0, 2, 3).reshape(hk, rows * g, d)
-            keys = _gather(kb, p.blocks).view(hk, nb * bs, d)
-            vals = _gather(vb, p.blocks).view(hk, nb * bs, d)
+            keys = gather_blocks(kb, p.blocks).view(hk, nb * bs, d)
+            vals = gather_blocks(vb, p.blocks).view(hk, nb * bs, d)
             masked = p.masked[:, None, :].expand(rows, g, nb * bs).reshape(rows * g, nb * bs)
             o = attend(qs, keys.transpose(1, 2), vals, masked, self.scale)  # [hk, rows * g, d]
             out[p.row_start:p.row_end] = o.view(hk, rows, g, d).permute(1, 0, 2, 3).reshape(rows, -1)
@@ -150,25 +160,21 @@ class LlamaModel:
         if dec is not None:
             b, nb = dec.blocks.shape
             qs = (q if dec.all_rows else q.index_select(0, dec.rows)).view(b, hk, g, d).transpose(0, 1)
-            flat = dec.blocks.reshape(-1)
-            keys = _gather(kb, flat).view(hk, b, nb * bs, d)
-            vals = _gather(vb, flat).view(hk, b, nb * bs, d)
-            masked = dec.masked.transpose(0, 1)  # [1, b, 1, ctx]
-            o = attend(qs, keys.transpose(2, 3), vals, masked, self.scale)  # [hk, b, g, d]
+            if rows_kv is not None and dec.staged is not None:
+                keys, vals = rows_kv
+                # Each decode's query goes to its row; the other rows' outputs are dropped.
+                qr = qs.new_zeros(keys.shape[0], hk, g, d).index_copy_(0, dec.staged.rows, qs.transpose(0, 1))
+                o = attend(qr, keys.transpose(2, 3), vals, dec.staged.masked, self.scale)
+                o = o.index_select(0, dec.staged.rows).transpose(0, 1)  # [hk, b, g, d]
+            else:
+                flat = dec.blocks.reshape(-1)
+                keys = gather_blocks(kb, flat).view(hk, b, nb * bs, d)
+                vals = gather_blocks(vb, flat).view(hk, b, nb * bs, d)
+                masked = dec.masked.transpose(0, 1)  # [1, b, 1, ctx]
+                o = attend(qs, keys.transpose(2, 3), vals, masked, self.scale)  # [hk, b, g, d]
             o = o.transpose(0, 1).reshape(b, -1)
             if dec.all_rows:
                 return o
             out.index_copy_(0, dec.rows, o)
         return out
 
-
-def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """cache [hk, num_blocks, bs, d] -> [hk, len(blocks), bs, d]. index_select along dim 1
-    is slow for many blocks (measured: 0.9 ms for 512 blocks against 0.36 ms one head at a
-    time along dim 0), while one call is cheaper for a few."""
-    if blocks.numel() <= 64:
-        return cache.index_select(1, blocks)
-    out = cache.new_empty(cache.shape[0], blocks.numel(), *cache.shape[2:])
-    for h in range(cache.shape[0]):
-        torch.index_select(cache[h], 0, blocks, out=out[h])
-    return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from stopline.config import EngineConfig
+from stopline.kv.decode_rows import DecodeRows
 from stopline.kv.kv_cache import KVCache
 from stopline.model.attention import KEY_TILE
 from stopline.model.llama import DecodeBatch, LlamaModel, PrefillSeq, StepInputs
@@ -32,6 +33,13 @@ class ModelRunner:
         # Block tables are padded (with the zero block, masked) to whole attention tiles, so
         # attention never pads the gathered keys and values with another copy.
         self.tile_blocks = KEY_TILE // self.bs if KEY_TILE % self.bs == 0 else 1
+        self.rows: DecodeRows | None = None
+        if config.decode_rows:
+            mc = model.config
+            pool_bytes = sum(t.numel() * t.element_size() for t in kv.k + kv.v)
+            self.rows = DecodeRows(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.bs, KEY_TILE,
+                                   max_bytes=pool_bytes,
+                                   verify=config.debug, device=self.device)
 
     def _width(self, nb: int) -> int:
         return -(-nb // self.tile_blocks) * self.tile_blocks
@@ -45,6 +53,7 @@ class ModelRunner:
         dec_rows: list[int] = []
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
+        dec_keys: list[int] = []
         logit_rows: list[int] = []
         logit_index: dict[int, int] = {}
         for ci, ch in enumerate(plan.chunks):
@@ -60,6 +69,7 @@ class ModelRunner:
                 dec_rows.append(row0)
                 dec_tables.append(req.block_ids[: (end + bs - 1) // bs])
                 dec_lens.append(end)
+                dec_keys.append(req.internal_id)
             else:
                 nb = (end + bs - 1) // bs
                 width = self._width(nb)
@@ -77,7 +87,7 @@ class ModelRunner:
             # anyway, one copy per call), and rows never see each other. Both copies write
             # the same K/V to the same slot.
             tokens, positions, slots = tokens * 2, positions * 2, slots * 2
-            dec_rows, dec_tables, dec_lens = [0, 1], dec_tables * 2, dec_lens * 2
+            dec_rows, dec_tables, dec_lens, dec_keys = [0, 1], dec_tables * 2, dec_lens * 2, dec_keys * 2
             logit_rows = logit_rows * 2
         decode = None
         if dec_rows:
@@ -90,7 +100,8 @@ class ModelRunner:
             masked = torch.arange(width * bs)[None, :] >= lens[:, None]
             decode = DecodeBatch(torch.tensor(dec_rows, dtype=torch.long).to(self.device),
                                  table.to(self.device), masked[:, None, None, :].to(self.device),
-                                 all_rows=len(dec_rows) == len(tokens))
+                                 all_rows=len(dec_rows) == len(tokens),
+                                 staged=self.rows.plan(dec_keys, dec_lens, dec_tables) if self.rows else None)
         dev = self.device
         inputs = StepInputs(
             token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
@@ -103,6 +114,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, interrupt: threading.Event | None = None) -> StepResult:
-        inputs, logit_index = self.prepare(plan)
-        logits = self.model.forward(inputs, self.kv, interrupt)
+        try:
+            inputs, logit_index = self.prepare(plan)
+            logits = self.model.forward(inputs, self.kv, interrupt, self.rows)
+        except BaseException:
+            if self.rows is not None:  # rows the failed step half wrote are rebuilt
+                self.rows.reset()
+            raise
         return StepResult(plan, logits.float().cpu(), logit_index)

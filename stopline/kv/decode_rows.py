@@ -1,0 +1,178 @@
+"""Contiguous copies of the decoding sequences' K/V, kept current one token at a time.
+
+A decode step's attention needs each sequence's keys and values as one contiguous run. From
+the paged cache that means gathering every block of every decoding sequence, every layer,
+every step: at 64 streams of ~250 tokens about 1.1 GB copied a step, 40% of the step
+(measured, `bench/step_time.py`). Here each decoding sequence owns a row of a per-layer
+buffer [rows, kv_heads, width, head_dim]; a step writes its one new token into the row next
+to writing it into the cache, and attention multiplies the rows in place. A sequence's
+blocks are copied once, when it joins the decode set (after its prefill, or on return from
+preemption), and again only when the buffer is re-laid out (it grows, or holds much more
+than the batch needs).
+
+The numbers attention sees are the cache's (copies of them), so its result is bit for bit
+the gather path's; the extra masked rows and key tiles of the buffer are the kind of
+padding attention's reductions are probed to ignore. In debug mode every layer compares
+the rows with the cache: a row that differs is a bug here (RowMismatch), except where the
+cache holds the NaN poison of a freed block, which the row then takes, so that a read of
+freed memory still fails the request as it would through a gather.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from stopline.kv.kv_cache import gather_blocks
+
+
+class RowMismatch(AssertionError):
+    """Debug check: a decode row differs from the cache blocks it copies."""
+
+
+@dataclass
+class RowPlan:
+    """Where one step's decodes sit in the buffer."""
+
+    rows: torch.Tensor  # [B] buffer row of each decode row of the step
+    used: int  # attention runs over rows [0, used)
+    positions: torch.Tensor  # [B] position of each decode's new token
+    masked: torch.Tensor  # [used, 1, 1, width] bool: positions past each row's length
+    fill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, block in row, cache block)
+    joined: torch.Tensor | None  # rows cleared and filled this step
+    check: list[tuple[int, int, torch.Tensor]]  # debug: (row, length, blocks) of every row
+
+
+class DecodeRows:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 tile: int, max_bytes: int, *, verify: bool = False, device: str = "cpu") -> None:
+        """tile: attention's key tile (the width is a whole number of them and of blocks);
+        max_bytes: the most memory the buffers may take, beyond which a step gathers."""
+        self.num_layers, self.hk, self.d = num_layers, num_kv_heads, head_dim
+        self.bs = block_size
+        self.unit = math.lcm(tile, block_size)
+        self.max_bytes = max_bytes
+        self.verify = verify
+        self.device = device
+        self.k: list[torch.Tensor] = []  # per layer [rows, kv_heads, width, head_dim]
+        self.v: list[torch.Tensor] = []
+        self.num_rows = 0
+        self.width = 0
+        self.owner: dict[int, int] = {}  # sequence key -> row
+        self.length: dict[int, int] = {}  # sequence key -> tokens in its row after this step
+        self.relayouts = 0
+
+    def reset(self) -> None:
+        """Forget every row (after a failed or interrupted step: their contents are unsure)."""
+        self.k, self.v = [], []
+        self.num_rows = self.width = 0
+        self.owner.clear()
+        self.length.clear()
+
+    def _bytes(self, rows: int, width: int) -> int:
+        return 2 * self.num_layers * self.hk * rows * width * self.d * 4
+
+    def plan(self, keys: Sequence[int], lens: Sequence[int],
+             tables: Sequence[Sequence[int]]) -> RowPlan | None:
+        """keys: one per decode row (a lone decode comes twice, with the same key); lens: its
+        length including the token this step computes; tables: its block table. Returns
+        None when the rows would not fit in max_bytes (the step gathers instead)."""
+        seqs = dict(zip(keys, zip(lens, tables, strict=True), strict=True))
+        need_rows = max(len(seqs), 2)  # the GEMMs take another path for a single row
+        width = -(-max(lens) // self.unit) * self.unit
+        if self._bytes(need_rows, width) > self.max_bytes:
+            self.reset()
+            return None
+        for key in [k for k in self.owner if k not in seqs]:  # left the decode set
+            del self.owner[key]
+            del self.length[key]
+        # Attention runs over the whole width, so it is kept tight: re-laid out (every row
+        # copied from the cache again, about one gathering step's work) when the longest
+        # row outgrows it, or when it is well past what the rows need.
+        if (need_rows > self.num_rows or width > self.width
+                or self.width > width + width // 4 + self.unit):
+            self.k, self.v = [], []  # free the old buffers before taking the new
+            self.width = width
+            self.num_rows = need_rows + need_rows // 8  # rows cost memory only, not compute
+            if self._bytes(self.num_rows, width) > self.max_bytes:
+                self.num_rows = need_rows
+            shape = (self.num_rows, self.hk, width, self.d)
+            self.k = [torch.zeros(shape, device=self.device) for _ in range(self.num_layers)]
+            self.v = [torch.zeros(shape, device=self.device) for _ in range(self.num_layers)]
+            self.owner.clear()
+            self.relayouts += 1
+        # A sequence whose length did not move by exactly the one token is copied again.
+        joiners = [k for k in seqs if k not in self.owner or self.length[k] != seqs[k][0] - 1]
+        free = sorted(set(range(self.num_rows)) - set(self.owner.values()), reverse=True)
+        for key in joiners:
+            if key not in self.owner:
+                self.owner[key] = free.pop()  # the lowest free row: keeps the used rows dense
+        for key, (n, _) in seqs.items():
+            self.length[key] = n
+        used = max(max(self.owner.values()) + 1, 2)
+
+        dev = self.device
+        lens_by_row = [1] * used  # a free row keeps one key so that its softmax is finite
+        for key, (n, _) in seqs.items():
+            lens_by_row[self.owner[key]] = n
+        masked = torch.arange(self.width)[None, :] >= torch.tensor(lens_by_row)[:, None]
+        fill_rows: list[int] = []
+        fill_blocks: list[int] = []
+        fill_src: list[int] = []
+        for key in joiners:
+            n, table = seqs[key]
+            nb = -(-n // self.bs)
+            fill_rows += [self.owner[key]] * nb
+            fill_blocks += range(nb)
+            fill_src += table[:nb]
+        check = ([(self.owner[k], n, torch.tensor(list(t[:-(-n // self.bs)]), device=dev))
+                  for k, (n, t) in seqs.items()] if self.verify else [])
+
+        def idx(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.long, device=dev)
+
+        return RowPlan(
+            rows=idx([self.owner[k] for k in keys]),
+            used=used,
+            positions=idx([n - 1 for n in lens]),
+            masked=masked[:, None, None, :].to(dev),
+            fill=(idx(fill_rows), idx(fill_blocks), idx(fill_src)) if joiners else None,
+            joined=idx(sorted({self.owner[k] for k in joiners})) if joiners else None,
+            check=check,
+        )
+
+    def update(self, layer: int, kc: torch.Tensor, vc: torch.Tensor, k_new: torch.Tensor,
+               v_new: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """After the step's K/V went into the cache (kc, vc: [hk, slots, d]): copy the joiners'
+        blocks into their rows, write every decode's new token (k_new, v_new: [B, hk, d]),
+        and return this layer's used rows [used, hk, width, d]."""
+        hk, d, bs = self.hk, self.d, self.bs
+        for buf, cache, new in ((self.k[layer], kc, k_new), (self.v[layer], vc, v_new)):
+            if plan.fill is not None:
+                rows, blocks, src = plan.fill
+                # Cleared first: a row's last owner may have left NaN past this one's length.
+                buf.index_fill_(0, plan.joined, 0.0)
+                data = gather_blocks(cache.view(hk, -1, bs, d), src).transpose(0, 1)  # [n, hk, bs, d]
+                buf.view(self.num_rows, hk, -1, bs, d).transpose(1, 2).index_put_((rows, blocks), data)
+            buf.transpose(1, 2).index_put_((plan.rows, plan.positions), new)
+        if plan.check:
+            self._verify(layer, kc, vc, plan)
+        return self.k[layer][:plan.used], self.v[layer][:plan.used]
+
+    def _verify(self, layer: int, kc: torch.Tensor, vc: torch.Tensor, plan: RowPlan) -> None:
+        hk, d, bs = self.hk, self.d, self.bs
+        for row, n, blocks in plan.check:
+            for name, buf, cache in (("K", self.k[layer], kc), ("V", self.v[layer], vc)):
+                want = gather_blocks(cache.view(hk, -1, bs, d), blocks).view(hk, -1, d)[:, :n]
+                if torch.equal(buf[row, :, :n], want):
+                    continue
+                if not torch.isfinite(want).all():
+                    # Freed (poisoned) memory under a live sequence: read it as the cache
+                    # holds it, so the request fails on NaN as it would without the rows.
+                    buf[row, :, :n] = want
+                    continue
+                raise RowMismatch(f"layer {layer} {name}: decode row {row} differs from its "
+                                  f"{n} cached positions")
