@@ -43,8 +43,9 @@ class EngineConfig:
     # rises after a preemption and decays back (SGLang's new_token_ratio, simplified).
     admission_headroom: float = 0.0
     async_scheduling: bool = False
-    # Decoding sequences keep a contiguous copy of their K/V (up to as much memory again as
-    # the pool), so a decode step reads it in place instead of gathering their blocks.
+    # Decoding sequences keep a contiguous copy of their K/V (up to twice the pool's memory;
+    # past that a step gathers), so a decode step reads it in place instead of gathering
+    # their blocks from the pool every layer.
     decode_rows: bool = True
     debug: bool = False  # audit after every step and poison freed blocks
     device: str = "cpu"

@@ -80,7 +80,7 @@ class Seqs:
 
 
 def rows_for(max_bytes: int = 1 << 30, verify: bool = False) -> DecodeRows:
-    return DecodeRows(LAYERS, HK, D, BS, TILE, max_bytes, verify=verify)
+    return DecodeRows(LAYERS, HK, D, BS, TILE, 16, max_bytes, verify=verify)
 
 
 def test_rows_follow_the_cache_through_joins_leaves_and_relayouts() -> None:

@@ -48,12 +48,15 @@ class RowPlan:
 
 class DecodeRows:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 tile: int, max_bytes: int, *, verify: bool = False, device: str = "cpu") -> None:
+                 tile: int, max_rows: int, max_bytes: int, *, verify: bool = False,
+                 device: str = "cpu") -> None:
         """tile: attention's key tile (the width is a whole number of them and of blocks);
-        max_bytes: the most memory the buffers may take, beyond which a step gathers."""
+        max_rows: the most sequences decoding at once; max_bytes: the most memory the
+        buffers may take, beyond which a step gathers."""
         self.num_layers, self.hk, self.d = num_layers, num_kv_heads, head_dim
         self.bs = block_size
         self.unit = math.lcm(tile, block_size)
+        self.max_rows = max(max_rows, 2)
         self.max_bytes = max_bytes
         self.verify = verify
         self.device = device
@@ -96,7 +99,9 @@ class DecodeRows:
                 or self.width > width + width // 4 + self.unit):
             self.k, self.v = [], []  # free the old buffers before taking the new
             self.width = width
-            self.num_rows = need_rows + need_rows // 8  # rows cost memory only, not compute
+            # Spare rows cost memory only (attention stops at the last used row), and spare
+            # rows let sequences join without a re-layout.
+            self.num_rows = max(need_rows, min(need_rows + max(2, need_rows // 4), self.max_rows))
             if self._bytes(self.num_rows, width) > self.max_bytes:
                 self.num_rows = need_rows
             shape = (self.num_rows, self.hk, width, self.d)

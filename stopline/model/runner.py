@@ -38,7 +38,7 @@ class ModelRunner:
             mc = model.config
             pool_bytes = sum(t.numel() * t.element_size() for t in kv.k + kv.v)
             self.rows = DecodeRows(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.bs, KEY_TILE,
-                                   max_bytes=pool_bytes,
+                                   max_rows=config.max_num_seqs, max_bytes=2 * pool_bytes,
                                    verify=config.debug, device=self.device)
 
     def _width(self, nb: int) -> int:
