@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--victim-policy", default="cost", choices=[v.value for v in VictimPolicy])
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--decode-rows", action=argparse.BooleanOptionalAction, default=True,
+                   help="decoding sequences keep a contiguous copy of their K/V (up to twice the "
+                        "KV pool's memory) instead of gathering their blocks every step")
 
 
 def engine_config(args: argparse.Namespace):
@@ -54,6 +57,7 @@ def engine_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=args.preemption_mode, victim_policy=args.victim_policy,
         async_scheduling=args.async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
+        decode_rows=args.decode_rows,
     )
 
 

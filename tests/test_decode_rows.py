@@ -186,5 +186,19 @@ def test_engine_with_rows_matches_the_gathering_engine_bit_for_bit(tiny, kw) -> 
     assert sum(len(t) for t, _ in with_rows.values()) > 300
     rows = eng.runner.rows
     assert rows is not None and 0 < rows.relayouts < eng.steps // 3
+    assert rows.k == [] and rows.owner == {}  # idle: the copies are freed
     if kw:
         assert sum(eng.lifecycle.stats.preemptions.values()) > 0
+
+
+def test_the_rows_can_be_turned_off_from_the_command_line(tiny) -> None:
+    import argparse
+
+    from stopline.cli import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args([])).decode_rows is True
+    cfg = engine_config(p.parse_args(["--no-decode-rows", "--num-blocks", "32"]))
+    assert cfg.decode_rows is False
+    assert EngineCore(tiny, cfg).runner.rows is None

@@ -391,6 +391,23 @@ def test_prefill_budget_shrinks_beside_decodes(tiny):
     drain(eng)
 
 
+def test_prefill_cap_recovers_after_one_slow_step(tiny):
+    """One slow step (a hiccup of the host) must not pin the cap at its floor: the estimate
+    keeps learning from the small chunks the cap allows."""
+    eng = engine(tiny, max_num_batched_tokens=256, target_step_ms=50.0, num_blocks=256)
+    eng.add_request("d", PROMPT[:3], SamplingParams(max_tokens=60, ignore_eos=True, **GREEDY))
+    eng.step()  # "d" decodes from now on
+    eng._ms_per_prefill_token = 1e4  # as if a step had taken seconds
+    eng.add_request("long", list(range(3, 250)), SamplingParams(max_tokens=2, **GREEDY))
+    caps = []
+    for _ in range(30):
+        eng.step()
+        caps.append(eng.scheduler.prefill_cap)
+    assert caps[0] == eng.config.block_size  # pinned at the floor by the slow step
+    assert eng._ms_per_prefill_token < 100 and caps[-1] > eng.config.block_size
+    drain(eng)
+
+
 def test_prefill_cap_follows_measured_cost(tiny):
     eng = engine(tiny, max_num_batched_tokens=256, target_step_ms=50.0)
     eng.add_request("a", list(range(3, 200)), SamplingParams(max_tokens=2, **GREEDY))

@@ -158,6 +158,8 @@ class EngineCore:
             self._run(plan)
         else:
             self._text_phase()
+        if not self.families and self.runner.rows is not None:
+            self.runner.rows.reset()  # an idle engine keeps no copies of K/V
         if self.config.debug:
             self.audit()
         self.steps += 1
@@ -195,7 +197,11 @@ class EngineCore:
                 self._inflight_ids = set()
         elapsed_ms = (time.perf_counter() - t0) * 1000
         n_prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
-        if n_prefill >= 64:
+        # Cost per row of the step, decode rows included: the cap gives the prefill rows about
+        # target_step_ms on top of the decodes. Measured from 16 prefill rows up, or from the
+        # cap itself: a threshold above the cap would freeze the estimate once one slow step
+        # had pushed the cap below it.
+        if n_prefill >= min(16, self.scheduler.prefill_cap or 16):
             per_tok = elapsed_ms / plan.num_tokens
             prev = self._ms_per_prefill_token
             self._ms_per_prefill_token = per_tok if prev is None else 0.7 * prev + 0.3 * per_tok

@@ -69,7 +69,8 @@ class DecodeRows:
         self.relayouts = 0
 
     def reset(self) -> None:
-        """Forget every row (after a failed or interrupted step: their contents are unsure)."""
+        """Forget every row and free the buffers (after a failed or interrupted step, whose
+        rows are unsure, and when the engine goes idle)."""
         self.k, self.v = [], []
         self.num_rows = self.width = 0
         self.owner.clear()
@@ -99,14 +100,17 @@ class DecodeRows:
                 or self.width > width + width // 4 + self.unit):
             self.k, self.v = [], []  # free the old buffers before taking the new
             self.width = width
-            # Spare rows cost memory only (attention stops at the last used row), and spare
-            # rows let sequences join without a re-layout.
-            self.num_rows = max(need_rows, min(need_rows + max(2, need_rows // 4), self.max_rows))
+            # Room for every sequence the engine may run, where it fits: spare rows cost
+            # memory only (attention stops at the last used row), and sequences then join
+            # without a re-layout (growing a row at a time cost a copy of every row per join).
+            self.num_rows = max(need_rows, self.max_rows)
             if self._bytes(self.num_rows, width) > self.max_bytes:
                 self.num_rows = need_rows
+            # Not zeroed here: a row is cleared when a sequence takes it, and a free row's
+            # output is never read.
             shape = (self.num_rows, self.hk, width, self.d)
-            self.k = [torch.zeros(shape, device=self.device) for _ in range(self.num_layers)]
-            self.v = [torch.zeros(shape, device=self.device) for _ in range(self.num_layers)]
+            self.k = [torch.empty(shape, device=self.device) for _ in range(self.num_layers)]
+            self.v = [torch.empty(shape, device=self.device) for _ in range(self.num_layers)]
             self.owner.clear()
             self.relayouts += 1
         # A sequence whose length did not move by exactly the one token is copied again.
