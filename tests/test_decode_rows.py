@@ -113,7 +113,7 @@ def test_a_row_is_cleared_when_it_changes_hands() -> None:
     s.add(2, 2)
     s.step(rows)
     assert rows.owner[2] == row  # the same row, finite beyond its new owner's 3 tokens
-    assert all(torch.isfinite(t).all() for t in rows.k)
+    assert all(torch.isfinite(t[row]).all() for t in rows.k + rows.v)
 
 
 def test_debug_check_catches_a_row_that_drifted_and_passes_poison_through() -> None:
