@@ -2,13 +2,13 @@
 
 A decode step's attention needs each sequence's keys and values as one contiguous run. From
 the paged cache that means gathering every block of every decoding sequence, every layer,
-every step: at 64 streams of ~250 tokens about 1.1 GB copied a step, 40% of the step
-(measured, `bench/step_time.py`). Here each decoding sequence owns a row of a per-layer
+every step: at 64 streams of ~200 tokens about 0.75 GB copied a step, 40% of the step
+(torch profiler; `bench/step_time.py --compare-decode-rows` times both paths). Here each decoding sequence owns a row of a per-layer
 buffer [rows, kv_heads, width, head_dim]; a step writes its one new token into the row next
 to writing it into the cache, and attention multiplies the rows in place. A sequence's
 blocks are copied once, when it joins the decode set (after its prefill, or on return from
-preemption), and again only when the buffer is re-laid out (it grows, or holds much more
-than the batch needs).
+preemption), and again only when the buffer is re-laid out (the longest row outgrows the
+width, or the width is well past what the rows need).
 
 The numbers attention sees are the cache's (copies of them), so its result is bit for bit
 the gather path's; the extra masked rows and key tiles of the buffer are the kind of
@@ -124,7 +124,7 @@ class DecodeRows:
         used = max(max(self.owner.values()) + 1, 2)
 
         dev = self.device
-        lens_by_row = [1] * used  # a free row keeps one key so that its softmax is finite
+        lens_by_row = [1] * used  # a free row's output is dropped; one key keeps it defined
         for key, (n, _) in seqs.items():
             lens_by_row[self.owner[key]] = n
         masked = torch.arange(self.width)[None, :] >= torch.tensor(lens_by_row)[:, None]
