@@ -116,6 +116,18 @@ def test_a_row_is_cleared_when_it_changes_hands() -> None:
     assert all(torch.isfinite(t[row]).all() for t in rows.k + rows.v)
 
 
+def test_rows_are_compacted_when_departures_leave_mostly_holes() -> None:
+    s, rows = Seqs(num_blocks=512), rows_for()
+    for key in range(12):
+        s.add(key, 5)
+    s.step(rows, grow=False)
+    for key in range(11):  # all but the one in the highest row leave
+        s.drop(key)
+    before = rows.relayouts
+    s.step(rows)  # checks every row against the cache, as the other steps do
+    assert rows.relayouts == before + 1 and rows.owner == {11: 0}
+
+
 def test_debug_check_catches_a_row_that_drifted_and_passes_poison_through() -> None:
     s, rows = Seqs(), rows_for(verify=True)
     s.add(0, 6)

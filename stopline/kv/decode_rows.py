@@ -93,11 +93,14 @@ class DecodeRows:
         for key in [k for k in self.owner if k not in seqs]:  # left the decode set
             del self.owner[key]
             del self.length[key]
-        # Attention runs over the whole width, so it is kept tight: re-laid out (every row
-        # copied from the cache again, about one gathering step's work) when the longest
-        # row outgrows it, or when it is well past what the rows need.
+        # Attention runs over the whole width and every row up to the last one in use, so
+        # both are kept tight: re-laid out (every row copied from the cache again, about one
+        # gathering step's work) when the longest row outgrows the width, when the width is
+        # well past what the rows need, or when departures left the used rows mostly holes.
+        top = max(self.owner.values()) + 1 if self.owner else 0
         if (need_rows > self.num_rows or width > self.width
-                or self.width > width + width // 4 + self.unit):
+                or self.width > width + width // 4 + self.unit
+                or top > need_rows + need_rows // 2 + 4):
             self.k, self.v = [], []  # free the old buffers before taking the new
             self.width = width
             # Room for every sequence the engine may run, where it fits: spare rows cost
