@@ -32,10 +32,11 @@ class PrefillSeq:
 @dataclass
 class DecodeBatch:
     rows: torch.Tensor  # [B] row index of each decode
-    blocks: torch.Tensor  # [B, nb_max] KV blocks, padded with the zero block
-    masked: torch.Tensor  # [B, 1, 1, nb_max * block_size] bool: keys past each sequence's end
     all_rows: bool  # the step is decodes only, in row order
-    staged: RowPlan | None = None  # where the decodes sit in DecodeRows; None: gather blocks
+    # Either the decodes sit in DecodeRows (staged), or they gather their blocks (the rest).
+    blocks: torch.Tensor | None = None  # [B, nb_max] KV blocks, padded with the zero block
+    masked: torch.Tensor | None = None  # [B, 1, 1, nb_max * block_size] bool: keys past the end
+    staged: RowPlan | None = None
 
 
 @dataclass
@@ -158,20 +159,26 @@ class LlamaModel:
             out[p.row_start:p.row_end] = o.view(hk, rows, g, d).permute(1, 0, 2, 3).reshape(rows, -1)
         dec = inp.decode
         if dec is not None:
-            b, nb = dec.blocks.shape
+            b = dec.rows.shape[0]
             qs = (q if dec.all_rows else q.index_select(0, dec.rows)).view(b, hk, g, d).transpose(0, 1)
-            if rows_kv is not None and dec.staged is not None:
+            if dec.staged is not None:
+                if rows_kv is None:
+                    raise RuntimeError("the decodes were planned into DecodeRows, but the forward "
+                                       "was not given them")
                 keys, vals = rows_kv
                 # Each decode's query goes to its row; the other rows' outputs are dropped.
                 qr = qs.new_zeros(keys.shape[0], hk, g, d).index_copy_(0, dec.staged.rows, qs.transpose(0, 1))
                 o = attend(qr, keys.transpose(2, 3), vals, dec.staged.masked, self.scale)
                 o = o.index_select(0, dec.staged.rows).transpose(0, 1)  # [hk, b, g, d]
-            else:
+            elif dec.blocks is not None and dec.masked is not None:
+                nb = dec.blocks.shape[1]
                 flat = dec.blocks.reshape(-1)
                 keys = gather_blocks(kb, flat).view(hk, b, nb * bs, d)
                 vals = gather_blocks(vb, flat).view(hk, b, nb * bs, d)
                 masked = dec.masked.transpose(0, 1)  # [1, b, 1, ctx]
                 o = attend(qs, keys.transpose(2, 3), vals, masked, self.scale)  # [hk, b, g, d]
+            else:
+                raise RuntimeError("a decode batch carries neither DecodeRows nor block tables")
             o = o.transpose(0, 1).reshape(b, -1)
             if dec.all_rows:
                 return o

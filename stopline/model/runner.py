@@ -91,17 +91,20 @@ class ModelRunner:
             logit_rows = logit_rows * 2
         decode = None
         if dec_rows:
-            width = self._width(max(len(t) for t in dec_tables))
-            null = self.kv.null_block
-            table = torch.tensor([t + [null] * (width - len(t)) for t in dec_tables], dtype=torch.long)
-            lens = torch.tensor(dec_lens, dtype=torch.long)
-            # Positions past a sequence's length (the rest of its last block, which is zero
-            # until written, and the padding blocks, which point at the zero block) are masked.
-            masked = torch.arange(width * bs)[None, :] >= lens[:, None]
+            staged = self.rows.plan(dec_keys, dec_lens, dec_tables) if self.rows else None
+            table = masked = None
+            if staged is None:  # the decodes gather their blocks: padded tables and masks
+                width = self._width(max(len(t) for t in dec_tables))
+                null = self.kv.null_block
+                table = torch.tensor([t + [null] * (width - len(t)) for t in dec_tables],
+                                     dtype=torch.long).to(self.device)
+                lens = torch.tensor(dec_lens, dtype=torch.long)
+                # Positions past a sequence's length (the rest of its last block, which is zero
+                # until written, and the padding blocks, which point at the zero block) are masked.
+                masked = (torch.arange(width * bs)[None, :] >= lens[:, None])[:, None, None, :].to(self.device)
             decode = DecodeBatch(torch.tensor(dec_rows, dtype=torch.long).to(self.device),
-                                 table.to(self.device), masked[:, None, None, :].to(self.device),
-                                 all_rows=len(dec_rows) == len(tokens),
-                                 staged=self.rows.plan(dec_keys, dec_lens, dec_tables) if self.rows else None)
+                                 all_rows=len(dec_rows) == len(tokens), blocks=table, masked=masked,
+                                 staged=staged)
         dev = self.device
         inputs = StepInputs(
             token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
