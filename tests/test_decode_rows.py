@@ -214,3 +214,33 @@ def test_the_rows_can_be_turned_off_from_the_command_line(tiny) -> None:
     cfg = engine_config(p.parse_args(["--no-decode-rows", "--num-blocks", "32"]))
     assert cfg.decode_rows is False
     assert EngineCore(tiny, cfg).runner.rows is None
+
+
+def test_an_aborted_decode_loses_its_row_and_the_others_are_undisturbed(tiny) -> None:
+    """Abort one of three decoding requests: its row is free after the next step, the
+    survivors' tokens equal a gathering engine's under the same abort, and the idle audit
+    (debug mode, every step) finds no rows left."""
+    def go(decode_rows: bool) -> tuple[dict, EngineCore]:
+        eng = EngineCore(tiny, EngineConfig(num_blocks=96, block_size=4, max_num_seqs=8,
+                                            debug=True, target_step_ms=None, decode_rows=decode_rows))
+        params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        for i, n in enumerate((7, 12, 20)):
+            eng.add_request(f"r{i}", list(range(5, 5 + n)), params)
+        out: dict = {}
+        for step in range(200):
+            if step == 6:
+                victim = eng.families["r1"].members[0]
+                eng.abort("r1")
+            for o in eng.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if step == 6 and decode_rows:
+                assert eng.runner.rows is not None
+                assert victim.internal_id not in eng.runner.rows.owner
+            if not eng.has_unfinished():
+                break
+        return out, eng
+
+    with_rows, eng = go(True)
+    gathered, _ = go(False)
+    assert with_rows == gathered and len(with_rows["r0"]) == 30 and len(with_rows["r1"]) < 30
+    assert eng.runner.rows.k == []

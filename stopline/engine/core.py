@@ -374,3 +374,9 @@ class EngineCore:
         self.pool.audit(self.lifecycle.held_tables(self.live_requests()))
         if not self.families and self.pool.num_used != 0:
             raise LedgerError(f"idle engine holds {self.pool.num_used} blocks")
+        # Decode rows are freed by the forward's thread when a request is absent from the
+        # next decode set (with async scheduling the release may run while a forward uses
+        # them), so a stopped request's row may outlive it by a step, but never the engine's
+        # going idle.
+        if not self.families and self.runner.rows is not None and self.runner.rows.k:
+            raise LedgerError("idle engine still holds decode rows")
