@@ -14,7 +14,7 @@ import torch
 
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
-from stopline.kv.decode_rows import DecodeRows, RowMismatch
+from stopline.kv.decode_rows import DecodeRows, RowMismatch, RowPlan
 from stopline.kv.kv_cache import KVCache, gather_blocks
 from stopline.model.loader import load_model
 from stopline.request import SamplingParams
@@ -52,7 +52,7 @@ class Seqs:
             self.kv.v[li][:, slot] = kv[1, li]
         return kv[0], kv[1]
 
-    def step(self, rows: DecodeRows, grow: bool = True) -> None:
+    def step(self, rows: DecodeRows, grow: bool = True) -> RowPlan:
         """One decode step: write every sequence's new token, then update the rows."""
         keys = list(self.lens)
         if grow:
@@ -77,6 +77,7 @@ class Seqs:
             masked = plan.masked[:, 0, 0]
             for key, row in zip(keys, plan.rows.tolist(), strict=True):
                 assert (~masked[row]).sum() == self.lens[key]
+        return plan
 
 
 def rows_for(max_bytes: int = 1 << 30, verify: bool = False) -> DecodeRows:
@@ -124,8 +125,26 @@ def test_rows_are_compacted_when_departures_leave_mostly_holes() -> None:
     for key in range(11):  # all but the one in the highest row leave
         s.drop(key)
     before = rows.relayouts
-    s.step(rows)  # checks every row against the cache, as the other steps do
+    plan = s.step(rows)  # checks every row against the cache, as the other steps do
     assert rows.relayouts == before + 1 and rows.owner == {11: 0}
+    assert plan.fill is None  # moved within the buffers, not copied from the cache again
+
+
+def test_a_wider_layout_keeps_the_rows_without_refilling_them_from_the_cache() -> None:
+    s, rows = Seqs(num_blocks=512), rows_for()
+    for key in range(3):
+        s.add(key, 2 * TILE - key)
+    s.step(rows, grow=False)
+    before, width = rows.relayouts, rows.width
+    plan = s.step(rows)  # the longest row outgrows the width: checked against the cache
+    assert rows.relayouts == before + 1 and rows.width > width
+    assert plan.fill is None
+    s.add(3, 6 * TILE)  # a long joiner widens the rows, then leaves
+    s.step(rows)
+    wide = rows.width
+    s.drop(3)
+    plan = s.step(rows)
+    assert rows.width < wide and plan.fill is None  # narrowed again, the rows kept
 
 
 def test_debug_check_catches_a_row_that_drifted_and_passes_poison_through() -> None:
