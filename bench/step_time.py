@@ -2,6 +2,7 @@
 
     python bench/step_time.py 11 31        # p50 / min step time at 11, then 31 requests
     python bench/step_time.py 64 --warm 150 --compare-decode-rows   # with and without DecodeRows
+    python bench/step_time.py 11 32 64 --compare-linear-backends  # auto against BLAS only
 
 Each request is a chat-templated question (the offline benchmark's prompts) generating with
 EOS ignored; steps are timed after `--warm` steps, so every request is decoding.
@@ -19,7 +20,6 @@ from stopline.config import EngineConfig
 
 
 def main() -> None:
-    import torch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("requests", type=int, nargs="+")
@@ -27,31 +27,48 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="steps timed")
     ap.add_argument("--compare-decode-rows", action="store_true",
                     help="time each count with DecodeRows on, then off (the gathering path)")
+    ap.add_argument("--compare-linear-backends", action="store_true",
+                    help="time each count with the default linear backends, then BLAS only "
+                         "(two engines in this process, run alternately)")
     args = ap.parse_args()
-    cfg = EngineConfig(kv_cache_memory_gb=2.0)
-    llm = LLM(config=cfg, progress=False)
-    eng = llm.engine
+    engines = {"": LLM(config=EngineConfig(kv_cache_memory_gb=2.0), progress=False).engine}
+    if args.compare_linear_backends:
+        engines = {" auto linears": engines[""],
+                   " blas linears": LLM(config=EngineConfig(kv_cache_memory_gb=2.0, linear_backend="blas"),
+                                        progress=False).engine}
     params = SamplingParams(temperature=0.0, max_tokens=args.warm + args.steps + 8, ignore_eos=True)
-    rows = eng.runner.rows
-    runs = [(n, on) for n in args.requests for on in ((True, False) if args.compare_decode_rows else (True,))]
-    for n, on in runs:
-        eng.runner.rows = rows if on else None
+    rows = {label: eng.runner.rows for label, eng in engines.items()}
+    for n in args.requests:
+        for on in ((True, False) if args.compare_decode_rows else (True,)):
+            _time_side_by_side(engines, rows, on, n, params, args)
+
+
+def _time_side_by_side(engines: dict, rows: dict, on: bool, n: int, params: SamplingParams,
+                       args: argparse.Namespace) -> None:
+    """n requests in every engine; their steps alternate, so a slow spell of this noisy host
+    lands on all of them alike."""
+    import torch
+
+    for label, eng in engines.items():
+        eng.runner.rows = rows[label] if on else None
         for i, ids in enumerate(chat_prompts(eng.loaded, n)):
             eng.add_request(f"{n}-{i}", ids, params)
-        for _ in range(args.warm):
+    for _ in range(args.warm):
+        for eng in engines.values():
             eng.step()
-        times = []
-        for _ in range(args.steps):
+    times: dict[str, list[float]] = {label: [] for label in engines}
+    for _ in range(args.steps):
+        for label, eng in engines.items():
             t = time.perf_counter()
             eng.step()
-            times.append(time.perf_counter() - t)
+            times[label].append(time.perf_counter() - t)
+    for label, eng in engines.items():
         while eng.has_unfinished():
             eng.step()
-        times.sort()
-        label = "" if not args.compare_decode_rows else (" decode rows" if on else " gathering")
-        print(f"{n} requests{label}: step p50 {times[len(times) // 2] * 1e3:.1f} ms, min {times[0] * 1e3:.1f} ms "
+        ts = sorted(times[label])
+        name = label + ("" if not args.compare_decode_rows else (" decode rows" if on else " gathering"))
+        print(f"{n} requests{name}: step p50 {ts[len(ts) // 2] * 1e3:.1f} ms, min {ts[0] * 1e3:.1f} ms "
               f"({torch.get_num_threads()} threads)")
-
 
 if __name__ == "__main__":
     main()

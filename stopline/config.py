@@ -22,6 +22,10 @@ class VictimPolicy(str, enum.Enum):
     COST = "cost"  # frees the needed blocks for the least wasted work
 
 
+# GEMM libraries a linear layer may use (see stopline/model/batch_invariant.py).
+LINEAR_BACKENDS = ("auto", "blas", "onednn")
+
+
 @dataclass
 class EngineConfig:
     block_size: int = 16
@@ -47,6 +51,10 @@ class EngineConfig:
     # past that a step gathers), so a decode step reads it in place instead of gathering
     # their blocks from the pool every layer.
     decode_rows: bool = True
+    # GEMM library of the linear layers: "auto" (on CPU, oneDNN for the large weights and
+    # BLAS for the small ones; BLAS elsewhere), "blas" or "onednn". Each weight keeps one
+    # library for every batch size, so a row's bits never depend on its batch.
+    linear_backend: str = "auto"
     debug: bool = False  # audit after every step and poison freed blocks
     device: str = "cpu"
     seed: int = 0
@@ -63,5 +71,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"EngineConfig.num_blocks must be >= 1, got {self.num_blocks}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"EngineConfig.linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, "
+                             f"got {self.linear_backend!r}")
         if not 0 <= self.admission_headroom < 1:
             raise ValueError("EngineConfig.admission_headroom must be in [0, 1)")

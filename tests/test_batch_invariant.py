@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import stopline.model.batch_invariant as bi
+from stopline.config import EngineConfig
 from stopline.model.batch_invariant import (
     InvariantLinear,
     calibrate,
@@ -12,12 +13,16 @@ from stopline.model.batch_invariant import (
     tile_plan,
 )
 
+BACKENDS = ["blas"] + (["onednn"] if bi.onednn_available("cpu") else [])
 
-@pytest.mark.parametrize("shape", [(96, 64), (960, 576), (576, 1536)])
-def test_a_row_gets_the_same_bits_alone_and_in_any_batch(shape):
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(96, 64), (960, 576), (576, 1536), (3072, 576)])
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(shape, backend):
     # A plain F.linear fails this on MKL: 1 row, 2..15 rows and 16+ rows take three kernels.
     torch.manual_seed(0)
-    lin = InvariantLinear(torch.randn(shape) * 0.05, max_rows=128)
+    lin = InvariantLinear(torch.randn(shape) * 0.05, max_rows=128, backend=backend)
+    assert lin.backend == backend
     x = torch.randn(128, shape[1])
     alone = torch.cat([lin(x[i:i + 1]) for i in range(128)])
     for n in (2, 3, 7, 15, 16, 17, 33, 57, 64, 100, 128):
@@ -28,22 +33,24 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(shape):
 def test_calibration_keeps_only_row_counts_that_agree():
     w_t = torch.randn(64, 48)
 
-    def odd_kernel(x, w):  # a library whose kernel for 17..40 rows sums in another order
-        y = torch.matmul(x, w)
+    def odd_kernel(x):  # a library whose kernel for 17..40 rows sums in another order
+        y = torch.matmul(x, w_t)
         return y + 1e-3 if 17 <= x.shape[0] <= 40 else y
 
-    kept = calibrate(w_t, 64, matmul=odd_kernel)
+    kept = calibrate(odd_kernel, 64, 64)
     assert all(h not in kept for h in range(17, 41))
     assert set(range(2, 17)) <= set(kept) and 64 in kept
     assert set(kept) == {h for h in probe_heights(64) if h >= 2 and not 17 <= h <= 40}
 
 
 def test_a_lone_seed_class_falls_back_to_the_class_of_sixteen():
-    def two_is_odd(x, w):
-        y = torch.matmul(x, w)
+    w_t = torch.randn(32, 16)
+
+    def two_is_odd(x):
+        y = torch.matmul(x, w_t)
         return y + 1e-3 if x.shape[0] < 16 else y
 
-    kept = calibrate(torch.randn(32, 16), 64, matmul=two_is_odd)
+    kept = calibrate(two_is_odd, 32, 64)
     assert kept[0] == 16 and 64 in kept
 
 
@@ -83,3 +90,34 @@ def test_rms_norm_falls_back_to_float64_when_the_fused_kernel_is_not_row_invaria
         assert not bi._fused_norm_ok("cpu", torch.get_num_threads(), 576)
     finally:
         bi._fused_norm_ok.cache_clear()
+
+
+def test_backend_rule_and_bad_names():
+    small, large = torch.zeros(1536, 576), torch.zeros(3072, 576)
+    want_large = "onednn" if bi.onednn_available("cpu") else "blas"
+    assert bi.pick_backend(small) == "blas" and bi.pick_backend(large) == want_large
+    assert bi.pick_backend(large, "blas") == "blas"
+    with pytest.raises(ValueError, match="linear backend must be one of"):
+        bi.pick_backend(small, "mkl")
+    with pytest.raises(ValueError, match="linear_backend"):
+        EngineConfig(linear_backend="cublas")
+
+
+def test_onednn_is_refused_where_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(bi, "onednn_available", lambda device: False)
+    assert bi.pick_backend(torch.zeros(3072, 576)) == "blas"  # auto falls back quietly
+    with pytest.raises(ValueError, match="needs a CPU build of torch with oneDNN"):
+        bi.pick_backend(torch.zeros(8, 8), "onednn")
+
+
+def test_the_backend_is_a_command_line_setting():
+    import argparse
+
+    from stopline.cli import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args([])).linear_backend == "auto"
+    assert engine_config(p.parse_args(["--linear-backend", "blas"])).linear_backend == "blas"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--linear-backend", "mkl"])

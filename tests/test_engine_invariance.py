@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from stopline import LLM
+from stopline.model.batch_invariant import onednn_available
 from stopline.request import SamplingParams
 from tests.engine_support import drive, greedy, random_prompts, record_plans, sharp_tiny_dir
 
@@ -96,3 +97,14 @@ def test_prefix_cache_hit_is_bitwise_invisible(model_dir: Path, prompts, alone) 
     res = llm.generate([prompts[i] for i in (23, 22, 20)], _params())
     assert all(r.outputs[0].usage.cached_tokens > 0 for r in res)
     assert [_signature(r.outputs[0]) for r in res] == [alone[23], alone[22], alone[20]]
+
+
+@pytest.mark.skipif(not onednn_available("cpu"), reason="this torch has no oneDNN")
+def test_onednn_linears_alone_vs_concurrent_and_chunked(model_dir: Path, prompts) -> None:
+    solo = _engine(model_dir, enable_prefix_caching=False, linear_backend="onednn")
+    alone = [_signature(solo.generate([p], _params())[0].outputs[0]) for p in prompts]
+    llm = _engine(model_dir, enable_prefix_caching=False, linear_backend="onednn",
+                  max_num_batched_tokens=16)
+    res = llm.generate(prompts, _params())
+    differ = [i for i, r in enumerate(res) if _signature(r.outputs[0]) != alone[i]]
+    assert differ == [], f"{len(differ)} of 24 requests changed when batched: {differ}"

@@ -15,6 +15,7 @@ import pytest
 
 from stopline import LLM, FinishReason
 from stopline.config import PreemptionMode, VictimPolicy
+from stopline.model.batch_invariant import onednn_available
 from stopline.model.loader import load_model
 from tests.engine_support import (
     MIN_MARGIN_TINY,
@@ -144,6 +145,18 @@ def test_after_forced_preemption(model_dir: Path, prompts, reference, mode, poli
     assert sum(stats.preemptions.values()) > 0, "the pool was never short: nothing was tested"
     if mode is PreemptionMode.RECOMPUTE:
         assert stats.preemptions[PreemptionMode.RECOMPUTE.value] > 0
+    assert_idle(llm.engine)
+
+
+@pytest.mark.skipif(not onednn_available("cpu"), reason="this torch has no oneDNN")
+def test_onednn_linears_chunked_and_preempted(model_dir: Path, prompts, reference) -> None:
+    # The tiny model's weights are all below the size that picks oneDNN; force it, so the
+    # library SmolLM2's large weights use is held to the oracle too.
+    llm = _engine(str(model_dir), linear_backend="onednn", num_blocks=48, max_num_batched_tokens=7,
+                  max_preemptions=1000)
+    assert llm.engine.model.layers[0]["down"].backend == "onednn"
+    _check(llm.generate(prompts, greedy(MAX_NEW)), reference, list(range(len(prompts))))
+    assert sum(llm.engine.lifecycle.stats.preemptions.values()) > 0
     assert_idle(llm.engine)
 
 

@@ -65,7 +65,8 @@ class EngineCore:
         if cfg.preemption_mode is not PreemptionMode.RECOMPUTE:
             swap = SwapSpace(cfg.swap_space_blocks or num_blocks)
         self.model = LlamaModel(mc, loaded.weights, max_rows=cfg.max_num_batched_tokens,
-                                max_logit_rows=cfg.max_num_seqs, device=cfg.device)
+                                max_logit_rows=cfg.max_num_seqs, device=cfg.device,
+                                linear_backend=cfg.linear_backend)
         self.model.calibrate()
         self.runner = ModelRunner(self.model, self.kv, cfg)
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len)

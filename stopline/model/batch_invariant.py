@@ -10,6 +10,15 @@ random rows at a ladder of row counts (shifted, so a row also changes its place 
 tile) and keeps the row counts whose every row matches the others bit for bit. A batch then
 runs as tiles of kept heights only (padded with zero rows), which is one GEMM whenever the
 library allows it. (Attention's own fixed reduction order is in `attention.py`.)
+
+Two GEMM libraries serve the CPU: BLAS (`x @ w_t`, MKL) and oneDNN's packed fp32 GEMM.
+Timed per weight inside the engine (two engines stepping alternately, SmolLM2, 30 layers),
+oneDNN wins on the MLP's gate/up projection (11 rows 38 against 51 ms a step, 64 rows 92
+against 100) and on the LM head (2 rows 11.5 against 13.9, 11 rows 17 against 27) and loses
+on the small attention projections at every batch (a fixed cost per call); on the down
+projection it wins from 32 rows but loses at 2 (17 against 13 ms), which is the
+single-stream step. So only the largest weights take oneDNN. Each calibrates with its own
+kernel, and a weight keeps one library for every batch (two libraries' bits differ).
 """
 
 from __future__ import annotations
@@ -20,8 +29,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from stopline.config import LINEAR_BACKENDS
+
 # A tile costs its rows plus this many rows' worth of fixed overhead (call, weight reads).
 _TILE_OVERHEAD_ROWS = 8
+
+# Weights with at least this many elements take oneDNN where it is available: SmolLM2's
+# gate/up (1.77M) and LM head (28M), not down (0.88M), q/k/v (0.55M) or o (0.33M).
+ONEDNN_MIN_ELEMENTS = 1 << 20
 
 
 def probe_heights(max_rows: int) -> list[int]:
@@ -34,20 +49,20 @@ def probe_heights(max_rows: int) -> list[int]:
     return out
 
 
-MatMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+MatMul = Callable[[torch.Tensor], torch.Tensor]
 
 
-def calibrate(w_t: torch.Tensor, max_rows: int, seed: int = 0,
-              matmul: MatMul = torch.matmul) -> tuple[int, ...]:
-    """The row counts at which `x @ w_t` gives every row the same bits as at every other
+def calibrate(mm: MatMul, in_features: int, max_rows: int, seed: int = 0,
+              device: str | torch.device = "cpu") -> tuple[int, ...]:
+    """The row counts at which `mm(x)` gives every row the same bits as at every other
     kept count. Seeded from 2 rows (a lone decode pads to 2; one row goes down another path
     in every library tried); if that class stops short of 16 rows, the class of 16 is tried
     too and the cheaper one for a spread of batch sizes wins."""
     probes = [h for h in probe_heights(max_rows) if h >= 2] or [2]
-    small = _chain(w_t, probes, 2, seed, matmul)
+    small = _chain(mm, in_features, probes, 2, seed, device)
     if small and small[-1] >= 16:
         return small
-    large = _chain(w_t, probes, 16, seed, matmul)
+    large = _chain(mm, in_features, probes, 16, seed, device)
     if not large:
         return small
     sizes = sorted({1, 4, 16, 64, max_rows})
@@ -55,20 +70,21 @@ def calibrate(w_t: torch.Tensor, max_rows: int, seed: int = 0,
     return min(cost, key=cost.__getitem__)
 
 
-def _chain(w_t: torch.Tensor, probes: list[int], first: int, seed: int,
-           matmul: MatMul) -> tuple[int, ...]:
-    k = w_t.shape[0]
+def _chain(mm: MatMul, k: int, probes: list[int], first: int, seed: int,
+           device: str | torch.device) -> tuple[int, ...]:
     shift_span = 8
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(max(probes) + shift_span, k, generator=gen).to(w_t.device, w_t.dtype)
-    ref = torch.zeros(x.shape[0], w_t.shape[1], device=w_t.device, dtype=w_t.dtype)
-    known = torch.zeros(x.shape[0], dtype=torch.bool, device=w_t.device)
+    x = torch.randn(max(probes) + shift_span, k, generator=gen).to(device)
+    ref: torch.Tensor | None = None
+    known = torch.zeros(x.shape[0], dtype=torch.bool, device=device)
     if first not in probes:
         return ()
     kept = []
     for h in [first] + [h for h in probes if h != first]:
         s = (h * 5) % shift_span  # the rows sit at a different place in each tile
-        y = matmul(x[s:s + h], w_t)
+        y = mm(x[s:s + h])
+        if ref is None:
+            ref = y.new_zeros(x.shape[0], y.shape[1])
         seen = known[s:s + h]
         if not kept or torch.equal(y[seen], ref[s:s + h][seen]):
             ref[s:s + h] = y
@@ -114,12 +130,42 @@ def _plan_long(n: int, heights: tuple[int, ...]) -> Sequence[tuple[int, int]]:
     return ((top, top),) * full + (_plans(heights)[rest] if rest else ())
 
 
+def onednn_available(device: str | torch.device) -> bool:
+    return (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pick_backend(w: torch.Tensor, backend: str = "auto") -> str:
+    """"blas" or "onednn" for this weight (see the module docstring for the rule)."""
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"linear backend must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
+    if backend == "blas" or not onednn_available(w.device):
+        if backend == "onednn":
+            raise ValueError(f"linear backend 'onednn' needs a CPU build of torch with oneDNN; "
+                             f"the weights are on {w.device}")
+        return "blas"
+    if backend == "onednn" or w.numel() >= ONEDNN_MIN_ELEMENTS:
+        return "onednn"
+    return "blas"
+
+
 class InvariantLinear:
     """y = x @ w.T whose rows never depend on the other rows of x."""
 
-    def __init__(self, w: torch.Tensor, max_rows: int) -> None:
-        self.w_t = w.t().contiguous()
+    def __init__(self, w: torch.Tensor, max_rows: int, backend: str = "auto") -> None:
+        self.out_features, self.in_features = w.shape
+        self.device = w.device
         self.max_rows = max(2, max_rows)
+        self.backend = pick_backend(w, backend)
+        if self.backend == "onednn":
+            # Packed once into oneDNN's blocked layout (hinted with the largest batch); the
+            # plain weight is not kept.
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), self.max_rows)
+            self._mm: MatMul = lambda x: torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), packed, None, "none", [], "")
+        else:
+            w_t = w.t().contiguous()
+            self._mm = lambda x: x @ w_t
         self._heights: dict[int, tuple[int, ...]] = {}
 
     def heights(self) -> tuple[int, ...]:
@@ -127,37 +173,33 @@ class InvariantLinear:
         threads = torch.get_num_threads()
         found = self._heights.get(threads)
         if found is None:
-            found = _calibrated(self.w_t, self.max_rows, threads)
-            self._heights[threads] = found
+            key = (self.backend, self.in_features, self.out_features, str(self.device),
+                   self.max_rows, threads)
+            if key not in _CALIBRATED:  # depends on the shape, not the values
+                _CALIBRATED[key] = calibrate(self._mm, self.in_features, self.max_rows,
+                                             device=self.device)
+            found = self._heights[threads] = _CALIBRATED[key]
         return found
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         if n == 0:
-            return x.new_empty(0, self.w_t.shape[1])
+            return x.new_empty(0, self.out_features)
         plan = tile_plan(n, self.heights())
         if len(plan) == 1 and plan[0][1] == n:
-            return x @ self.w_t
+            return self._mm(x)
         parts = []
         start = 0
         for used, h in plan:
             tile = x[start:start + used]
             if used < h:  # zero rows pad the tile up to a kept height
                 tile = F.pad(tile, (0, 0, 0, h - used))
-            parts.append((tile @ self.w_t)[:used])
+            parts.append(self._mm(tile)[:used])
             start += used
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 _CALIBRATED: dict[tuple, tuple[int, ...]] = {}
-
-
-def _calibrated(w_t: torch.Tensor, max_rows: int, threads: int) -> tuple[int, ...]:
-    """Calibration depends on the shape, not the values: one per shape and thread count."""
-    key = (tuple(w_t.shape), w_t.dtype, str(w_t.device), max_rows, threads)
-    if key not in _CALIBRATED:
-        _CALIBRATED[key] = calibrate(w_t, max_rows)
-    return _CALIBRATED[key]
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

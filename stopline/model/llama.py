@@ -51,8 +51,9 @@ class StepInputs:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, max_rows: int,
-                 max_logit_rows: int, device: str = "cpu") -> None:
-        """max_rows: most rows a step carries; max_logit_rows: most rows that need logits."""
+                 max_logit_rows: int, device: str = "cpu", linear_backend: str = "auto") -> None:
+        """max_rows: most rows a step carries; max_logit_rows: most rows that need logits;
+        linear_backend: see `batch_invariant.pick_backend`."""
         self.config = config
         c = config
         self.group = c.num_heads // c.num_kv_heads
@@ -64,11 +65,11 @@ class LlamaModel:
             return weights[name].to(device=device, dtype=torch.float32).clone()
 
         def linear(*names: str) -> InvariantLinear:
-            return InvariantLinear(torch.cat([w(n) for n in names]), max_rows)
+            return InvariantLinear(torch.cat([w(n) for n in names]), max_rows, linear_backend)
 
         self.embed = w("model.embed_tokens.weight")
         head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
-        self.lm_head = InvariantLinear(w(head), max_logit_rows)
+        self.lm_head = InvariantLinear(w(head), max_logit_rows, linear_backend)
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(c.num_layers):
