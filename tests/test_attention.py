@@ -104,3 +104,23 @@ def test_softmax_probe_rejects_a_kernel_whose_rows_move_with_the_padding(monkeyp
         assert not PROBE("cpu", torch.get_num_threads())
     finally:
         PROBE.cache_clear()
+
+
+@pytest.mark.parametrize("g", [1, 3])
+def test_attend_rows_on_views_of_wider_buffers_gives_attends_bits(g):
+    # DecodeRows hands out the first `width` keys of a longer capacity; P @ V then runs a
+    # tile at a time. The result must be attend's, bit for bit, on the contiguous copy.
+    torch.manual_seed(0)
+    rows, hk, d, cap, width = 7, 2, 16, 4 * attention.KEY_TILE, 2 * attention.KEY_TILE
+    kb, vb = torch.randn(rows, hk, cap, d), torch.randn(rows, hk, cap, d)
+    lens = torch.randint(1, width + 1, (rows,))
+    for r in range(rows):
+        vb[r, :, lens[r]:] = 0.0
+    masked = (torch.arange(width)[None, :] >= lens[:, None])[:, None, None, :]
+    q = torch.randn(rows, hk, g, d)
+    k, v = kb[:, :, :width], vb[:, :, :width]
+    want = attend(q, k.contiguous().transpose(2, 3), v.contiguous(), masked, 0.25)
+    got = attention.attend_rows(q, k.transpose(2, 3), v, masked, 0.25)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="whole tiles"):
+        attention.attend_rows(q, k[:, :, :5].transpose(2, 3), v[:, :, :5], masked[..., :5], 0.25)

@@ -7,8 +7,11 @@ every step: at 64 streams of ~200 tokens about 0.75 GB copied a step, 40% of the
 buffer [rows, kv_heads, width, head_dim]; a step writes its one new token into the row next
 to writing it into the cache, and attention multiplies the rows in place. A sequence's
 blocks are copied once, when it joins the decode set (after its prefill, or on return from
-preemption), and again only when the buffer is re-laid out (the longest row outgrows the
-width, or the width is well past what the rows need).
+preemption). The buffer's width is a capacity: attention reads the first `width` keys of
+each row, and the width follows the longest row up and down without moving anything (on
+CPU the capacity is reserved up front and the OS backs a page only when it is first
+written). The rows move (a re-layout, one strided copy) only when departures left the used
+rows mostly holes, or when more rows or more width are needed than were reserved.
 
 The numbers attention sees are the cache's (copies of them), so its result is bit for bit
 the gather path's; the extra masked rows and key tiles of the buffer are the kind of
@@ -41,8 +44,10 @@ class RowPlan:
     used: int  # attention runs over rows [0, used)
     positions: torch.Tensor  # [B] position of each decode's new token
     masked: torch.Tensor  # [used, 1, 1, width] bool: positions past each row's length
+    width: int  # attention reads keys [0, width) of each row
     fill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, block in row, cache block)
     joined: torch.Tensor | None  # rows cleared and filled this step
+    widen: tuple[int, int, int] | None  # (from, to, rows): columns cleared as the width grows
     check: list[tuple[int, int, torch.Tensor]]  # debug: (row, length, blocks) of every row
 
 
@@ -60,10 +65,15 @@ class DecodeRows:
         self.max_bytes = max_bytes
         self.verify = verify
         self.device = device
-        self.k: list[torch.Tensor] = []  # per layer [rows, kv_heads, width, head_dim]
+        self.k: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.v: list[torch.Tensor] = []
         self.num_rows = 0
-        self.width = 0
+        self.capacity = 0  # allocated width
+        self.width = 0  # width in use: a whole number of units, at least the longest row
+        # On CPU the capacity is all of max_bytes, reserved: pages are backed as written.
+        # (A first touch measured 250 ms a GB here; growing a fresh buffer every 64 tokens
+        # at 64 streams made a 1-2 s step.) Elsewhere memory is not lazy: exact sizes.
+        self._reserve = torch.device(device).type == "cpu"
         self.owner: dict[int, int] = {}  # sequence key -> row
         self.length: dict[int, int] = {}  # sequence key -> tokens in its row after this step
         self.relayouts = 0
@@ -72,7 +82,7 @@ class DecodeRows:
         """Forget every row and free the buffers (after a failed or interrupted step, whose
         rows are unsure, and when the engine goes idle)."""
         self.k, self.v = [], []
-        self.num_rows = self.width = 0
+        self.num_rows = self.capacity = self.width = 0
         self.owner.clear()
         self.length.clear()
 
@@ -93,15 +103,17 @@ class DecodeRows:
         for key in [k for k in self.owner if k not in seqs]:  # left the decode set
             del self.owner[key]
             del self.length[key]
-        # Attention runs over the whole width and every row up to the last one in use, so
-        # both are kept tight: re-laid out when the longest row outgrows the width, when the
-        # width is well past what the rows need, or when departures left the used rows
-        # mostly holes.
+        # Attention runs over the width and every row up to the last one in use, so both are
+        # kept tight. The width moves freely within the capacity; the rows are re-laid out
+        # when departures left the used rows mostly holes, or to grow.
         top = max(self.owner.values()) + 1 if self.owner else 0
-        if (need_rows > self.num_rows or width > self.width
-                or self.width > width + width // 4 + self.unit
+        widen = None
+        if (need_rows > self.num_rows or width > self.capacity
                 or top > need_rows + need_rows // 2 + 4):
             self._relayout(need_rows, width)
+        elif width > self.width and top:
+            widen = (self.width, width, top)  # owned rows read zeros in their new columns
+        self.width = width
         # A sequence whose length did not move by exactly the one token is copied again.
         joiners = [k for k in seqs if k not in self.owner or self.length[k] != seqs[k][0] - 1]
         free = sorted(set(range(self.num_rows)) - set(self.owner.values()), reverse=True)
@@ -137,46 +149,50 @@ class DecodeRows:
             used=used,
             positions=idx([n - 1 for n in lens]),
             masked=masked[:, None, None, :].to(dev),
+            width=self.width,
             fill=(idx(fill_rows), idx(fill_blocks), idx(fill_src)) if joiners else None,
             joined=idx(sorted({self.owner[k] for k in joiners})) if joiners else None,
+            widen=widen,
             check=check,
         )
 
     def _relayout(self, need_rows: int, width: int) -> None:
-        """New buffers of `width`, the rows still owned moved to the front in row order.
-        Their K/V is copied from the old buffers (a plain strided copy, about 15x faster
-        than filling them from the cache's blocks again, measured as a 1 s step at 64
-        streams), so a width change costs no more than one copy of the rows in use."""
+        """New buffers, the rows still owned moved to the front in row order: copied from
+        the old buffers (one strided copy), not gathered from the cache's blocks again."""
         # Room for every sequence the engine may run, where it fits: spare rows cost memory
         # only (attention stops at the last used row), and sequences then join without a
         # re-layout (growing a row at a time cost a copy of every row per join).
         num_rows = max(need_rows, self.max_rows)
         if self._bytes(num_rows, width) > self.max_bytes:
             num_rows = need_rows
+        if self._reserve:
+            per_unit = self._bytes(num_rows, self.unit)
+            capacity = self.max_bytes // per_unit * self.unit
+        else:  # some headroom, so a growing width is not a copy every unit
+            capacity = min(width + width // 2 + self.unit,
+                           self.max_bytes // self._bytes(num_rows, self.unit) * self.unit)
         keep = sorted(self.owner, key=self.owner.__getitem__) if self.k else []
         src = torch.tensor([self.owner[k] for k in keep], dtype=torch.long, device=self.device)
         n, cols = len(keep), min(self.width, width)
         dense = [self.owner[k] for k in keep] == list(range(n))
-        shape = (num_rows, self.hk, width, self.d)
+        shape = (num_rows, self.hk, capacity, self.d)
         fresh = not self.k
         for bufs in (self.k, self.v):
             for layer in range(self.num_layers):
-                # Not zeroed: a row is cleared when a sequence takes it, and a free row's
-                # output is never read. Kept rows get zeros past the old width, so every
-                # owned row holds finite numbers up to the width (a masked key's value is
-                # still multiplied by its zero weight).
                 new = torch.empty(shape, device=self.device)
                 if fresh:
                     bufs.append(new)
                     continue
                 if n:
                     old = bufs[layer][:, :, :cols]
-                    # Rows already dense and in order (a width change) copy straight across;
-                    # index_select would first build the whole copy in fresh memory.
+                    # Rows dense and in order copy straight across; index_select would
+                    # first build the whole copy in fresh memory.
                     new[:n, :, :cols] = old[:n] if dense else old.index_select(0, src)
-                    new[:n, :, cols:].zero_()
+                    # Owned rows hold finite numbers up to the width (a masked key's value
+                    # still meets its zero weight); the rest is cleared when a row is taken.
+                    new[:n, :, cols:width].zero_()
                 bufs[layer] = new  # one layer at a time: old and new never all coexist
-        self.num_rows, self.width = num_rows, width
+        self.num_rows, self.capacity, self.width = num_rows, capacity, width
         self.owner = {k: i for i, k in enumerate(keep)}
         self.relayouts += 1
 
@@ -186,17 +202,21 @@ class DecodeRows:
         blocks into their rows, write every decode's new token (k_new, v_new: [B, hk, d]),
         and return this layer's used rows [used, hk, width, d]."""
         hk, d, bs = self.hk, self.d, self.bs
+        w = plan.width
         for buf, cache, new in ((self.k[layer], kc, k_new), (self.v[layer], vc, v_new)):
+            if plan.widen is not None:
+                start, end, top = plan.widen
+                buf[:top, :, start:end].zero_()
             if plan.fill is not None:
                 rows, blocks, src = plan.fill
                 # Cleared first: a row's last owner may have left NaN past this one's length.
-                buf.index_fill_(0, plan.joined, 0.0)
+                buf[:, :, :w].index_fill_(0, plan.joined, 0.0)
                 data = gather_blocks(cache.view(hk, -1, bs, d), src).transpose(0, 1)  # [n, hk, bs, d]
                 buf.view(self.num_rows, hk, -1, bs, d).transpose(1, 2).index_put_((rows, blocks), data)
             buf.transpose(1, 2).index_put_((plan.rows, plan.positions), new)
         if plan.check:
             self._verify(layer, kc, vc, plan)
-        return self.k[layer][:plan.used], self.v[layer][:plan.used]
+        return self.k[layer][:plan.used, :, :w], self.v[layer][:plan.used, :, :w]
 
     def _verify(self, layer: int, kc: torch.Tensor, vc: torch.Tensor, plan: RowPlan) -> None:
         hk, d, bs = self.hk, self.d, self.bs

@@ -57,6 +57,31 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
     return acc.cumsum(dim=-3)[..., -1, :m, :]
 
 
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+                masked: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attend` for keys and values that are views into wider buffers (the first `ctx` of a
+    longer capacity, as DecodeRows hands them out; ctx a whole number of tiles): the same
+    arithmetic and bits, with P @ V taken one key tile at a time, since batching the tiles
+    together needs them evenly spaced, which here would mean copying the values.
+    q: [..., m, d]; keys: [..., d, ctx]; vals: [..., ctx, d]; masked as for `attend`."""
+    ctx = vals.shape[-2]
+    if ctx % KEY_TILE:
+        raise ValueError(f"attend_rows needs whole tiles of {KEY_TILE} keys, got {ctx}")
+    m = q.shape[-2]
+    if m == 1:  # as in attend: one row goes through another GEMM kernel than two or more
+        q = torch.cat([q, torch.zeros_like(q)], dim=-2)
+    scores = torch.matmul(q, keys).mul_(scale)
+    if m == 1:
+        scores = scores[..., :1, :]
+    scores.masked_fill_(masked, float("-inf"))
+    p = _softmax(scores)
+    if m == 1:
+        p = torch.cat([p, torch.zeros_like(p)], dim=-2)
+    acc = torch.stack([torch.matmul(p[..., t:t + KEY_TILE], vals[..., t:t + KEY_TILE, :])
+                       for t in range(0, ctx, KEY_TILE)], dim=-3)  # [..., nt, m', d]
+    return acc.cumsum(dim=-3)[..., -1, :m, :]
+
+
 def probe(device: str) -> bool:
     """Run (once) the probe that picks the softmax path; True for the fused one."""
     return _fused_softmax_ok(device, torch.get_num_threads())

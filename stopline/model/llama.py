@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from stopline.kv.decode_rows import DecodeRows, RowPlan
 from stopline.kv.kv_cache import KVCache, gather_blocks
-from stopline.model.attention import attend
+from stopline.model.attention import attend, attend_rows
 from stopline.model.attention import probe as attention_probe
 from stopline.model.batch_invariant import InvariantLinear, rms_norm
 from stopline.model.config import ModelConfig
@@ -143,7 +143,7 @@ class LlamaModel:
     def _attention(self, q: torch.Tensor, inp: StepInputs, kc: torch.Tensor, vc: torch.Tensor,
                    bs: int, rows_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """kc, vc: one layer's cache, [hk, slots, d]; rows_kv: the decodes' K/V rows
-        [used rows, hk, width, d] when DecodeRows holds them. Gathered blocks keep heads first, so the
+        [used rows, hk, width, d] (views into wider buffers) when DecodeRows holds them. Gathered blocks keep heads first, so the
         keys enter the score GEMM as a transposed view, without a copy."""
         n = q.shape[0]
         hk, g, d = self.config.num_kv_heads, self.group, self.config.head_dim
@@ -169,7 +169,7 @@ class LlamaModel:
                 keys, vals = rows_kv
                 # Each decode's query goes to its row; the other rows' outputs are dropped.
                 qr = qs.new_zeros(keys.shape[0], hk, g, d).index_copy_(0, dec.staged.rows, qs.transpose(0, 1))
-                o = attend(qr, keys.transpose(2, 3), vals, dec.staged.masked, self.scale)
+                o = attend_rows(qr, keys.transpose(2, 3), vals, dec.staged.masked, self.scale)
                 o = o.index_select(0, dec.staged.rows).transpose(0, 1)  # [hk, b, g, d]
             elif dec.blocks is not None and dec.masked is not None:
                 nb = dec.blocks.shape[1]
