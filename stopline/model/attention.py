@@ -41,13 +41,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
         vals = F.pad(vals, (0, 0, 0, pad))
         masked = F.pad(masked, (0, pad), value=True)
     m = q.shape[-2]
-    if m == 1:  # one row goes through another GEMM kernel than two or more
-        q = torch.cat([q, torch.zeros_like(q)], dim=-2)
-    scores = torch.matmul(q, keys).mul_(scale)
-    if m == 1:
-        scores = scores[..., :1, :]
-    scores.masked_fill_(masked, float("-inf"))
-    p = _softmax(scores)
+    p = _weights(q, keys, masked, scale)
     nt = vals.shape[-2] // KEY_TILE
     vals = vals.unflatten(-2, (nt, KEY_TILE))  # [..., nt, tile, d]
     pb = p.unflatten(-1, (nt, KEY_TILE)).transpose(-3, -2)  # [..., nt, m, tile]
@@ -68,18 +62,24 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
     if ctx % KEY_TILE:
         raise ValueError(f"attend_rows needs whole tiles of {KEY_TILE} keys, got {ctx}")
     m = q.shape[-2]
-    if m == 1:  # as in attend: one row goes through another GEMM kernel than two or more
-        q = torch.cat([q, torch.zeros_like(q)], dim=-2)
-    scores = torch.matmul(q, keys).mul_(scale)
-    if m == 1:
-        scores = scores[..., :1, :]
-    scores.masked_fill_(masked, float("-inf"))
-    p = _softmax(scores)
+    p = _weights(q, keys, masked, scale)
     if m == 1:
         p = torch.cat([p, torch.zeros_like(p)], dim=-2)
     acc = torch.stack([torch.matmul(p[..., t:t + KEY_TILE], vals[..., t:t + KEY_TILE, :])
                        for t in range(0, ctx, KEY_TILE)], dim=-3)  # [..., nt, m', d]
     return acc.cumsum(dim=-3)[..., -1, :m, :]
+
+
+def _weights(q: torch.Tensor, keys: torch.Tensor, masked: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax weights [..., m, ctx] of the query rows over the keys."""
+    m = q.shape[-2]
+    if m == 1:  # one row goes through another GEMM kernel than two or more
+        q = torch.cat([q, torch.zeros_like(q)], dim=-2)
+    scores = torch.matmul(q, keys).mul_(scale)
+    if m == 1:
+        scores = scores[..., :1, :]
+    scores.masked_fill_(masked, float("-inf"))
+    return _softmax(scores)
 
 
 def probe(device: str) -> bool:
