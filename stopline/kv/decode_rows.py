@@ -192,7 +192,7 @@ class DecodeRows:
                     # still meets its zero weight); the rest is cleared when a row is taken.
                     new[:n, :, cols:width].zero_()
                 bufs[layer] = new  # one layer at a time: old and new never all coexist
-        self.num_rows, self.capacity, self.width = num_rows, capacity, width
+        self.num_rows, self.capacity = num_rows, capacity  # plan() sets the width after
         self.owner = {k: i for i, k in enumerate(keep)}
         self.relayouts += 1
 
