@@ -20,7 +20,6 @@ from stopline.config import EngineConfig
 
 
 def main() -> None:
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("requests", type=int, nargs="+")
     ap.add_argument("--warm", type=int, default=40, help="steps before timing")
@@ -69,6 +68,7 @@ def _time_side_by_side(engines: dict, rows: dict, on: bool, n: int, params: Samp
         name = label + ("" if not args.compare_decode_rows else (" decode rows" if on else " gathering"))
         print(f"{n} requests{name}: step p50 {ts[len(ts) // 2] * 1e3:.1f} ms, min {ts[0] * 1e3:.1f} ms "
               f"({torch.get_num_threads()} threads)")
+
 
 if __name__ == "__main__":
     main()

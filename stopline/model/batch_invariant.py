@@ -53,16 +53,16 @@ MatMul = Callable[[torch.Tensor], torch.Tensor]
 
 
 def calibrate(mm: MatMul, in_features: int, max_rows: int, seed: int = 0,
-              device: str | torch.device = "cpu") -> tuple[int, ...]:
+              device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
     """The row counts at which `mm(x)` gives every row the same bits as at every other
     kept count. Seeded from 2 rows (a lone decode pads to 2; one row goes down another path
     in every library tried); if that class stops short of 16 rows, the class of 16 is tried
     too and the cheaper one for a spread of batch sizes wins."""
     probes = [h for h in probe_heights(max_rows) if h >= 2] or [2]
-    small = _chain(mm, in_features, probes, 2, seed, device)
+    small = _chain(mm, in_features, probes, 2, seed, device, dtype)
     if small and small[-1] >= 16:
         return small
-    large = _chain(mm, in_features, probes, 16, seed, device)
+    large = _chain(mm, in_features, probes, 16, seed, device, dtype)
     if not large:
         return small
     sizes = sorted({1, 4, 16, 64, max_rows})
@@ -71,10 +71,10 @@ def calibrate(mm: MatMul, in_features: int, max_rows: int, seed: int = 0,
 
 
 def _chain(mm: MatMul, k: int, probes: list[int], first: int, seed: int,
-           device: str | torch.device) -> tuple[int, ...]:
+           device: str | torch.device, dtype: torch.dtype) -> tuple[int, ...]:
     shift_span = 8
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(max(probes) + shift_span, k, generator=gen).to(device)
+    x = torch.randn(max(probes) + shift_span, k, generator=gen).to(device, dtype)
     ref: torch.Tensor | None = None
     known = torch.zeros(x.shape[0], dtype=torch.bool, device=device)
     if first not in probes:
@@ -139,14 +139,14 @@ def pick_backend(w: torch.Tensor, backend: str = "auto") -> str:
     """"blas" or "onednn" for this weight (see the module docstring for the rule)."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear backend must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
-    if backend == "blas" or not onednn_available(w.device):
+    if backend == "blas":
+        return "blas"
+    if not onednn_available(w.device):
         if backend == "onednn":
             raise ValueError(f"linear backend 'onednn' needs a CPU build of torch with oneDNN; "
                              f"the weights are on {w.device}")
         return "blas"
-    if backend == "onednn" or w.numel() >= ONEDNN_MIN_ELEMENTS:
-        return "onednn"
-    return "blas"
+    return "onednn" if backend == "onednn" or w.numel() >= ONEDNN_MIN_ELEMENTS else "blas"
 
 
 class InvariantLinear:
@@ -154,7 +154,7 @@ class InvariantLinear:
 
     def __init__(self, w: torch.Tensor, max_rows: int, backend: str = "auto") -> None:
         self.out_features, self.in_features = w.shape
-        self.device = w.device
+        self.device, self.dtype = w.device, w.dtype
         self.max_rows = max(2, max_rows)
         self.backend = pick_backend(w, backend)
         if self.backend == "onednn":
@@ -173,11 +173,11 @@ class InvariantLinear:
         threads = torch.get_num_threads()
         found = self._heights.get(threads)
         if found is None:
-            key = (self.backend, self.in_features, self.out_features, str(self.device),
-                   self.max_rows, threads)
+            key = (self.backend, self.in_features, self.out_features, self.dtype,
+                   str(self.device), self.max_rows, threads)
             if key not in _CALIBRATED:  # depends on the shape, not the values
                 _CALIBRATED[key] = calibrate(self._mm, self.in_features, self.max_rows,
-                                             device=self.device)
+                                             device=self.device, dtype=self.dtype)
             found = self._heights[threads] = _CALIBRATED[key]
         return found
 
