@@ -129,10 +129,29 @@ def test_rows_are_compacted_when_departures_leave_mostly_holes() -> None:
     s.step(rows, grow=False)
     for key in range(11):  # all but the one in the highest row leave
         s.drop(key)
-    before = rows.relayouts
+    before, storage = rows.relayouts, rows.k[0].data_ptr()
     plan = s.step(rows)  # checks every row against the cache, as the other steps do
-    assert rows.relayouts == before + 1 and rows.owner == {11: 0}
+    assert rows.compactions == 1 and rows.owner == {11: 0}
     assert plan.fill is None  # moved within the buffers, not copied from the cache again
+    assert rows.relayouts == before and rows.k[0].data_ptr() == storage  # no new buffers
+
+
+def test_compaction_fills_scattered_holes_in_place_and_rows_stay_exact() -> None:
+    rng = random.Random(3)
+    s, rows = Seqs(num_blocks=1024), rows_for()
+    for key in range(16):
+        s.add(key, rng.randint(1, 3 * TILE))
+    s.step(rows, grow=False)
+    storage = [t.data_ptr() for t in rows.k + rows.v]
+    for key in rng.sample(range(16), 11):  # 5 stay, scattered over the 16 rows
+        s.drop(key)
+    s.step(rows)  # every row checked against the cache
+    assert rows.compactions == 1 and sorted(rows.owner.values()) == list(range(5))
+    for key in range(16, 20):  # joiners take the rows above; the width grows over them
+        s.add(key, rng.randint(1, 4 * TILE))
+    for _ in range(2 * TILE):
+        s.step(rows)
+    assert [t.data_ptr() for t in rows.k + rows.v] == storage and rows.relayouts == 1
 
 
 def test_the_width_moves_within_the_capacity_without_moving_the_rows() -> None:

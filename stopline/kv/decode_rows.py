@@ -10,8 +10,9 @@ blocks are copied once, when it joins the decode set (after its prefill, or on r
 preemption). The buffer's width is a capacity: attention reads the first `width` keys of
 each row, and the width follows the longest row up and down without moving anything (on
 CPU the capacity is reserved up front and the OS backs a page only when it is first
-written). The rows move (a re-layout, one strided copy) only when departures left the used
-rows mostly holes, or when more rows or more width are needed than were reserved.
+written). When departures left the used rows mostly holes, the rows past the owned count
+move down into the holes, in place; the buffers are re-laid out (one strided copy into new
+ones) only when more rows or more width are needed than were reserved.
 
 The numbers attention sees are the cache's (copies of them), so its result is bit for bit
 the gather path's; the extra masked rows and key tiles of the buffer are the kind of
@@ -77,6 +78,7 @@ class DecodeRows:
         self.owner: dict[int, int] = {}  # sequence key -> row
         self.length: dict[int, int] = {}  # sequence key -> tokens in its row after this step
         self.relayouts = 0
+        self.compactions = 0
 
     def reset(self) -> None:
         """Forget every row and free the buffers (after a failed or interrupted step, whose
@@ -108,11 +110,13 @@ class DecodeRows:
         # when departures left the used rows mostly holes, or to grow.
         top = max(self.owner.values()) + 1 if self.owner else 0
         widen = None
-        if (need_rows > self.num_rows or width > self.capacity
-                or top > need_rows + need_rows // 2 + 4):
+        if need_rows > self.num_rows or width > self.capacity:
             self._relayout(need_rows, width)
-        elif width > self.width and top:
-            widen = (self.width, width, top)  # owned rows read zeros in their new columns
+        else:
+            if top > need_rows + need_rows // 2 + 4:
+                top = self._compact()
+            if width > self.width and top:
+                widen = (self.width, width, top)  # owned rows read zeros in their new columns
         self.width = width
         # A sequence whose length did not move by exactly the one token is copied again.
         joiners = [k for k in seqs if k not in self.owner or self.length[k] != seqs[k][0] - 1]
@@ -195,6 +199,26 @@ class DecodeRows:
         self.num_rows, self.capacity = num_rows, capacity  # plan() sets the width after
         self.owner = {k: i for i, k in enumerate(keep)}
         self.relayouts += 1
+
+    def _compact(self) -> int:
+        """Move the rows owned at or past the number of owned rows into the free rows below
+        it, within the buffers; returns the new top. (Re-laying out into fresh buffers
+        instead wrote every kept row into memory never touched before: measured 1.8-1.9 s
+        for the step in which 25 of 64 streams ended, nearly all of it page faults.)"""
+        n = len(self.owner)
+        holes = iter(sorted(set(range(n)) - set(self.owner.values())))
+        moves = []
+        for key, row in sorted(self.owner.items(), key=lambda kv: kv[1]):
+            if row >= n:
+                dst = next(holes)
+                moves.append((row, dst))
+                self.owner[key] = dst
+        cols = self.width  # owned rows hold finite numbers up to here; plan() widens after
+        for buf in self.k + self.v:
+            for src, dst in moves:  # row by row: no temporary copy in fresh memory either
+                buf[dst, :, :cols].copy_(buf[src, :, :cols])
+        self.compactions += 1
+        return n
 
     def update(self, layer: int, kc: torch.Tensor, vc: torch.Tensor, k_new: torch.Tensor,
                v_new: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
