@@ -287,3 +287,22 @@ def test_an_aborted_decode_loses_its_row_and_the_others_are_undisturbed(tiny) ->
     gathered, _ = go(False)
     assert with_rows == gathered and len(with_rows["r0"]) == 30 and len(with_rows["r1"]) < 30
     assert eng.runner.rows.k == []
+
+
+def test_the_next_columns_are_backed_ahead_of_the_width_a_few_rows_a_step() -> None:
+    from stopline.kv import decode_rows
+
+    s = Seqs(num_blocks=512)
+    rows = DecodeRows(LAYERS, HK, D, BS, 64, 16, 1 << 30)  # 64-key tiles: room to grow
+    for key in range(6):
+        s.add(key, 3)
+    s.step(rows, grow=False)
+    width, unit = rows.width, rows.unit
+    for t in rows.k + rows.v:  # garbage where the next unit will be
+        t[:6, :, width:width + unit] = float("nan")
+    s.step(rows)  # a few rows a step, not all at once
+    assert 0 < sum(bool((rows.k[0][r, :, width:width + unit] == 0).all()) for r in range(6)) < 6
+    for _ in range(decode_rows._PRETOUCH_STEPS):
+        s.step(rows)
+    assert rows.width == width  # still inside the first unit: nothing read these columns
+    assert all((t[:6, :, width:width + unit] == 0).all() for t in rows.k + rows.v)

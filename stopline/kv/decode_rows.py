@@ -32,6 +32,9 @@ import torch
 
 from stopline.kv.kv_cache import gather_blocks
 
+# The next unit of columns is backed over this many steps (a unit is 64 or more steps).
+_PRETOUCH_STEPS = 32
+
 
 class RowMismatch(AssertionError):
     """Debug check: a decode row differs from the cache blocks it copies."""
@@ -79,12 +82,14 @@ class DecodeRows:
         self.length: dict[int, int] = {}  # sequence key -> tokens in its row after this step
         self.relayouts = 0
         self.compactions = 0
+        self._touched = (0, 0)  # (width, rows): rows [0, rows) have the unit past it backed
 
     def reset(self) -> None:
         """Forget every row and free the buffers (after a failed or interrupted step, whose
         rows are unsure, and when the engine goes idle)."""
         self.k, self.v = [], []
         self.num_rows = self.capacity = self.width = 0
+        self._touched = (0, 0)
         self.owner.clear()
         self.length.clear()
 
@@ -118,6 +123,8 @@ class DecodeRows:
             if width > self.width and top:
                 widen = (self.width, width, top)  # owned rows read zeros in their new columns
         self.width = width
+        if widen is None and top:
+            self._pretouch(top)
         # A sequence whose length did not move by exactly the one token is copied again.
         joiners = [k for k in seqs if k not in self.owner or self.length[k] != seqs[k][0] - 1]
         free = sorted(set(range(self.num_rows)) - set(self.owner.values()), reverse=True)
@@ -197,8 +204,27 @@ class DecodeRows:
                     new[:n, :, cols:width].zero_()
                 bufs[layer] = new  # one layer at a time: old and new never all coexist
         self.num_rows, self.capacity = num_rows, capacity  # plan() sets the width after
+        self._touched = (0, 0)  # new buffers: nothing backed past the copied width
         self.owner = {k: i for i, k in enumerate(keep)}
         self.relayouts += 1
+
+    def _pretouch(self, top: int) -> None:
+        """Zero the next unit of columns past the width for a few of the used rows each
+        step. Nothing reads them before the width grows, and then they are zeroed again, but
+        by then their pages are backed: otherwise the step that widens first-touches the new
+        columns of every row at once (measured: 576 ms at 64 streams, once every 64 tokens)."""
+        start, end = self.width, self.width + self.unit
+        if end > self.capacity:
+            return
+        if self._touched[0] != start:
+            self._touched = (start, 0)
+        r0 = self._touched[1]
+        if r0 >= top:
+            return
+        r1 = min(top, r0 + -(-top // _PRETOUCH_STEPS))
+        for buf in self.k + self.v:
+            buf[r0:r1, :, start:end].zero_()
+        self._touched = (start, r1)
 
     def _compact(self) -> int:
         """Move the rows owned at or past the number of owned rows into the free rows below
