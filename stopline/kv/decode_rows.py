@@ -111,8 +111,8 @@ class DecodeRows:
             del self.owner[key]
             del self.length[key]
         # Attention runs over the width and every row up to the last one in use, so both are
-        # kept tight. The width moves freely within the capacity; the rows are re-laid out
-        # when departures left the used rows mostly holes, or to grow.
+        # kept tight. The width moves freely within the capacity; the rows are compacted in
+        # place when departures left them mostly holes, and re-laid out only to grow.
         top = max(self.owner.values()) + 1 if self.owner else 0
         widen = None
         if need_rows > self.num_rows or width > self.capacity:
