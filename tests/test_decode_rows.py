@@ -306,3 +306,18 @@ def test_the_next_columns_are_backed_ahead_of_the_width_a_few_rows_a_step() -> N
         s.step(rows)
     assert rows.width == width  # still inside the first unit: nothing read these columns
     assert all((t[:6, :, width:width + unit] == 0).all() for t in rows.k + rows.v)
+
+
+def test_columns_are_not_pretouched_where_memory_is_not_lazy() -> None:
+    s = Seqs(num_blocks=512)
+    rows = DecodeRows(LAYERS, HK, D, BS, 64, 16, 1 << 30)
+    rows._reserve = False  # as on a GPU: exact sizes, backed when allocated
+    for key in range(2):
+        s.add(key, 3)
+    s.step(rows, grow=False)
+    width = rows.width
+    assert rows.capacity > width  # headroom a pretouch could have written into
+    rows.k[0][:2, :, width:].fill_(float("nan"))
+    for _ in range(4):
+        s.step(rows)
+    assert torch.isnan(rows.k[0][:2, :, width:]).all()

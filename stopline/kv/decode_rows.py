@@ -123,7 +123,7 @@ class DecodeRows:
             if width > self.width and top:
                 widen = (self.width, width, top)  # owned rows read zeros in their new columns
         self.width = width
-        if widen is None and top:
+        if widen is None and top and self._reserve:  # elsewhere memory is backed when allocated
             self._pretouch(top)
         # A sequence whose length did not move by exactly the one token is copied again.
         joiners = [k for k in seqs if k not in self.owner or self.length[k] != seqs[k][0] - 1]
