@@ -1,0 +1,96 @@
+"""The CI chaos storm over fresh seeds, for as long as asked: a soak of the stop path.
+
+    python bench/chaos_soak.py --minutes 20          # storms of 300 requests, modes in turn
+    python bench/chaos_soak.py --minutes 20 --wide   # 64 sequences at once: decode rows compact
+    python bench/chaos_soak.py --seed 1234 --storms 1 --mode swap   # replay one storm
+
+Each storm is tests/test_stop_chaos.py's, with its own seed: random aborts aimed at every
+state, a pool small enough to preempt, debug mode (the ledger audit after every step, freed
+blocks poisoned), each output checked against a reference run. The modes rotate through
+recompute, swap, recompute with async scheduling and auto with async scheduling. A failure
+prints its traceback and the command that replays it; the exit status is the number of
+failed storms (capped at 100).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' storm machinery
+
+from stopline.model.loader import load_model  # noqa: E402
+from tests.chaos_support import (  # noqa: E402
+    check_storm,
+    make_workload,
+    run_reference,
+    run_storm,
+    storm_config,
+)
+from tests.tiny_model import make_tiny_llama_dir  # noqa: E402
+
+MODES = [("recompute", False), ("swap", False), ("recompute", True), ("auto", True)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=10.0, help="stop starting storms after this")
+    ap.add_argument("--storms", type=int, default=None, help="stop after this many storms")
+    ap.add_argument("--seed", type=int, default=1000, help="the first storm's seed; then +1 each")
+    ap.add_argument("--count", type=int, default=300, help="requests per storm")
+    ap.add_argument("--mode", choices=[m for m, _ in MODES] + ["auto-async", "recompute-async"],
+                    help="one mode for every storm (default: in turn)")
+    ap.add_argument("--wide", action="store_true",
+                    help="64 sequences and a larger pool (decode rows compact as they end)")
+    args = ap.parse_args()
+    if args.count < 1 or args.minutes <= 0 or (args.storms is not None and args.storms < 1):
+        ap.error("--count, --minutes and --storms must be positive")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load_model(str(make_tiny_llama_dir(Path(tmp) / "tiny", seed=7, init_std=0.1,
+                                                    vocab_size=384, layers=2)), progress=False)
+    deadline = time.monotonic() + args.minutes * 60
+    seed, done, failed, requests = args.seed, 0, 0, 0
+    while time.monotonic() < deadline and (args.storms is None or done < args.storms):
+        mode, asy = _mode(args.mode, seed)
+        work = make_workload(seed=seed, count=args.count, vocab=loaded.config.vocab_size)
+        t = time.monotonic()
+        try:
+            ref = run_reference(loaded, work)
+            got, terminals, aborted_at, _states, eng = run_storm(
+                loaded, work, storm_config(mode, asy, wide=args.wide), seed=seed + 1)
+            aborted = check_storm(work, ref, got, terminals, aborted_at)
+            stats = eng.lifecycle.stats
+            rows = eng.runner.rows
+            print(f"seed {seed} {mode}{' async' if asy else ''}: ok, {len(work)} requests, "
+                  f"{aborted} aborted samples, {sum(stats.preemptions.values())} preemptions, "
+                  f"{rows.compactions if rows else 0} compactions, {time.monotonic() - t:.1f} s",
+                  flush=True)
+        except Exception:  # a failed check or a crash: report, keep soaking
+            failed += 1
+            traceback.print_exc()
+            mode_arg = f"{mode}-async" if asy else mode
+            print(f"seed {seed} {mode}{' async' if asy else ''}: FAILED; replay with: python "
+                  f"bench/chaos_soak.py --seed {seed} --storms 1 --count {args.count} "
+                  f"--mode {mode_arg}{' --wide' if args.wide else ''}", flush=True)
+        done += 1
+        requests += len(work)
+        seed += 1
+    print(f"{done} storms, {requests} requests, {failed} failed")
+    return min(failed, 100)
+
+
+def _mode(choice: str | None, seed: int) -> tuple[str, bool]:
+    if choice is None:
+        return MODES[seed % len(MODES)]
+    if choice.endswith("-async"):
+        return choice.removesuffix("-async"), True
+    return choice, False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

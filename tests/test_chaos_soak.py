@@ -1,0 +1,50 @@
+"""bench/chaos_soak.py: the CI storm over fresh seeds (run briefly here so it cannot rot)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "chaos_soak.py"
+
+
+@pytest.fixture
+def soak():
+    spec = importlib.util.spec_from_file_location("chaos_soak", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(soak, monkeypatch, *argv: str) -> int:
+    monkeypatch.setattr(sys, "argv", ["chaos_soak.py", *argv])
+    return soak.main()
+
+
+def test_storms_pass_and_are_counted(soak, monkeypatch, capsys) -> None:
+    assert run(soak, monkeypatch, "--storms", "2", "--count", "40", "--wide") == 0
+    out = capsys.readouterr().out
+    assert "seed 1000 recompute: ok" in out and "seed 1001 swap: ok" in out
+    assert "2 storms, 80 requests, 0 failed" in out
+
+
+def test_a_failed_storm_is_reported_with_its_replay_command(soak, monkeypatch, capsys) -> None:
+    def broken(*_args):
+        raise AssertionError("r3[0]: survivor differs from its undisturbed run")
+
+    monkeypatch.setattr(soak, "check_storm", broken)
+    assert run(soak, monkeypatch, "--storms", "1", "--count", "30", "--seed", "42",
+               "--mode", "auto-async") == 1
+    captured = capsys.readouterr()
+    assert "survivor differs" in captured.err
+    assert ("replay with: python bench/chaos_soak.py --seed 42 --storms 1 --count 30 "
+            "--mode auto-async") in captured.out
+
+
+def test_bad_arguments_are_refused(soak, monkeypatch) -> None:
+    with pytest.raises(SystemExit) as e:
+        run(soak, monkeypatch, "--count", "0")
+    assert e.value.code == 2
