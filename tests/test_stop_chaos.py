@@ -29,11 +29,17 @@ def tiny(tmp_path_factory):
     return load_model(str(path), progress=False)
 
 
+@pytest.fixture(scope="module")
+def storm_work(tiny):
+    """The storm's 600 requests and their reference outputs, computed once for every test."""
+    work = make_workload(seed=11, count=600, vocab=tiny.config.vocab_size)
+    return work, run_reference(tiny, work)
+
+
 @pytest.mark.parametrize("mode,async_scheduling", [("recompute", False), ("swap", False),
                                                    ("recompute", True), ("auto", True)])
-def test_storm(tiny, mode, async_scheduling):
-    work = make_workload(seed=11, count=600, vocab=tiny.config.vocab_size)
-    ref = run_reference(tiny, work)
+def test_storm(tiny, storm_work, mode, async_scheduling):
+    work, ref = storm_work
     got, terminals, aborted_at, states_hit, eng = run_storm(tiny, work, storm_config(mode, async_scheduling),
                                                             seed=5)
     stats = eng.lifecycle.stats
@@ -46,12 +52,11 @@ def test_storm(tiny, mode, async_scheduling):
     assert check_storm(work, ref, got, terminals, aborted_at) > 100
 
 
-def test_solo_matches_reference(tiny):
+def test_solo_matches_reference(tiny, storm_work):
     """The storm compares with a reference run of all its requests in one batch; batch
     invariance makes that each request's solo output. Checked here on a sample, n > 1
     included, each on a fresh engine of its own."""
-    work = make_workload(seed=11, count=600, vocab=tiny.config.vocab_size)
-    ref = run_reference(tiny, work)
+    work, ref = storm_work
     rng = random.Random(3)
     sample = rng.sample([w for w in work if w[2].n == 1], 10) + [w for w in work if w[2].n > 1][:2]
     for rid, prompt, params, _ in sample:
