@@ -3,6 +3,7 @@
     python bench/step_time.py 11 31        # p50 / min step time at 11, then 31 requests
     python bench/step_time.py 64 --warm 150 --compare-decode-rows   # with and without DecodeRows
     python bench/step_time.py 11 32 64 --compare-linear-backends  # auto against BLAS only
+    python bench/step_time.py 1 8 16 --compare-quant 32 # quantized kernel up to 32 rows against none
 
 Each request is a chat-templated question (the offline benchmark's prompts) generating with
 EOS ignored; steps are timed after `--warm` steps, so every request is decoding.
@@ -29,8 +30,16 @@ def main() -> None:
     ap.add_argument("--compare-linear-backends", action="store_true",
                     help="time each count with the default linear backends, then BLAS only "
                          "(two engines in this process, run alternately)")
+    ap.add_argument("--compare-quant", type=int, metavar="ROWS", default=None,
+                    help="time each count with the quantized-weight kernel up to ROWS rows, then "
+                         "with float32 weights only (two engines, run alternately)")
     args = ap.parse_args()
     engines = {"": LLM(config=EngineConfig(kv_cache_memory_gb=2.0), progress=False).engine}
+    if args.compare_quant is not None:
+        engines = {f" quant<={args.compare_quant}": LLM(config=EngineConfig(
+                       kv_cache_memory_gb=2.0, quant_max_rows=args.compare_quant), progress=False).engine,
+                   " float32": LLM(config=EngineConfig(kv_cache_memory_gb=2.0, quant_max_rows=0),
+                                   progress=False).engine}
     if args.compare_linear_backends:
         engines = {" auto linears": engines[""],
                    " blas linears": LLM(config=EngineConfig(kv_cache_memory_gb=2.0, linear_backend="blas"),

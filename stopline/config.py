@@ -55,6 +55,11 @@ class EngineConfig:
     # BLAS for the small ones; BLAS elsewhere), "blas" or "onednn". Each weight keeps one
     # library for every batch size, so a row's bits never depend on its batch.
     linear_backend: str = "auto"
+    # GGUF weights in Q4_1/Q8_0 are also kept in their blocks, and a batch of up to this many
+    # rows reads those (5-8.5 bits a weight instead of 32) through stopline's C kernel, which
+    # gives the same bits as the float32 library path (0: always the library). Measured on
+    # SmolLM2, 2 cores: a decode step 1.8x faster at 1 row, 1.16x at 32, even at 64.
+    quant_max_rows: int = 48
     debug: bool = False  # audit after every step and poison freed blocks
     device: str = "cpu"
     seed: int = 0
@@ -66,6 +71,8 @@ class EngineConfig:
             self.debug = True
         if self.max_preemptions < 0:
             raise ValueError(f"EngineConfig.max_preemptions must be >= 0, got {self.max_preemptions}")
+        if self.quant_max_rows < 0:
+            raise ValueError(f"EngineConfig.quant_max_rows must be >= 0, got {self.quant_max_rows}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -66,7 +66,8 @@ class EngineCore:
             swap = SwapSpace(cfg.swap_space_blocks or num_blocks)
         self.model = LlamaModel(mc, loaded.weights, max_rows=cfg.max_num_batched_tokens,
                                 max_logit_rows=cfg.max_num_seqs, device=cfg.device,
-                                linear_backend=cfg.linear_backend)
+                                linear_backend=cfg.linear_backend, blocks=loaded.blocks,
+                                quant_max_rows=cfg.quant_max_rows)
         self.model.calibrate()
         self.runner = ModelRunner(self.model, self.kv, cfg)
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from stopline.config import LINEAR_BACKENDS
+from stopline.model.quant_linear import QuantWeight
 
 # A tile costs its rows plus this many rows' worth of fixed overhead (call, weight reads).
 _TILE_OVERHEAD_ROWS = 8
@@ -150,9 +151,15 @@ def pick_backend(w: torch.Tensor, backend: str = "auto") -> str:
 
 
 class InvariantLinear:
-    """y = x @ w.T whose rows never depend on the other rows of x."""
+    """y = x @ w.T whose rows never depend on the other rows of x.
 
-    def __init__(self, w: torch.Tensor, max_rows: int, backend: str = "auto") -> None:
+    quant: the same weight in a GGUF block format; batches of up to `quant_max_rows` rows
+    then run through the quantized-weight kernel, which reads a fraction of the bytes and
+    sums in the library's order, so its rows carry the library's bits (checked at first use;
+    where they would not, the kernel is not used)."""
+
+    def __init__(self, w: torch.Tensor, max_rows: int, backend: str = "auto",
+                 quant: QuantWeight | None = None, quant_max_rows: int = 16) -> None:
         self.out_features, self.in_features = w.shape
         self.device, self.dtype = w.device, w.dtype
         self.max_rows = max(2, max_rows)
@@ -167,6 +174,9 @@ class InvariantLinear:
             w_t = w.t().contiguous()
             self._mm = lambda x: x @ w_t
         self._heights: dict[int, tuple[int, ...]] = {}
+        self.quant = quant if quant is not None and w.device.type == "cpu" and quant_max_rows > 0 else None
+        self.quant_max_rows = quant_max_rows
+        self._kc: dict[int, int | None] = {}
 
     def heights(self) -> tuple[int, ...]:
         # The library's choice of kernel depends on the thread count too.
@@ -181,7 +191,48 @@ class InvariantLinear:
             found = self._heights[threads] = _CALIBRATED[key]
         return found
 
+    def kc(self) -> int | None:
+        """The block size at which the quantized kernel sums like the library, or None when
+        the kernel is not used for this weight (none, unavailable, or no order matched)."""
+        if self.quant is None:
+            return None
+        threads = torch.get_num_threads()
+        if threads not in self._kc:
+            self._kc[threads] = self._find_kc(threads)
+        return self._kc[threads]
+
+    def _find_kc(self, threads: int) -> int | None:
+        from stopline.model.native import try_quant_gemm
+
+        if try_quant_gemm() is None:
+            return None
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(max(self.quant_max_rows, 3), self.in_features, generator=gen, dtype=self.dtype)
+        want = self._library(x)
+        key = (self.backend, self.in_features, self.out_features, self.max_rows, threads)
+        known = _KC.get(key)
+        if known is not None:
+            # The order belongs to the shape; this weight only checks its own packing.
+            sizes = sorted({1, 2, 3, self.quant_max_rows})
+            if all(torch.equal(self.quant(x[:n], known), want[:n]) for n in sizes):
+                return known
+        for kc in range(32, self.in_features + 1, 32):
+            # Rows 0..2 decide; then every batch size up to quant_max_rows must agree too.
+            if torch.equal(self.quant(x[:3], kc), want[:3]) and all(
+                    torch.equal(self.quant(x[:n], kc), want[:n]) for n in range(1, self.quant_max_rows + 1)):
+                _KC[key] = kc
+                return kc
+        return None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if 0 < n <= self.quant_max_rows and self.quant is not None:
+            kc = self.kc()
+            if kc is not None:
+                return self.quant(x, kc)
+        return self._library(x)
+
+    def _library(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         if n == 0:
             return x.new_empty(0, self.out_features)
@@ -200,6 +251,7 @@ class InvariantLinear:
 
 
 _CALIBRATED: dict[tuple, tuple[int, ...]] = {}
+_KC: dict[tuple, int] = {}  # the kc that matched the library for a shape, tried first next time
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

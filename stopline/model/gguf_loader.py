@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from stopline.model.config import SUPPORTED_GGUF_ARCHS, ModelConfig, UnsupportedModelError
+from stopline.model.quant_linear import BLOCK_BYTES, GGML_TYPES, GROUP, Blocks
 from stopline.model.tokenizer import Tokenizer
 from stopline.model.weights_cache import as_float32
 
@@ -272,10 +273,21 @@ def _config_from_fields(fields: dict[str, Any], tensor_names: set[str], tokenize
     )
 
 
+def raw_blocks(t: GGUFTensorInfo) -> tuple[str, np.ndarray] | None:
+    """(format, [rows, bytes] copy of the GGML blocks) for a 2-D tensor in a format the
+    quantized-weight kernel reads (see quant_linear.py), else None."""
+    fmt = GGML_TYPES.get(t.ggml_type)
+    if fmt is None or len(t.shape) != 2 or t.shape[1] % GROUP:
+        return None
+    return fmt, np.array(t.data.reshape(t.shape[0], t.shape[1] // GROUP * BLOCK_BYTES[fmt]))
+
+
 def load_gguf(
     path: Path, *, progress: bool = True, desc: str | None = None,
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Parse, dequantize and unpermute a GGUF. Returns (config, HF-named float32 weights, tokenizer)."""
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, Blocks]:
+    """Parse, dequantize and unpermute a GGUF. Returns (config, HF-named float32 weights,
+    tokenizer, the GGML blocks of the weights the quantized kernel can read, rows in the
+    same order as the float32 weights)."""
     gf = read_gguf(path)
     _check_arch(gf.fields)  # before the tokenizer, whose errors would hide the real problem
     tokenizer = Tokenizer.from_gguf_fields(gf.fields)
@@ -285,22 +297,27 @@ def load_gguf(
     if dupes:
         raise ValueError(f"{path}: several GGUF tensors map to {sorted(dupes)}")
 
-    def convert(item: tuple[str, GGUFTensorInfo]) -> tuple[str, torch.Tensor]:
+    def convert(item: tuple[str, GGUFTensorInfo]) -> tuple[str, torch.Tensor, tuple[str, np.ndarray] | None]:
         name, t = item
-        arr = dequantize(t)
-        if name.endswith("q_proj.weight"):
-            arr = unpermute_qk(arr, config.num_heads)
-        elif name.endswith("k_proj.weight"):
-            arr = unpermute_qk(arr, config.num_kv_heads)
-        return name, as_float32(arr)
+        arr, raw = dequantize(t), raw_blocks(t)
+        heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
+        for suffix, n in heads.items():
+            if name.endswith(suffix):
+                arr = unpermute_qk(arr, n)
+                if raw is not None:  # the permutation moves whole rows, blocks and all
+                    raw = raw[0], unpermute_qk(raw[1], n)
+        return name, as_float32(arr), raw
 
     weights: dict[str, torch.Tensor] = {}
+    blocks: Blocks = {}
     bar = tqdm(total=len(names), desc=desc or f"dequantizing {path.name}", unit="tensor",
                file=sys.stderr, disable=not progress, leave=False)
     # numpy releases the GIL in the dequantization kernels, so threads help on multi-core hosts.
     workers = max(1, min(8, os.cpu_count() or 1))
     with bar, ThreadPoolExecutor(max_workers=workers) as pool:
-        for name, tensor in pool.map(convert, zip(names, gf.tensors, strict=True)):
+        for name, tensor, raw in pool.map(convert, zip(names, gf.tensors, strict=True)):
             weights[name] = tensor
+            if raw is not None:
+                blocks[name] = raw[0], torch.from_numpy(np.ascontiguousarray(raw[1]))
             bar.update(1)
-    return config, weights, tokenizer
+    return config, weights, tokenizer, blocks

@@ -15,6 +15,7 @@ from stopline.model.attention import attend, attend_rows
 from stopline.model.attention import probe as attention_probe
 from stopline.model.batch_invariant import InvariantLinear, rms_norm
 from stopline.model.config import ModelConfig
+from stopline.model.quant_linear import Blocks, QuantWeight, from_raw_rows
 
 
 class StepInterrupted(Exception):
@@ -51,9 +52,12 @@ class StepInputs:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, max_rows: int,
-                 max_logit_rows: int, device: str = "cpu", linear_backend: str = "auto") -> None:
+                 max_logit_rows: int, device: str = "cpu", linear_backend: str = "auto",
+                 blocks: Blocks | None = None, quant_max_rows: int = 0) -> None:
         """max_rows: most rows a step carries; max_logit_rows: most rows that need logits;
-        linear_backend: see `batch_invariant.pick_backend`."""
+        linear_backend: see `batch_invariant.pick_backend`; blocks: the GGML blocks of
+        quantized weights, which batches of up to quant_max_rows rows read instead of the
+        float32 weights (see quant_linear.py)."""
         self.config = config
         c = config
         self.group = c.num_heads // c.num_kv_heads
@@ -64,12 +68,23 @@ class LlamaModel:
             # about 4x slower here.
             return weights[name].to(device=device, dtype=torch.float32).clone()
 
-        def linear(*names: str) -> InvariantLinear:
-            return InvariantLinear(torch.cat([w(n) for n in names]), max_rows, linear_backend)
+        blocks = blocks if device == "cpu" and quant_max_rows > 0 else {}
+
+        def quant(names: tuple[str, ...]) -> QuantWeight | None:
+            found = [blocks.get(n) for n in names]
+            fmts = {f[0] for f in found if f is not None}
+            if None in found or len(fmts) != 1:
+                return None
+            return from_raw_rows(fmts.pop(), [f[1] for f in found if f is not None],
+                                 weights[names[0]].shape[1])
+
+        def linear(*names: str, rows: int = max_rows) -> InvariantLinear:
+            return InvariantLinear(torch.cat([w(n) for n in names]), rows, linear_backend,
+                                   quant=quant(names), quant_max_rows=quant_max_rows)
 
         self.embed = w("model.embed_tokens.weight")
         head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
-        self.lm_head = InvariantLinear(w(head), max_logit_rows, linear_backend)
+        self.lm_head = linear(head, rows=max_logit_rows)
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(c.num_layers):
@@ -96,9 +111,10 @@ class LlamaModel:
     def calibrate(self) -> None:
         """Probe every kernel's row invariance now (about 1.5 s for SmolLM2 on 2 cores) rather
         than inside the first request's time to first token."""
-        for lin in [self.lm_head, *self.layers[0].values()]:
+        for lin in [self.lm_head, *(v for layer in self.layers for v in layer.values())]:
             if isinstance(lin, InvariantLinear):
                 lin.heights()
+                lin.kc()  # each weight checks its own packing against the library once
         rms_norm(self.embed[:2], self.final_norm, self.config.rms_norm_eps)
         attention_probe(self.embed.device.type)
 

@@ -11,7 +11,7 @@ import importlib.util
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from stopline.model import weights_cache
 from stopline.model.config import ModelConfig, UnsupportedModelError, check_weights
+from stopline.model.quant_linear import Blocks
 from stopline.model.tokenizer import Tokenizer
 
 __all__ = [
@@ -51,6 +52,9 @@ class LoadedModel:
     source: str
     load_seconds: float
     from_cache: bool
+    # GGUF weights also as their GGML blocks (name -> (format, raw block rows)), for the
+    # quantized-weight kernel; empty for HF directories.
+    blocks: Blocks = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -109,9 +113,11 @@ def load_model(
         from stopline.model.hf_loader import load_hf_dir
 
         config, weights, tokenizer = load_hf_dir(path, progress=progress)
+        blocks: Blocks = {}
         from_cache = False
     elif path.is_file() and _is_gguf(path):
-        config, weights, tokenizer, from_cache = _load_gguf_cached(path, progress=progress, cache_dir=cache_dir)
+        config, weights, tokenizer, blocks, from_cache = _load_gguf_cached(
+            path, progress=progress, cache_dir=cache_dir)
     else:
         raise ValueError(
             f"don't know how to load {str(path)!r}: expected a .gguf file or an HF model directory "
@@ -129,27 +135,32 @@ def load_model(
         source=str(path.resolve()),
         load_seconds=time.perf_counter() - t0,
         from_cache=from_cache,
+        blocks=blocks,
     )
 
 
 def _load_gguf_cached(
     path: Path, *, progress: bool, cache_dir: str | os.PathLike[str] | None,
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, bool]:
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, Blocks, bool]:
     key = weights_cache.cache_key(path)
     cfile = weights_cache.cache_file(path, None if cache_dir is None else Path(cache_dir).expanduser())
     hit = weights_cache.load(cfile, key)
     if hit is not None:
-        weights, extra = hit
+        tensors, extra = hit
         try:
-            return (ModelConfig.from_dict(extra["config"]), weights,
-                    Tokenizer.from_state(extra["tokenizer"]), True)
+            # The blocks share the file under "<name>@<format>" (uint8).
+            blocks = {name: (fmt, tensors.pop(f"{name}@{fmt}")) for name, fmt in extra["blocks"].items()}
+            return (ModelConfig.from_dict(extra["config"]), tensors,
+                    Tokenizer.from_state(extra["tokenizer"]), blocks, True)
         except (KeyError, TypeError, ValueError):
             pass  # metadata from an incompatible writer: fall through and rebuild
     from stopline.model.gguf_loader import load_gguf
 
-    config, weights, tokenizer = load_gguf(path, progress=progress)
-    weights_cache.save(cfile, key, weights, {"config": config.to_dict(), "tokenizer": tokenizer.to_state()})
-    return config, weights, tokenizer, False
+    config, weights, tokenizer, blocks = load_gguf(path, progress=progress)
+    stored = {**weights, **{f"{name}@{fmt}": raw for name, (fmt, raw) in blocks.items()}}
+    weights_cache.save(cfile, key, stored, {"config": config.to_dict(), "tokenizer": tokenizer.to_state(),
+                                           "blocks": {name: fmt for name, (fmt, _) in blocks.items()}})
+    return config, weights, tokenizer, blocks, False
 
 
 def export_hf_dir(loaded: LoadedModel, out_dir: str | os.PathLike[str]) -> Path:

@@ -1,4 +1,5 @@
-"""On-disk cache of dequantized GGUF weights (float32 safetensors).
+"""On-disk cache of dequantized GGUF weights (float32 safetensors, plus the GGML blocks of
+the weights the quantized kernel reads, as uint8).
 
 Dequantizing a GGUF and parsing its 50k-entry vocabulary takes seconds; reading back a
 safetensors file takes a fraction of that. The cache file holds everything a load needs
@@ -29,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 # Bump when the cached content changes meaning (layout, unpermute, tokenizer state, ...).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the GGML blocks of quantized weights too
 
 _META_PREFIX = "stopline."
 

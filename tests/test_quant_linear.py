@@ -1,0 +1,146 @@
+"""The quantized-weight kernel: exact dequantization, the library's bits, and the fallbacks."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import stopline.model.batch_invariant as bi
+from stopline import LLM, SamplingParams
+from stopline.config import EngineConfig
+from stopline.model import native
+from stopline.model.batch_invariant import InvariantLinear
+from stopline.model.quant_linear import QuantWeight, can_pack
+from tests.tiny_model import make_tiny_gguf
+
+BACKENDS = ["blas"] + (["onednn"] if bi.onednn_available("cpu") else [])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    try:
+        native.quant_gemm()
+    except native.NativeUnavailable as e:
+        pytest.skip(f"the C kernels cannot run here: {e}")
+
+
+def _quantized(fmt: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """GGML blocks of a random weight and gguf's own dequantization of them."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt.upper()])
+    deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt.upper()])
+    return raw, torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("shape", [(32, 32), (96, 64), (960, 576), (576, 1536)])
+def test_the_kernel_dequantizes_exactly_like_gguf(fmt, shape):
+    n, k = shape
+    raw, deq = _quantized(fmt, n, k)
+    qw = QuantWeight.from_raw(fmt, raw, k)
+    # The identity's rows pick out one input each: every output is one weight, unrounded.
+    assert torch.equal(qw(torch.eye(k), kc=k).t(), deq)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (3072, 576), (96, 64)])
+def test_kernel_rows_carry_the_library_bits_at_every_batch_size(fmt, backend, shape):
+    n, k = shape
+    raw, deq = _quantized(fmt, n, k, seed=1)
+    lin = InvariantLinear(deq, max_rows=96, backend=backend,
+                          quant=QuantWeight.from_raw(fmt, raw, k), quant_max_rows=16)
+    assert lin.kc() is not None, "no block order of the kernel matched the library"
+    x = torch.randn(96, k)
+    library = lin._library(x)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(20)])  # the kernel, one row at a time
+    assert torch.equal(alone, library[:20])
+    for rows in (2, 3, 8, 15, 16, 17, 40, 96):  # 17 and up: the library path
+        assert torch.equal(lin(x[:rows]), library[:rows]), rows
+
+
+def test_a_library_order_the_kernel_cannot_match_keeps_the_library():
+    raw, deq = _quantized("q4_1", 64, 64)
+    lin = InvariantLinear(deq, max_rows=32, backend="blas",
+                          quant=QuantWeight.from_raw("q4_1", raw, 64), quant_max_rows=8)
+    w_t = deq.t().contiguous()
+    lin._mm = lambda x: x @ w_t + 1e-3  # a library no block order reproduces
+    assert lin.kc() is None
+    x = torch.randn(4, 64)
+    assert torch.equal(lin(x), x @ w_t + 1e-3)
+
+
+def test_shapes_the_kernel_does_not_take():
+    assert can_pack("q4_1", 64, 64) and can_pack("q8_0", 32, 96)
+    assert not can_pack("q4_1", 48, 64)  # rows not a whole panel of 32
+    assert not can_pack("q4_1", 64, 48)  # inputs not whole blocks
+    assert not can_pack("q6_k", 64, 64)
+    with pytest.raises(ValueError, match="cannot pack"):
+        QuantWeight.from_raw("q4_1", np.zeros((48, 40), np.uint8), 64)
+    qw = QuantWeight.from_raw("q4_1", _quantized("q4_1", 32, 32)[0], 32)
+    with pytest.raises(ValueError, match="float32 CPU rows of 32"):
+        qw(torch.zeros(2, 64), kc=32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qw(torch.zeros(2, 32), kc=48)
+
+
+def test_turned_off_the_library_runs_everything(monkeypatch):
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    native.quant_gemm.cache_clear()
+    try:
+        with pytest.raises(native.NativeUnavailable, match="STOPLINE_NATIVE=0"):
+            native.quant_gemm()
+        with pytest.warns(UserWarning, match="kernels are off"):
+            assert native.try_quant_gemm() is None
+        raw, deq = _quantized("q4_1", 64, 64)
+        lin = InvariantLinear(deq, max_rows=8, quant=QuantWeight.from_raw("q4_1", raw, 64))
+        assert lin.kc() is None
+        x = torch.randn(3, 64)
+        assert torch.equal(lin(x), lin._library(x))
+    finally:
+        monkeypatch.delenv(native.ENV_SWITCH)
+        native.quant_gemm.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tiny_model_dir, tmp_path_factory):
+    return make_tiny_gguf(tiny_model_dir, tmp_path_factory.mktemp("q4") / "tiny-q4_1.gguf", qtype="Q4_1")
+
+
+def test_gguf_blocks_load_and_cache_in_hf_row_order(q4_gguf, tmp_path):
+    from stopline.model.loader import load_model
+
+    first = load_model(q4_gguf, progress=False, cache_dir=tmp_path)
+    again = load_model(q4_gguf, progress=False, cache_dir=tmp_path)
+    assert not first.from_cache and again.from_cache
+    assert set(first.blocks) == set(again.blocks)
+    matrices = {n for n, w in first.weights.items() if w.dim() == 2}
+    assert set(first.blocks) == matrices  # every matrix is Q4_1 in this file
+    for name, (fmt, raw) in first.blocks.items():
+        assert fmt == "q4_1" and torch.equal(again.blocks[name][1], raw)
+        k = first.weights[name].shape[1]
+        if can_pack(fmt, raw.shape[0], k):  # Q/K rows unpermuted with their blocks
+            assert torch.equal(QuantWeight.from_raw(fmt, raw, k)(torch.eye(k), kc=k).t(),
+                               first.weights[name]), name
+
+
+def test_engine_greedy_is_the_same_with_and_without_the_kernel(q4_gguf, stopline_cache_dir):
+    prompts = ["the quick brown fox", "a", "one two three four five six seven", "zebra", "hello world"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    from stopline.model.loader import load_model
+
+    loaded = load_model(q4_gguf, progress=False, cache_dir=stopline_cache_dir)
+    runs = {}
+    for rows in (16, 0):
+        llm = LLM(loaded, config=EngineConfig(quant_max_rows=rows, num_blocks=64), progress=False)
+        model = llm.engine.model
+        lins = [model.lm_head, *(v for layer in model.layers for v in layer.values()
+                                 if isinstance(v, InvariantLinear))]
+        assert all((lin.kc() is not None) == (rows > 0) for lin in lins)
+        batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+        assert batched == alone
+        runs[rows] = batched
+    assert runs[16] == runs[0]
