@@ -54,13 +54,17 @@ def render(r: dict) -> str:
         "",
         f"{p['requests']} requests x {p['max_tokens']} tokens; demand {p['demand_blocks']} blocks, "
         f"pool {p['pool_blocks']} blocks. Unconstrained: {_f(p['unconstrained_tok_s'], 1)} tok/s, "
-        f"{_f(p.get('unconstrained_tokens_per_step'), 1)} tokens per step.",
+        f"{_f(p.get('unconstrained_tokens_per_step'), 1)} tokens per step"
+        + (f" (mean of {len(runs)} runs, one before the first storm and one after each: "
+           f"{', '.join(_f(t, 1) for t in runs)}; each storm is compared with the two around it)."
+           if (runs := p.get("unconstrained_runs_tok_s")) else "."),
         "",
-        "| mode | victim policy | tok/s | vs unconstrained (target >= 0.8) | tokens per step | preemptions | recomputed tokens |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | victim policy | tok/s | unconstrained around it | vs unconstrained (target >= 0.8) | tokens per step | preemptions | recomputed tokens |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in p["rows"]:
         lines.append(f"| {row['mode']} | {row['policy']} | {_f(row['tok_s'], 1)} | "
+                     f"{_f(row.get('unconstrained_around_tok_s', p['unconstrained_tok_s']), 1)} | "
                      f"{_f(row['ratio_vs_unconstrained'], 3)} | {_f(row.get('tokens_per_step'), 1)} | "
                      f"{row['preemptions']} {row['by_mode'] or ''} | "
                      f"{row['recomputed_tokens']} |")
