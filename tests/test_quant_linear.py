@@ -19,9 +19,9 @@ BACKENDS = ["blas"] + (["onednn"] if bi.onednn_available("cpu") else [])
 
 
 @pytest.fixture(scope="module", autouse=True)
-def kernels() -> None:
+def c_kernels() -> None:
     try:
-        native.quant_gemm()
+        native.kernels()
     except native.NativeUnavailable as e:
         pytest.skip(f"the C kernels cannot run here: {e}")
 
@@ -88,12 +88,12 @@ def test_shapes_the_kernel_does_not_take():
 
 def test_turned_off_the_library_runs_everything(monkeypatch):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
-    native.quant_gemm.cache_clear()
+    native.reset()
     try:
         with pytest.raises(native.NativeUnavailable, match="STOPLINE_NATIVE=0"):
-            native.quant_gemm()
+            native.kernels()
         with pytest.warns(UserWarning, match="kernels are off"):
-            assert native.try_quant_gemm() is None
+            assert native.try_kernels() is None
         raw, deq = _quantized("q4_1", 64, 64)
         lin = InvariantLinear(deq, max_rows=8, quant=QuantWeight.from_raw("q4_1", raw, 64))
         assert lin.kc() is None
@@ -101,7 +101,7 @@ def test_turned_off_the_library_runs_everything(monkeypatch):
         assert torch.equal(lin(x), lin._library(x))
     finally:
         monkeypatch.delenv(native.ENV_SWITCH)
-        native.quant_gemm.cache_clear()
+        native.reset()
 
 
 @pytest.fixture(scope="module")

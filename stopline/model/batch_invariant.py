@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from stopline.config import LINEAR_BACKENDS
+from stopline.model.native import try_kernels
 from stopline.model.quant_linear import QuantWeight
 
 # A tile costs its rows plus this many rows' worth of fixed overhead (call, weight reads).
@@ -202,9 +203,7 @@ class InvariantLinear:
         return self._kc[threads]
 
     def _find_kc(self, threads: int) -> int | None:
-        from stopline.model.native import try_quant_gemm
-
-        if try_quant_gemm() is None:
+        if try_kernels() is None:
             return None
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(max(self.quant_max_rows, 3), self.in_features, generator=gen, dtype=self.dtype)
@@ -255,10 +254,19 @@ _KC: dict[tuple, int] = {}  # the kc that matched the library for a shape, tried
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm whose result for a row does not depend on the other rows. torch's fused
-    kernel is used when a probe finds it row-invariant (measured here: it is, and 2-3x
-    faster than the float64 form); otherwise the mean of squares is taken in float64, whose
-    reduction order is irrelevant after rounding."""
+    """RMS norm whose result for a row does not depend on the other rows. On the CPU,
+    stopline's C kernel (one call instead of torch's ~8 ops; `csrc/rms_norm.c`) where it
+    is built; else torch's fused kernel when a probe finds it row-invariant (measured here:
+    it is, and 2-3x faster than the float64 form); otherwise the mean of squares is taken
+    in float64, whose reduction order is irrelevant after rounding."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32:
+        lib = try_kernels()
+        if lib is not None:
+            x = x.contiguous()
+            y = torch.empty_like(x)
+            lib.stopline_rms_norm(x.data_ptr(), w.contiguous().data_ptr(), y.data_ptr(),
+                                  x.numel() // x.shape[-1], x.shape[-1], eps)
+            return y
     if _fused_norm_ok(x.device.type, torch.get_num_threads(), x.shape[-1]):
         return F.rms_norm(x, (x.shape[-1],), w, eps)
     return _rms_norm_f64(x, w, eps)

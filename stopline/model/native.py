@@ -1,4 +1,5 @@
-"""Build and load stopline's C kernels (`stopline/model/csrc/`) with the system C compiler.
+"""Build and load stopline's C kernels (`stopline/model/csrc/*.c`, one shared object) with the
+system C compiler.
 
 The kernels are optional: where there is no compiler, no AVX-512, or the build fails, the
 engine runs the same math through torch's GEMM libraries and says why once. The shared
@@ -21,10 +22,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
-_SOURCE = Path(__file__).with_name("csrc") / "quant_gemm.c"
+_SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 _FLAGS = ["-O3", "-mavx512f", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 _CPU_FLAGS = ("avx512f", "f16c")
 # STOPLINE_NATIVE=0 turns the kernels off (the torch path is used everywhere).
@@ -55,18 +57,20 @@ def _compiler() -> str:
 
 def _build(cc: str, out_dir: Path) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(_SOURCE.read_bytes() + version.encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    lib = out_dir / f"quant_gemm-{key}.so"
+    digest = hashlib.sha256(version.encode() + " ".join(_FLAGS).encode())
+    for src in _SOURCES:
+        digest.update(src.name.encode() + b"\0" + src.read_bytes())
+    lib = out_dir / f"stopline_kernels-{digest.hexdigest()[:16]}.so"
     if lib.is_file():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, timeout=300)
         if done.returncode != 0:
-            raise NativeUnavailable(f"{cc} failed to build {_SOURCE.name}: {done.stderr.strip()[-800:]}")
+            raise NativeUnavailable(f"{cc} failed to build the kernels: {done.stderr.strip()[-800:]}")
         os.chmod(tmp, 0o755)
         os.replace(tmp, lib)
     finally:
@@ -75,9 +79,34 @@ def _build(cc: str, out_dir: Path) -> Path:
     return lib
 
 
-@functools.lru_cache(maxsize=1)
-def quant_gemm() -> ctypes.CDLL:
-    """The loaded quant_gemm library; NativeUnavailable says why it cannot be had."""
+_outcome: ctypes.CDLL | NativeUnavailable | None = None
+_lock = threading.Lock()
+
+
+def kernels() -> ctypes.CDLL:
+    """The loaded kernels library; NativeUnavailable says why it cannot be had. The outcome,
+    either one, is kept: ops call this on every use."""
+    global _outcome
+    if _outcome is None:
+        with _lock:
+            if _outcome is None:
+                try:
+                    _outcome = _load()
+                except NativeUnavailable as e:
+                    _outcome = e
+    if isinstance(_outcome, NativeUnavailable):
+        raise _outcome
+    return _outcome
+
+
+def reset() -> None:
+    """Forget the outcome, so the next call tries again (tests, or after changing the env)."""
+    global _outcome
+    with _lock:
+        _outcome = None
+
+
+def _load() -> ctypes.CDLL:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         raise NativeUnavailable(f"turned off by {ENV_SWITCH}=0")
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -97,13 +126,16 @@ def quant_gemm() -> ctypes.CDLL:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         fn.restype = None
+    lib.stopline_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_int, ctypes.c_int, ctypes.c_float]
+    lib.stopline_rms_norm.restype = None
     return lib
 
 
-def try_quant_gemm() -> ctypes.CDLL | None:
-    """quant_gemm(), or None after one warning naming the reason."""
+def try_kernels() -> ctypes.CDLL | None:
+    """kernels(), or None after one warning naming the reason."""
     try:
-        return quant_gemm()
+        return kernels()
     except NativeUnavailable as e:
         _warn_once(str(e))
         return None
@@ -111,5 +143,5 @@ def try_quant_gemm() -> ctypes.CDLL | None:
 
 @functools.cache
 def _warn_once(reason: str) -> None:
-    warnings.warn(f"stopline's quantized-weight kernels are off ({reason}); "
-                  f"the float32 GEMM libraries run every batch", stacklevel=3)
+    warnings.warn(f"stopline's C kernels are off ({reason}); torch runs every op "
+                  f"(the float32 GEMM libraries every batch)", stacklevel=3)

@@ -74,7 +74,7 @@ class QuantWeight:
 
     def __call__(self, x: torch.Tensor, kc: int) -> torch.Tensor:
         """x @ w.T, summed in blocks of kc inputs (see the kernel). x: [M, in] float32."""
-        from stopline.model.native import quant_gemm
+        from stopline.model.native import kernels
 
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
             raise ValueError(f"quantized linear takes float32 CPU rows of {self.in_features}, "
@@ -83,7 +83,7 @@ class QuantWeight:
             raise ValueError(f"kc must be a positive multiple of {GROUP}, got {kc}")
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features)
-        fn = quant_gemm().stopline_q4_1_gemm if self.fmt == "q4_1" else quant_gemm().stopline_q8_0_gemm
+        fn = kernels().stopline_q4_1_gemm if self.fmt == "q4_1" else kernels().stopline_q8_0_gemm
         fn(x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), x.shape[0], self.in_features,
            self.out_features, kc)
         return y
