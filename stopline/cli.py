@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS,
                    help="GEMM library of the linear layers on CPU (auto: oneDNN for the large "
                         "weights, BLAS for the small ones)")
+    g.add_argument("--quant-max-rows", type=int, default=48,
+                   help="batches of up to this many rows read a GGUF's Q4_1/Q8_0 weights in their "
+                        "blocks through stopline's C kernel (same bits as float32; 0: never)")
 
 
 def engine_config(args: argparse.Namespace):
@@ -61,6 +64,7 @@ def engine_config(args: argparse.Namespace):
         preemption_mode=args.preemption_mode, victim_policy=args.victim_policy,
         async_scheduling=args.async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
         decode_rows=args.decode_rows, linear_backend=args.linear_backend,
+        quant_max_rows=args.quant_max_rows,
     )
 
 

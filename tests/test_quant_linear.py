@@ -51,13 +51,14 @@ def test_kernel_rows_carry_the_library_bits_at_every_batch_size(fmt, backend, sh
     n, k = shape
     raw, deq = _quantized(fmt, n, k, seed=1)
     lin = InvariantLinear(deq, max_rows=96, backend=backend,
-                          quant=QuantWeight.from_raw(fmt, raw, k), quant_max_rows=16)
+                          quant=QuantWeight.from_raw(fmt, raw, k), quant_max_rows=56)
     assert lin.kc() is not None, "no block order of the kernel matched the library"
     x = torch.randn(96, k)
     library = lin._library(x)
     alone = torch.cat([lin(x[i:i + 1]) for i in range(20)])  # the kernel, one row at a time
     assert torch.equal(alone, library[:20])
-    for rows in (2, 3, 8, 15, 16, 17, 40, 96):  # 17 and up: the library path
+    # The kernel runs rows in chunks of 8 (a remainder of 1-7 too); 57 and up: the library.
+    for rows in (2, 3, 8, 9, 15, 16, 24, 25, 40, 48, 49, 56, 57, 96):
         assert torch.equal(lin(x[:rows]), library[:rows]), rows
 
 
@@ -139,8 +140,34 @@ def test_engine_greedy_is_the_same_with_and_without_the_kernel(q4_gguf, stopline
         lins = [model.lm_head, *(v for layer in model.layers for v in layer.values()
                                  if isinstance(v, InvariantLinear))]
         assert all((lin.kc() is not None) == (rows > 0) for lin in lins)
+        # With the kernel on every linear, a lone decode runs as one row, not two copies.
+        assert model.one_row_ok == (rows > 0)
+        sizes = []
+        prepare = llm.engine.runner.prepare
+
+        def recording(*a, prepare=prepare, sizes=sizes, **kw):
+            inputs, index = prepare(*a, **kw)
+            sizes.append(inputs.token_ids.shape[0])
+            return inputs, index
+
+        llm.engine.runner.prepare = recording
         batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        sizes.clear()
         alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
         assert batched == alone
+        assert min(sizes) == (1 if rows > 0 else 2)
         runs[rows] = batched
     assert runs[16] == runs[0]
+
+
+def test_quant_max_rows_is_a_command_line_setting_and_refuses_negatives():
+    import argparse
+
+    from stopline.cli import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args([])).quant_max_rows == EngineConfig().quant_max_rows == 48
+    assert engine_config(p.parse_args(["--quant-max-rows", "0"])).quant_max_rows == 0
+    with pytest.raises(ValueError, match="quant_max_rows must be >= 0"):
+        engine_config(p.parse_args(["--quant-max-rows", "-1"]))

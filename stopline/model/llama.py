@@ -108,13 +108,19 @@ class LlamaModel:
         sin = emb.sin()
         self.sin = torch.cat([-sin[:, :c.head_dim // 2], sin[:, c.head_dim // 2:]], dim=-1).to(device)
 
+    # Whether one row may run as itself: true when the quantized kernel serves every linear
+    # (see calibrate); the GEMM libraries give one row other bits than two.
+    one_row_ok = False
+
     def calibrate(self) -> None:
         """Probe every kernel's row invariance now (about 1.5 s for SmolLM2 on 2 cores) rather
         than inside the first request's time to first token."""
-        for lin in [self.lm_head, *(v for layer in self.layers for v in layer.values())]:
-            if isinstance(lin, InvariantLinear):
-                lin.heights()
-                lin.kc()  # each weight checks its own packing against the library once
+        linears = [v for v in (self.lm_head, *(v for layer in self.layers for v in layer.values()))
+                   if isinstance(v, InvariantLinear)]
+        for lin in linears:
+            lin.heights()
+            lin.kc()  # each weight checks its own packing against the library once
+        self.one_row_ok = all(lin.kc() is not None for lin in linears)
         rms_norm(self.embed[:2], self.final_norm, self.config.rms_norm_eps)
         attention_probe(self.embed.device.type)
 

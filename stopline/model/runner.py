@@ -81,11 +81,12 @@ class ModelRunner:
             if ch.sample:
                 logit_index[ci] = len(logit_rows)
                 logit_rows.append(len(tokens) - 1)
-        if len(tokens) == 1 and dec_rows:
-            # A lone decode runs as two copies of itself: every GEMM kernel here takes
+        if len(tokens) == 1 and dec_rows and not self.model.one_row_ok:
+            # A lone decode runs as two copies of itself: every GEMM library here takes
             # another path for one row than for two or more (so the linears would pad it
             # anyway, one copy per call), and rows never see each other. Both copies write
-            # the same K/V to the same slot.
+            # the same K/V to the same slot. Not needed where the quantized kernel runs
+            # every linear: it gives one row the bits of the library's two.
             tokens, positions, slots = tokens * 2, positions * 2, slots * 2
             dec_rows, dec_tables, dec_lens, dec_keys = [0, 1], dec_tables * 2, dec_lens * 2, dec_keys * 2
             logit_rows = logit_rows * 2
