@@ -105,6 +105,22 @@ def test_turned_off_the_library_runs_everything(monkeypatch):
         native.reset()
 
 
+def test_a_failed_build_says_why_and_leaves_nothing_behind(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that fails every build
+    monkeypatch.setenv("STOPLINE_CACHE_DIR", str(tmp_path))
+    native.reset()
+    try:
+        with pytest.raises(native.NativeUnavailable, match="false failed to build the kernels"):
+            native.kernels()
+        with pytest.raises(native.NativeUnavailable):  # the outcome is kept, not retried
+            native.kernels()
+        assert list((tmp_path / "native").iterdir()) == []  # no half-written library
+    finally:
+        monkeypatch.delenv("CC")
+        monkeypatch.delenv("STOPLINE_CACHE_DIR")
+        native.reset()
+
+
 @pytest.fixture(scope="module")
 def q4_gguf(tiny_model_dir, tmp_path_factory):
     return make_tiny_gguf(tiny_model_dir, tmp_path_factory.mktemp("q4") / "tiny-q4_1.gguf", qtype="Q4_1")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -25,6 +26,8 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
+
+log = logging.getLogger("stopline.native")
 
 _SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 _FLAGS = ["-O3", "-mavx512f", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
@@ -64,6 +67,7 @@ def _build(cc: str, out_dir: Path) -> Path:
     if lib.is_file():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
+    log.info("building stopline's C kernels into %s (once; about 2 s)", lib)
     fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=out_dir)
     os.close(fd)
     try:
