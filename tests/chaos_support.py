@@ -48,6 +48,14 @@ def make_workload(seed: int, count: int, vocab: int):
     return work
 
 
+def delivered(out) -> list:
+    """What an output delivers, as compared: token ids, or (token id, logprob) pairs when the
+    request asked for logprobs (the floats expose any bit a kernel path changes)."""
+    if not out.new_logprobs:
+        return list(out.new_token_ids)
+    return [(t, lp.logprob) for t, lp in zip(out.new_token_ids, out.new_logprobs, strict=True)]
+
+
 def run_reference(loaded, work):
     """Each request's output with no aborts and an ample pool (batch invariance makes this
     the same as running it alone; test_solo_matches_reference checks that on a sample)."""
@@ -58,7 +66,7 @@ def run_reference(loaded, work):
         eng.add_request(rid, prompt, params)
     while eng.has_unfinished():
         for out in eng.step():
-            ref[out.request_id][out.index] += out.new_token_ids
+            ref[out.request_id][out.index] += delivered(out)
     return ref
 
 
@@ -98,7 +106,7 @@ def run_storm(loaded, work, config: EngineConfig, seed: int):
                 if rng.random() < 0.2:
                     eng.abort(rid, AbortSource.CANCEL)  # twice is the same as once
         for out in eng.step():
-            got[out.request_id][out.index] += out.new_token_ids
+            got[out.request_id][out.index] += delivered(out)
             if out.request_id in aborted_at and out.new_token_ids:
                 raise AssertionError(f"{out.request_id}: tokens delivered after its abort")
             if out.finished:

@@ -11,6 +11,7 @@ tests/chaos_support.py; bench/chaos_soak.py runs it over fresh seeds for as long
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -19,14 +20,18 @@ from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
 from stopline.model.loader import load_model
 from tests.chaos_support import check_storm, make_workload, run_reference, run_storm, storm_config
-from tests.tiny_model import make_tiny_llama_dir
+from tests.tiny_model import make_tiny_gguf, make_tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = make_tiny_llama_dir(tmp_path_factory.mktemp("chaos") / "tiny", seed=7, init_std=0.1,
+def tiny_dir(tmp_path_factory):
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("chaos") / "tiny", seed=7, init_std=0.1,
                                vocab_size=384, layers=2)
-    return load_model(str(path), progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(str(tiny_dir), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +72,25 @@ def test_solo_matches_reference(tiny, storm_work):
             for out in eng.step():
                 solo[out.index] += out.new_token_ids
         assert all(solo[i] == ref[rid][i] for i in range(params.n)), rid
+
+
+def test_storm_mixing_the_quantized_kernel_and_the_library(tiny_dir, tmp_path_factory, stopline_cache_dir):
+    """The same storm on the model as a Q4_1 GGUF, with the quantized-weight kernel taking
+    steps of up to 8 rows and the float32 library the larger ones (recomputed prompts, the
+    batched reference): a request decodes on one path and is re-prefilled or compared on the
+    other, so any bit the two paths disagree on shows up as a mismatch."""
+    from stopline.model.native import try_kernels
+
+    if try_kernels() is None:
+        pytest.skip("stopline's C kernels are not built here")
+    gguf_path = make_tiny_gguf(tiny_dir, tmp_path_factory.mktemp("chaos_q4") / "tiny.gguf", qtype="Q4_1")
+    q4 = load_model(gguf_path, progress=False, cache_dir=stopline_cache_dir)
+    # With logprobs, so that outputs are compared to the last bit, not just their argmax.
+    work = [(rid, prompt, dataclasses.replace(params, logprobs=0), abort)
+            for rid, prompt, params, abort in make_workload(seed=13, count=300, vocab=q4.config.vocab_size)]
+    ref = run_reference(q4, work)
+    config = dataclasses.replace(storm_config("recompute", False), quant_max_rows=8)
+    got, terminals, aborted_at, _, eng = run_storm(q4, work, config, seed=6)
+    assert eng.model.one_row_ok and eng.model.lm_head.kc() is not None
+    assert sum(eng.lifecycle.stats.preemptions.values()) > 10
+    assert check_storm(work, ref, got, terminals, aborted_at) > 50
