@@ -3,6 +3,8 @@
     python bench/chaos_soak.py --minutes 20          # storms of 300 requests, modes in turn
     python bench/chaos_soak.py --minutes 20 --wide   # 64 sequences at once: decode rows compact
     python bench/chaos_soak.py --seed 1234 --storms 1 --mode swap   # replay one storm
+    python bench/chaos_soak.py --minutes 20 --quant  # Q4_1 GGUF: the quantized kernel and the
+                                                     # library in one storm, logprobs compared
 
 Each storm is tests/test_stop_chaos.py's, with its own seed: random aborts aimed at every
 state, a pool small enough to preempt, debug mode (the ledger audit after every step, freed
@@ -15,6 +17,7 @@ failed storms (capped at 100).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
@@ -31,7 +34,7 @@ from tests.chaos_support import (  # noqa: E402
     run_storm,
     storm_config,
 )
-from tests.tiny_model import make_tiny_llama_dir  # noqa: E402
+from tests.tiny_model import make_tiny_gguf, make_tiny_llama_dir  # noqa: E402
 
 MODES = [("recompute", False), ("swap", False), ("recompute", True), ("auto", True)]
 
@@ -47,23 +50,37 @@ def main() -> int:
                     help="one mode for every storm (default: in turn)")
     ap.add_argument("--wide", action="store_true",
                     help="64 sequences and a larger pool (decode rows compact as they end)")
+    ap.add_argument("--quant", action="store_true",
+                    help="the model as a Q4_1 GGUF: steps of up to 8 rows on the quantized kernel, "
+                         "larger ones on the float32 library, every output compared with its "
+                         "logprobs")
     args = ap.parse_args()
     if args.count < 1 or args.minutes <= 0 or (args.storms is not None and args.storms < 1):
         ap.error("--count, --minutes and --storms must be positive")
 
     with tempfile.TemporaryDirectory() as tmp:
-        loaded = load_model(str(make_tiny_llama_dir(Path(tmp) / "tiny", seed=7, init_std=0.1,
-                                                    vocab_size=384, layers=2)), progress=False)
+        model_dir = make_tiny_llama_dir(Path(tmp) / "tiny", seed=7, init_std=0.1, vocab_size=384, layers=2)
+        if args.quant:
+            model_dir = make_tiny_gguf(model_dir, Path(tmp) / "tiny-q4_1.gguf", qtype="Q4_1")
+        loaded = load_model(str(model_dir), progress=False, cache_dir=tmp)
+    if args.quant and not loaded.blocks:
+        ap.error("--quant: the GGUF has no quantized blocks")
     deadline = time.monotonic() + args.minutes * 60
     seed, done, failed, requests = args.seed, 0, 0, 0
     while time.monotonic() < deadline and (args.storms is None or done < args.storms):
         mode, asy = _mode(args.mode, seed)
         work = make_workload(seed=seed, count=args.count, vocab=loaded.config.vocab_size)
+        config = storm_config(mode, asy, wide=args.wide)
+        if args.quant:
+            work = [(rid, prompt, dataclasses.replace(params, logprobs=0), abort)
+                    for rid, prompt, params, abort in work]
+            config = dataclasses.replace(config, quant_max_rows=8)
         t = time.monotonic()
         try:
             ref = run_reference(loaded, work)
-            got, terminals, aborted_at, _states, eng = run_storm(
-                loaded, work, storm_config(mode, asy, wide=args.wide), seed=seed + 1)
+            got, terminals, aborted_at, _states, eng = run_storm(loaded, work, config, seed=seed + 1)
+            if args.quant and not eng.model.one_row_ok:
+                raise RuntimeError("the quantized kernel is not in use (see the warning above)")
             aborted = check_storm(work, ref, got, terminals, aborted_at)
             stats = eng.lifecycle.stats
             rows = eng.runner.rows
@@ -77,7 +94,8 @@ def main() -> int:
             mode_arg = f"{mode}-async" if asy else mode
             print(f"seed {seed} {mode}{' async' if asy else ''}: FAILED; replay with: python "
                   f"bench/chaos_soak.py --seed {seed} --storms 1 --count {args.count} "
-                  f"--mode {mode_arg}{' --wide' if args.wide else ''}", flush=True)
+                  f"--mode {mode_arg}{' --wide' if args.wide else ''}{' --quant' if args.quant else ''}",
+                  flush=True)
         done += 1
         requests += len(work)
         seed += 1

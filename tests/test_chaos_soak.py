@@ -48,3 +48,18 @@ def test_bad_arguments_are_refused(soak, monkeypatch) -> None:
     with pytest.raises(SystemExit) as e:
         run(soak, monkeypatch, "--count", "0")
     assert e.value.code == 2
+
+
+def test_quant_storms_run_on_the_kernel_and_replay_with_the_flag(soak, monkeypatch, capsys) -> None:
+    from stopline.model.native import try_kernels
+
+    if try_kernels() is None:
+        pytest.skip("stopline's C kernels are not built here")
+    assert run(soak, monkeypatch, "--storms", "1", "--count", "40", "--quant") == 0
+    assert "1 storms, 40 requests, 0 failed" in capsys.readouterr().out
+    def broken(*_args):
+        raise AssertionError("r1[0]: survivor differs from its undisturbed run")
+
+    monkeypatch.setattr(soak, "check_storm", broken)
+    assert run(soak, monkeypatch, "--storms", "1", "--count", "20", "--seed", "7", "--quant") == 1
+    assert "--seed 7 --storms 1 --count 20 --mode auto-async --quant" in capsys.readouterr().out
