@@ -41,6 +41,20 @@ static inline __m512 f16x16(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 }
 
+/* A block's sums into y: the first block is stored, each later one added to what is there
+ * (the library's order: blocks summed in turn). */
+static inline void add_block(__m512 acc[][2], float* y, long ldy, int mr, int first) {
+    for (int r = 0; r < mr; r++) {
+        float* yr = y + r * ldy;
+        if (!first) {
+            acc[r][0] = _mm512_add_ps(_mm512_loadu_ps(yr), acc[r][0]);
+            acc[r][1] = _mm512_add_ps(_mm512_loadu_ps(yr + 16), acc[r][1]);
+        }
+        _mm512_storeu_ps(yr, acc[r][0]);
+        _mm512_storeu_ps(yr + 16, acc[r][1]);
+    }
+}
+
 /* One panel (32 columns) for rows [0, mr) of x; mr <= MR, fixed per call so the compiler
  * keeps the accumulators in registers. */
 static inline void q4_panel(const float* x, long ldx, const uint8_t* P, float* y, long ldy,
@@ -66,15 +80,7 @@ static inline void q4_panel(const float* x, long ldx, const uint8_t* P, float* y
                 }
             }
         }
-        for (int r = 0; r < mr; r++) {
-            float* yr = y + r * ldy;
-            if (k0 > 0) {
-                acc[r][0] = _mm512_add_ps(_mm512_loadu_ps(yr), acc[r][0]);
-                acc[r][1] = _mm512_add_ps(_mm512_loadu_ps(yr + 16), acc[r][1]);
-            }
-            _mm512_storeu_ps(yr, acc[r][0]);
-            _mm512_storeu_ps(yr + 16, acc[r][1]);
-        }
+        add_block(acc, y, ldy, mr, k0 == 0);
     }
 }
 
@@ -99,15 +105,7 @@ static inline void q8_panel(const float* x, long ldx, const uint8_t* P, float* y
                 }
             }
         }
-        for (int r = 0; r < mr; r++) {
-            float* yr = y + r * ldy;
-            if (k0 > 0) {
-                acc[r][0] = _mm512_add_ps(_mm512_loadu_ps(yr), acc[r][0]);
-                acc[r][1] = _mm512_add_ps(_mm512_loadu_ps(yr + 16), acc[r][1]);
-            }
-            _mm512_storeu_ps(yr, acc[r][0]);
-            _mm512_storeu_ps(yr + 16, acc[r][1]);
-        }
+        add_block(acc, y, ldy, mr, k0 == 0);
     }
 }
 
