@@ -121,31 +121,22 @@ static inline void q8_panel(const float* x, long ldx, const uint8_t* P, float* y
     default: fn(xr, K, P, yr, N, 8, K, kc); break;                                        \
     }
 
-/* x: M x K float32 rows (contiguous), y: M x N. K and kc multiples of 32, N of 32. */
-void stopline_q4_1_gemm(const float* x, const uint8_t* w, float* y, int M, int K, int N, int kc) {
-    long panel_bytes = (long)(K / GROUP) * Q4_REC;
-    #pragma omp parallel for schedule(static)
-    for (int p = 0; p < N / PANEL; p++) {
-        const uint8_t* P = w + p * panel_bytes;
-        for (int m0 = 0; m0 < M; m0 += MR) {
-            int mr = M - m0 < MR ? M - m0 : MR;
-            const float* xr = x + (long)m0 * K;
-            float* yr = y + (long)m0 * N + p * PANEL;
-            DISPATCH(q4_panel)
-        }
+/* The entry points: panels split over the threads, rows in chunks of MR.
+ * x: M x K float32 rows (contiguous), y: M x N. K and kc multiples of 32, N of 32. */
+#define GEMM(name, rec_bytes, panel_fn)                                                   \
+    void name(const float* x, const uint8_t* w, float* y, int M, int K, int N, int kc) {  \
+        long panel_bytes = (long)(K / GROUP) * rec_bytes;                                 \
+        _Pragma("omp parallel for schedule(static)")                                      \
+        for (int p = 0; p < N / PANEL; p++) {                                             \
+            const uint8_t* P = w + p * panel_bytes;                                       \
+            for (int m0 = 0; m0 < M; m0 += MR) {                                          \
+                int mr = M - m0 < MR ? M - m0 : MR;                                       \
+                const float* xr = x + (long)m0 * K;                                       \
+                float* yr = y + (long)m0 * N + p * PANEL;                                 \
+                DISPATCH(panel_fn)                                                        \
+            }                                                                             \
+        }                                                                                 \
     }
-}
 
-void stopline_q8_0_gemm(const float* x, const uint8_t* w, float* y, int M, int K, int N, int kc) {
-    long panel_bytes = (long)(K / GROUP) * Q8_REC;
-    #pragma omp parallel for schedule(static)
-    for (int p = 0; p < N / PANEL; p++) {
-        const uint8_t* P = w + p * panel_bytes;
-        for (int m0 = 0; m0 < M; m0 += MR) {
-            int mr = M - m0 < MR ? M - m0 : MR;
-            const float* xr = x + (long)m0 * K;
-            float* yr = y + (long)m0 * N + p * PANEL;
-            DISPATCH(q8_panel)
-        }
-    }
-}
+GEMM(stopline_q4_1_gemm, Q4_REC, q4_panel)
+GEMM(stopline_q8_0_gemm, Q8_REC, q8_panel)
