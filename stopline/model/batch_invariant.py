@@ -262,9 +262,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32:
         lib = try_kernels()
         if lib is not None:
-            x = x.contiguous()
+            x, w = x.contiguous(), w.contiguous()  # held: the C call reads them by address
             y = torch.empty_like(x)
-            lib.stopline_rms_norm(x.data_ptr(), w.contiguous().data_ptr(), y.data_ptr(),
+            lib.stopline_rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(),
                                   x.numel() // x.shape[-1], x.shape[-1], eps)
             return y
     if _fused_norm_ok(x.device.type, torch.get_num_threads(), x.shape[-1]):
