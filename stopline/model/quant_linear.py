@@ -13,10 +13,13 @@ inputs (see the kernel's header comment).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from stopline.model.native import kernels
 
 GROUP = 32  # weights per GGML block (both formats)
 PANEL = 32  # output features per kernel panel
@@ -74,8 +77,6 @@ class QuantWeight:
 
     def __call__(self, x: torch.Tensor, kc: int) -> torch.Tensor:
         """x @ w.T, summed in blocks of kc inputs (see the kernel). x: [M, in] float32."""
-        from stopline.model.native import kernels
-
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
             raise ValueError(f"quantized linear takes float32 CPU rows of {self.in_features}, "
                              f"got {x.dtype} {tuple(x.shape)} on {x.device}")
@@ -83,10 +84,14 @@ class QuantWeight:
             raise ValueError(f"kc must be a positive multiple of {GROUP}, got {kc}")
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features)
-        fn = kernels().stopline_q4_1_gemm if self.fmt == "q4_1" else kernels().stopline_q8_0_gemm
-        fn(x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), x.shape[0], self.in_features,
-           self.out_features, kc)
+        self._fn(x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), x.shape[0], self.in_features,
+                 self.out_features, kc)
         return y
+
+    @functools.cached_property
+    def _fn(self):  # the C entry point, looked up once: this is called ~120 times a step
+        lib = kernels()
+        return lib.stopline_q4_1_gemm if self.fmt == "q4_1" else lib.stopline_q8_0_gemm
 
 
 def from_raw_rows(fmt: str, parts: list[torch.Tensor], in_features: int) -> QuantWeight | None:
