@@ -1,7 +1,8 @@
 """The CI chaos storm over fresh seeds, for as long as asked: a soak of the stop path.
 
     python bench/chaos_soak.py --minutes 20          # storms of 300 requests, modes in turn
-    python bench/chaos_soak.py --minutes 20 --wide   # 64 sequences at once: decode rows compact
+    python bench/chaos_soak.py --minutes 20 --wide   # 64 sequences at once, torch attention:
+                                                     # decode rows compact
     python bench/chaos_soak.py --seed 1234 --storms 1 --mode swap   # replay one storm
     python bench/chaos_soak.py --minutes 20 --quant  # Q4_1 GGUF: the quantized kernel and the
                                                      # library in one storm, logprobs compared
@@ -49,7 +50,10 @@ def main() -> int:
     ap.add_argument("--mode", choices=modes + [m + "-async" for m in modes],
                     help="one mode for every storm (default: in turn)")
     ap.add_argument("--wide", action="store_true",
-                    help="64 sequences and a larger pool (decode rows compact as they end)")
+                    help="64 sequences and a larger pool (with torch attention, the default here, "
+                         "decode rows compact as they end)")
+    ap.add_argument("--attention", choices=["auto", "native", "torch"], default=None,
+                    help="the engines' attention backend (default: auto; torch with --wide)")
     ap.add_argument("--quant", action="store_true",
                     help="the model as a Q4_1 GGUF: steps of up to 8 rows on the quantized kernel, "
                          "larger ones on the float32 library, every output compared with its "
@@ -65,26 +69,28 @@ def main() -> int:
         loaded = load_model(str(model_dir), progress=False, cache_dir=tmp)
     if args.quant and not loaded.blocks:
         ap.error("--quant: the GGUF has no quantized blocks")
+    attention = args.attention or ("torch" if args.wide else "auto")
     deadline = time.monotonic() + args.minutes * 60
     seed, done, failed, requests = args.seed, 0, 0, 0
     while time.monotonic() < deadline and (args.storms is None or done < args.storms):
         mode, asy = _mode(args.mode, seed)
         work = make_workload(seed=seed, count=args.count, vocab=loaded.config.vocab_size)
-        config = storm_config(mode, asy, wide=args.wide)
+        config = storm_config(mode, asy, wide=args.wide, attention=attention)
         if args.quant:
             work = [(rid, prompt, dataclasses.replace(params, logprobs=0), abort)
                     for rid, prompt, params, abort in work]
             config = dataclasses.replace(config, quant_max_rows=8)
         t = time.monotonic()
         try:
-            ref = run_reference(loaded, work)
+            ref = run_reference(loaded, work, attention)
             got, terminals, aborted_at, _states, eng = run_storm(loaded, work, config, seed=seed + 1)
             if args.quant and not eng.model.one_row_ok:
                 raise RuntimeError("the quantized kernel is not in use (see the warning above)")
             aborted = check_storm(work, ref, got, terminals, aborted_at)
             stats = eng.lifecycle.stats
             rows = eng.runner.rows
-            print(f"seed {seed} {mode}{' async' if asy else ''}: ok, {len(work)} requests, "
+            print(f"seed {seed} {mode}{' async' if asy else ''} ({eng.model.attention} attention): ok, "
+                  f"{len(work)} requests, "
                   f"{aborted} aborted samples, {sum(stats.preemptions.values())} preemptions, "
                   f"{rows.compactions if rows else 0} compactions, {time.monotonic() - t:.1f} s",
                   flush=True)
@@ -94,7 +100,8 @@ def main() -> int:
             mode_arg = f"{mode}-async" if asy else mode
             print(f"seed {seed} {mode}{' async' if asy else ''}: FAILED; replay with: python "
                   f"bench/chaos_soak.py --seed {seed} --storms 1 --count {args.count} "
-                  f"--mode {mode_arg}{' --wide' if args.wide else ''}{' --quant' if args.quant else ''}",
+                  f"--mode {mode_arg}{' --wide' if args.wide else ''}{' --quant' if args.quant else ''}"
+                  f" --attention {attention}",
                   flush=True)
         done += 1
         requests += len(work)

@@ -4,6 +4,7 @@
     python bench/step_time.py 64 --warm 150 --compare-decode-rows   # with and without DecodeRows
     python bench/step_time.py 11 32 64 --compare-linear-backends  # auto against BLAS only
     python bench/step_time.py 1 8 16 --compare-quant 32 # quantized kernel up to 32 rows against none
+    python bench/step_time.py 11 31 64 --compare-attention  # the C paged attention against torch's
 
 Each request is a chat-templated question (the offline benchmark's prompts) generating with
 EOS ignored; steps are timed after `--warm` steps, so every request is decoding.
@@ -33,8 +34,14 @@ def main() -> None:
     ap.add_argument("--compare-quant", type=int, metavar="ROWS", default=None,
                     help="time each count with the quantized-weight kernel up to ROWS rows, then "
                          "with float32 weights only (two engines, run alternately)")
+    ap.add_argument("--compare-attention", action="store_true",
+                    help="time each count with the native paged attention, then torch's (two "
+                         "engines, run alternately)")
     args = ap.parse_args()
     engines = {"": LLM(config=EngineConfig(kv_cache_memory_gb=2.0), progress=False).engine}
+    if args.compare_attention:
+        engines = {f" {b} attention": LLM(config=EngineConfig(kv_cache_memory_gb=2.0, attention_backend=b),
+                                          progress=False).engine for b in ("native", "torch")}
     if args.compare_quant is not None:
         engines = {f" quant<={args.compare_quant}": LLM(config=EngineConfig(
                        kv_cache_memory_gb=2.0, quant_max_rows=args.compare_quant), progress=False).engine,

@@ -30,7 +30,7 @@ bench_command = _registrar(_BENCHES, "Register `stopline bench NAME` (decorator)
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine settings shared by every command that builds an engine."""
-    from stopline.config import LINEAR_BACKENDS, PreemptionMode, VictimPolicy
+    from stopline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS, PreemptionMode, VictimPolicy
 
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -44,9 +44,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--victim-policy", default="cost", choices=[v.value for v in VictimPolicy])
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="attention through stopline's C kernel, reading the paged KV cache in place "
+                        "(native), or torch's ops (torch); auto: native where it runs")
     g.add_argument("--decode-rows", action=argparse.BooleanOptionalAction, default=True,
-                   help="decoding sequences keep a contiguous copy of their K/V (up to twice the "
-                        "KV pool's memory) instead of gathering their blocks every step")
+                   help="with torch attention: decoding sequences keep a contiguous copy of their "
+                        "K/V (up to twice the KV pool's memory) instead of gathering their blocks "
+                        "every step")
     g.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS,
                    help="GEMM library of the linear layers on CPU (auto: oneDNN for the large "
                         "weights, BLAS for the small ones)")
@@ -63,7 +67,8 @@ def engine_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=args.preemption_mode, victim_policy=args.victim_policy,
         async_scheduling=args.async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
-        decode_rows=args.decode_rows, linear_backend=args.linear_backend,
+        attention_backend=args.attention_backend, decode_rows=args.decode_rows,
+        linear_backend=args.linear_backend,
         quant_max_rows=args.quant_max_rows,
     )
 

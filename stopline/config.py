@@ -24,6 +24,9 @@ class VictimPolicy(str, enum.Enum):
 
 # GEMM libraries a linear layer may use (see stopline/model/batch_invariant.py).
 LINEAR_BACKENDS = ("auto", "blas", "onednn")
+# Attention: stopline's C kernel reading the paged cache in place (model/paged_attention.py),
+# or torch's ops over gathered or copied K/V (model/attention.py, kv/decode_rows.py).
+ATTENTION_BACKENDS = ("auto", "native", "torch")
 
 
 @dataclass
@@ -47,9 +50,13 @@ class EngineConfig:
     # rises after a preemption and decays back (SGLang's new_token_ratio, simplified).
     admission_headroom: float = 0.0
     async_scheduling: bool = False
-    # Decoding sequences keep a contiguous copy of their K/V (up to twice the pool's memory;
-    # past that a step gathers), so a decode step reads it in place instead of gathering
-    # their blocks from the pool every layer.
+    # "auto": the C kernel where it runs (CPU, AVX-512, a C compiler, head_dim 16 to 128),
+    # else torch; "native" fails at start where it can't run; "torch" always torch. The two
+    # give a position different bits, so an engine uses one for every step.
+    attention_backend: str = "auto"
+    # With torch attention: decoding sequences keep a contiguous copy of their K/V (up to
+    # twice the pool's memory; past that a step gathers), so a decode step reads it in place
+    # instead of gathering their blocks from the pool every layer.
     decode_rows: bool = True
     # GEMM library of the linear layers: "auto" (on CPU, oneDNN for the large weights and
     # BLAS for the small ones; BLAS elsewhere), "blas" or "onednn". Each weight keeps one
@@ -81,5 +88,8 @@ class EngineConfig:
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"EngineConfig.linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, "
                              f"got {self.linear_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"EngineConfig.attention_backend must be one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if not 0 <= self.admission_headroom < 1:
             raise ValueError("EngineConfig.admission_headroom must be in [0, 1)")

@@ -21,15 +21,18 @@ from stopline.request import AbortSource, FinishReason, SamplingParams
 TARGET_STATES = ["waiting", "prefilling", "running", "preempted", "swapped", "any"]
 
 
-def storm_config(mode: str, async_scheduling: bool, wide: bool = False) -> EngineConfig:
+def storm_config(mode: str, async_scheduling: bool, wide: bool = False,
+                 attention: str = "auto") -> EngineConfig:
     """The storm's engine: a pool small enough to force preemption. wide: 64 sequences and
-    a larger pool, so that many decode at once and their decode rows compact as they end."""
+    a larger pool, so that many decode at once (with torch attention, their decode rows
+    compact as they end)."""
     if wide:
         size = dict(num_blocks=400, max_num_seqs=64, max_num_batched_tokens=64)
     else:
         size = dict(num_blocks=40, max_num_seqs=24, max_num_batched_tokens=24)
     return EngineConfig(block_size=4, preemption_mode=mode, debug=True, target_step_ms=None,
-                        max_preemptions=1000, async_scheduling=async_scheduling, **size)
+                        max_preemptions=1000, async_scheduling=async_scheduling,
+                        attention_backend=attention, **size)
 
 
 def make_workload(seed: int, count: int, vocab: int):
@@ -56,11 +59,12 @@ def delivered(out) -> list:
     return [(t, lp.logprob) for t, lp in zip(out.new_token_ids, out.new_logprobs, strict=True)]
 
 
-def run_reference(loaded, work):
+def run_reference(loaded, work, attention: str = "auto"):
     """Each request's output with no aborts and an ample pool (batch invariance makes this
-    the same as running it alone; test_solo_matches_reference checks that on a sample)."""
+    the same as running it alone; test_solo_matches_reference checks that on a sample).
+    attention: as the storm's (the backends give a position different bits)."""
     eng = EngineCore(loaded, EngineConfig(num_blocks=4096, block_size=4, max_num_seqs=256,
-                                          max_num_batched_tokens=4096))
+                                          max_num_batched_tokens=4096, attention_backend=attention))
     ref = defaultdict(lambda: defaultdict(list))
     for rid, prompt, params, _ in work:
         eng.add_request(rid, prompt, params)

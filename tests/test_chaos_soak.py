@@ -27,8 +27,18 @@ def run(soak, monkeypatch, *argv: str) -> int:
 def test_storms_pass_and_are_counted(soak, monkeypatch, capsys) -> None:
     assert run(soak, monkeypatch, "--storms", "2", "--count", "40", "--wide") == 0
     out = capsys.readouterr().out
-    assert "seed 1000 recompute: ok" in out and "seed 1001 swap: ok" in out
+    assert "seed 1000 recompute (torch attention): ok" in out  # --wide: the decode rows
+    assert "seed 1001 swap (torch attention): ok" in out
     assert "2 storms, 80 requests, 0 failed" in out
+
+
+def test_storms_run_on_the_attention_asked_for(soak, monkeypatch, capsys) -> None:
+    from stopline.model.native import try_kernels
+
+    if try_kernels() is None:
+        pytest.skip("stopline's C kernels are not built here")
+    assert run(soak, monkeypatch, "--storms", "1", "--count", "40", "--attention", "native") == 0
+    assert "seed 1000 recompute (native attention): ok" in capsys.readouterr().out
 
 
 def test_a_failed_storm_is_reported_with_its_replay_command(soak, monkeypatch, capsys) -> None:
@@ -41,7 +51,7 @@ def test_a_failed_storm_is_reported_with_its_replay_command(soak, monkeypatch, c
     captured = capsys.readouterr()
     assert "survivor differs" in captured.err
     assert ("replay with: python bench/chaos_soak.py --seed 42 --storms 1 --count 30 "
-            "--mode auto-async") in captured.out
+            "--mode auto-async --attention auto") in captured.out
 
 
 def test_bad_arguments_are_refused(soak, monkeypatch) -> None:

@@ -209,7 +209,7 @@ def tiny(tmp_path_factory):
 
 def run(tiny, decode_rows: bool, **kw) -> tuple[dict, EngineCore]:
     cfg = dict(num_blocks=96, block_size=4, max_num_seqs=8, max_num_batched_tokens=48,
-               debug=True, target_step_ms=None, decode_rows=decode_rows)
+               debug=True, target_step_ms=None, decode_rows=decode_rows, attention_backend="torch")
     cfg.update(kw)
     eng = EngineCore(tiny, EngineConfig(**cfg))
     rng = random.Random(7)
@@ -254,8 +254,9 @@ def test_the_rows_can_be_turned_off_from_the_command_line(tiny) -> None:
     p = argparse.ArgumentParser()
     add_engine_args(p)
     assert engine_config(p.parse_args([])).decode_rows is True
-    cfg = engine_config(p.parse_args(["--no-decode-rows", "--num-blocks", "32"]))
-    assert cfg.decode_rows is False
+    cfg = engine_config(p.parse_args(["--no-decode-rows", "--num-blocks", "32",
+                                      "--attention-backend", "torch"]))
+    assert cfg.decode_rows is False and cfg.attention_backend == "torch"
     assert EngineCore(tiny, cfg).runner.rows is None
 
 
@@ -265,7 +266,8 @@ def test_an_aborted_decode_loses_its_row_and_the_others_are_undisturbed(tiny) ->
     (debug mode, every step) finds no rows left."""
     def go(decode_rows: bool) -> tuple[dict, EngineCore]:
         eng = EngineCore(tiny, EngineConfig(num_blocks=96, block_size=4, max_num_seqs=8,
-                                            debug=True, target_step_ms=None, decode_rows=decode_rows))
+                                            debug=True, target_step_ms=None, decode_rows=decode_rows,
+                                            attention_backend="torch"))
         params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
         for i, n in enumerate((7, 12, 20)):
             eng.add_request(f"r{i}", list(range(5, 5 + n)), params)

@@ -74,6 +74,18 @@ def test_solo_matches_reference(tiny, storm_work):
         assert all(solo[i] == ref[rid][i] for i in range(params.n)), rid
 
 
+def test_storm_on_torch_attention(tiny):
+    """The fallback attention (torch's ops, decode rows) under the same storm, against a
+    reference on the same backend: where the C kernels can't build, this is the engine."""
+    work = make_workload(seed=17, count=300, vocab=tiny.config.vocab_size)
+    ref = run_reference(tiny, work, attention="torch")
+    config = storm_config("swap", True, attention="torch")
+    got, terminals, aborted_at, _, eng = run_storm(tiny, work, config, seed=8)
+    assert eng.model.attention == "torch" and eng.runner.rows is not None
+    assert sum(eng.lifecycle.stats.preemptions.values()) > 10
+    assert check_storm(work, ref, got, terminals, aborted_at) > 50
+
+
 def test_storm_mixing_the_quantized_kernel_and_the_library(tiny_dir, tmp_path_factory, stopline_cache_dir):
     """The same storm on the model as a Q4_1 GGUF, with the quantized-weight kernel taking
     steps of up to 8 rows and the float32 library the larger ones (recomputed prompts, the

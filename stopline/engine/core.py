@@ -67,7 +67,7 @@ class EngineCore:
         self.model = LlamaModel(mc, loaded.weights, max_rows=cfg.max_num_batched_tokens,
                                 max_logit_rows=cfg.max_num_seqs, device=cfg.device,
                                 linear_backend=cfg.linear_backend, blocks=loaded.blocks,
-                                quant_max_rows=cfg.quant_max_rows)
+                                quant_max_rows=cfg.quant_max_rows, attention=cfg.attention_backend)
         self.model.calibrate()
         self.runner = ModelRunner(self.model, self.kv, cfg)
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len)

@@ -1,4 +1,7 @@
-"""Paged attention whose result for a query row never depends on the rest of the batch.
+"""Attention in torch ops whose result for a query row never depends on the rest of the batch.
+
+This is the fallback where stopline's C kernel can't run (`paged_attention.py`, the default
+on CPU); an engine uses one of the two for every step, since they give different bits.
 
 The same position must come out with the same bits whether it is a decode row among 32, a
 decode row alone, or a row of a prefill chunk of any size (a preempted request is recomputed

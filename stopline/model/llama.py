@@ -15,6 +15,8 @@ from stopline.model.attention import attend, attend_rows
 from stopline.model.attention import probe as attention_probe
 from stopline.model.batch_invariant import InvariantLinear, rms_norm
 from stopline.model.config import ModelConfig
+from stopline.model.paged_attention import PagedRows, paged_attention
+from stopline.model.paged_attention import pick as pick_attention
 from stopline.model.quant_linear import Blocks, QuantWeight, from_raw_rows
 
 
@@ -48,20 +50,24 @@ class StepInputs:
     prefills: list[PrefillSeq]
     decode: DecodeBatch | None
     logit_rows: torch.Tensor  # rows whose next-token logits are needed
+    # With the native attention: the keys of every row (prefills and decode are then unused).
+    paged: PagedRows | None = None
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, max_rows: int,
                  max_logit_rows: int, device: str = "cpu", linear_backend: str = "auto",
-                 blocks: Blocks | None = None, quant_max_rows: int = 0) -> None:
+                 blocks: Blocks | None = None, quant_max_rows: int = 0, attention: str = "torch") -> None:
         """max_rows: most rows a step carries; max_logit_rows: most rows that need logits;
-        linear_backend: see `batch_invariant.pick_backend`; blocks: the GGML blocks of
+        linear_backend: see `batch_invariant.pick_backend`; attention: see
+        `paged_attention.pick` (the chosen one is `self.attention`); blocks: the GGML blocks of
         quantized weights, which batches of up to quant_max_rows rows read instead of the
         float32 weights (see quant_linear.py)."""
         self.config = config
         c = config
         self.group = c.num_heads // c.num_kv_heads
         self.scale = 1.0 / math.sqrt(c.head_dim)
+        self.attention = pick_attention(attention, c.head_dim, device)
 
         def w(name: str) -> torch.Tensor:
             # A private copy: matmuls on tensors still backed by the safetensors mmap ran
@@ -122,7 +128,8 @@ class LlamaModel:
             lin.kc()  # each weight checks its own packing against the library once
         self.one_row_ok = all(lin.kc() is not None for lin in linears)
         rms_norm(self.embed[:2], self.final_norm, self.config.rms_norm_eps)
-        attention_probe(self.embed.device.type)
+        if self.attention == "torch":
+            attention_probe(self.embed.device.type)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return (x * cos).add_(torch.roll(x, x.shape[-1] // 2, dims=-1).mul_(sin))
@@ -137,8 +144,6 @@ class LlamaModel:
         cos = self.cos.index_select(0, inp.positions)[:, None, :]
         sin = self.sin.index_select(0, inp.positions)[:, None, :]
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
-        dec = inp.decode
-        staged = dec.staged if dec is not None else None
         for li, layer in enumerate(self.layers):
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted(f"interrupted before layer {li}")
@@ -149,11 +154,7 @@ class LlamaModel:
             v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
             kv.k[li].index_copy_(1, inp.write_slots, k.transpose(0, 1))
             kv.v[li].index_copy_(1, inp.write_slots, v.transpose(0, 1))
-            rows_kv = None
-            if staged is not None and dec is not None and decode_rows is not None:
-                kd, vd = (k, v) if dec.all_rows else (k.index_select(0, dec.rows), v.index_select(0, dec.rows))
-                rows_kv = decode_rows.update(li, kv.k[li], kv.v[li], kd, vd, staged)
-            o = self._attention(q, inp, kv.k[li], kv.v[li], kv.block_size, rows_kv)
+            o = self._attention(li, q, k, v, inp, kv, decode_rows)
             x = x + layer["o"](o)
             h = rms_norm(x, layer["ln2"], c.rms_norm_eps)
             gu = layer["gate_up"](h)
@@ -162,8 +163,21 @@ class LlamaModel:
         last = rms_norm(x.index_select(0, inp.logit_rows), self.final_norm, c.rms_norm_eps)
         return self.lm_head(last)
 
-    def _attention(self, q: torch.Tensor, inp: StepInputs, kc: torch.Tensor, vc: torch.Tensor,
-                   bs: int, rows_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   inp: StepInputs, kv: KVCache, decode_rows: DecodeRows | None) -> torch.Tensor:
+        """Layer li's attention output [N, heads * d] for q [N, heads, d]; the step's k, v
+        [N, kv_heads, d] are already in the cache."""
+        if inp.paged is not None:
+            return paged_attention(q, kv.k[li], kv.v[li], inp.paged, kv.block_size, self.scale)
+        dec = inp.decode
+        rows_kv = None
+        if dec is not None and dec.staged is not None and decode_rows is not None:
+            kd, vd = (k, v) if dec.all_rows else (k.index_select(0, dec.rows), v.index_select(0, dec.rows))
+            rows_kv = decode_rows.update(li, kv.k[li], kv.v[li], kd, vd, dec.staged)
+        return self._torch_attention(q, inp, kv.k[li], kv.v[li], kv.block_size, rows_kv)
+
+    def _torch_attention(self, q: torch.Tensor, inp: StepInputs, kc: torch.Tensor, vc: torch.Tensor,
+                         bs: int, rows_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """kc, vc: one layer's cache, [hk, slots, d]; rows_kv: the decodes' K/V rows
         [used rows, hk, width, d] (views into wider buffers) when DecodeRows holds them. Gathered blocks keep heads first, so the
         keys enter the score GEMM as a transposed view, without a copy."""

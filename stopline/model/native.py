@@ -104,10 +104,12 @@ def kernels() -> ctypes.CDLL:
 
 
 def reset() -> None:
-    """Forget the outcome, so the next call tries again (tests, or after changing the env)."""
+    """Forget the outcome, so the next call tries again (tests, or after changing the env),
+    and warns again if it fails."""
     global _outcome
     with _lock:
         _outcome = None
+        _warn_once.cache_clear()
 
 
 def _load() -> ctypes.CDLL:
@@ -133,6 +135,10 @@ def _load() -> ctypes.CDLL:
     lib.stopline_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_int, ctypes.c_int, ctypes.c_float]
     lib.stopline_rms_norm.restype = None
+    c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+    lib.stopline_paged_attention.argtypes = [ptr, c_long, ptr, ptr, ptr, c_int, c_int, c_int, c_int,
+                                             c_long, c_int, ptr, ptr, ptr, c_int, ctypes.c_float]
+    lib.stopline_paged_attention.restype = c_int
     return lib
 
 

@@ -12,6 +12,7 @@ from stopline.kv.decode_rows import DecodeRows
 from stopline.kv.kv_cache import KVCache
 from stopline.model.attention import KEY_TILE
 from stopline.model.llama import DecodeBatch, LlamaModel, PrefillSeq, StepInputs
+from stopline.model.paged_attention import PagedRows
 from stopline.sched.scheduler import StepPlan
 
 
@@ -34,7 +35,8 @@ class ModelRunner:
         # attention never pads the gathered keys and values with another copy.
         self.tile_blocks = KEY_TILE // self.bs if KEY_TILE % self.bs == 0 else 1
         self.rows: DecodeRows | None = None
-        if config.decode_rows:
+        self.paged = model.attention == "native"  # reads the cache in place: no rows to keep
+        if config.decode_rows and not self.paged:
             mc = model.config
             pool_bytes = sum(t.numel() * t.element_size() for t in kv.k + kv.v)
             self.rows = DecodeRows(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.bs, KEY_TILE,
@@ -45,6 +47,8 @@ class ModelRunner:
         return -(-nb // self.tile_blocks) * self.tile_blocks
 
     def prepare(self, plan: StepPlan) -> tuple[StepInputs, dict[int, int]]:
+        if self.paged:
+            return self._prepare_paged(plan)
         bs = self.bs
         tokens: list[int] = []
         positions: list[int] = []
@@ -113,6 +117,46 @@ class ModelRunner:
             write_slots=torch.tensor(slots, dtype=torch.long, device=dev),
             prefills=prefills, decode=decode,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+        )
+        return inputs, logit_index
+
+    def _prepare_paged(self, plan: StepPlan) -> tuple[StepInputs, dict[int, int]]:
+        """Inputs for the native attention: each row attends its sequence's keys up to its own
+        position, through the sequence's block table."""
+        bs = self.bs
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[int] = []
+        table_at: list[int] = []
+        logit_rows: list[int] = []
+        logit_index: dict[int, int] = {}
+        for ci, ch in enumerate(plan.chunks):
+            req = ch.req
+            end = ch.start + ch.num_tokens
+            all_ids = req.prompt_token_ids if end <= req.prompt_len else req.all_token_ids
+            tokens += all_ids[ch.start:end]
+            span = range(ch.start, end)
+            positions += span
+            blocks = req.block_ids
+            slots += [blocks[pos // bs] * bs + pos % bs for pos in span]
+            table_at += [len(tables)] * ch.num_tokens
+            tables += blocks[: (end + bs - 1) // bs]
+            if ch.sample:
+                logit_index[ci] = len(logit_rows)
+                logit_rows.append(len(tokens) - 1)
+        if len(tokens) == 1 and not self.model.one_row_ok:
+            # The GEMM libraries take another path for one row than for two (see prepare).
+            tokens, positions, slots, table_at = tokens * 2, positions * 2, slots * 2, table_at * 2
+            logit_rows = logit_rows * 2
+        dev = self.device
+        inputs = StepInputs(
+            token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            write_slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            prefills=[], decode=None,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            paged=PagedRows.build([p + 1 for p in positions], table_at, tables),
         )
         return inputs, logit_index
 
