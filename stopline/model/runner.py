@@ -145,6 +145,9 @@ class ModelRunner:
             if ch.sample:
                 logit_index[ci] = len(logit_rows)
                 logit_rows.append(len(tokens) - 1)
+        if tables and not 0 <= min(tables) <= max(tables) < self.kv.num_blocks:
+            # The kernel reads where the tables point: a bad entry would read out of bounds.
+            raise RuntimeError(f"a block table points outside the KV pool of {self.kv.num_blocks} blocks")
         if len(tokens) == 1 and not self.model.one_row_ok:
             # The GEMM libraries take another path for one row than for two (see prepare).
             tokens, positions, slots, table_at = tokens * 2, positions * 2, slots * 2, table_at * 2
