@@ -27,6 +27,10 @@ def test_stop_benchmark_runs_and_reports(tiny_model_dir: Path, tmp_path: Path,
         c = res[key]
         assert c["tokens_after_abort_per_abort"] == 0
         assert c["ratio_twins_over_aborts"] > 0 and c["abort_to_reclaim_steps_max"] <= 1
+        # Two runs a side (aborts, twins, twins, aborts): the ratio is of their sums.
+        runs = c["survivors_s_runs"]
+        assert len(runs["aborts"]) == len(runs["twins"]) == 2
+        assert c["ratio_twins_over_aborts"] == pytest.approx(sum(runs["twins"]) / sum(runs["aborts"]))
     p = res["preemption_storm"]
     assert p["pool_blocks"] < p["demand_blocks"]
     assert [(r["mode"], r["policy"]) for r in p["rows"]] == [("recompute", "cost"), ("swap", "newest")]

@@ -11,6 +11,12 @@ def _f(x: object, digits: int = 2) -> str:
     return str(x)
 
 
+def _runs(c: dict, side: str) -> str:
+    """The runs behind a mean (results from before the runs were repeated have one)."""
+    runs = c.get("survivors_s_runs", {}).get(side)
+    return f" (mean of {', '.join(_f(x) for x in runs)})" if runs else ""
+
+
 def _cancel(title: str, c: dict) -> list[str]:
     return [
         f"### {title}",
@@ -21,8 +27,8 @@ def _cancel(title: str, c: dict) -> list[str]:
         "",
         "| measure | value | target |",
         "|---|---|---|",
-        f"| survivors' completion, with aborts (s) | {_f(c['survivors_s_with_aborts'])} | |",
-        f"| survivors' completion, with twins (s) | {_f(c['survivors_s_with_twins'])} | |",
+        f"| survivors' completion, with aborts (s) | {_f(c['survivors_s_with_aborts'])}{_runs(c, 'aborts')} | |",
+        f"| survivors' completion, with twins (s) | {_f(c['survivors_s_with_twins'])}{_runs(c, 'twins')} | |",
         f"| ratio twins / aborts | {_f(c['ratio_twins_over_aborts'], 3)} | >= 0.95 |",
         f"| tokens computed after abort, per aborted request | {_f(c['tokens_after_abort_per_abort'], 3)} | <= 1 step's worth (1) |",
         f"| steps from abort to reclaim (max) | {c['abort_to_reclaim_steps_max']} | <= 1 |",
@@ -43,7 +49,8 @@ def render(r: dict) -> str:
         "A twin is the same request with max_tokens set to the tokens its aborted counterpart had "
         "received, so it stops by itself at the same point; a request aborted before its first token "
         "or mid-prefill gets a twin with max_tokens=1 (a natural stop can't come earlier), which "
-        "makes those twins slightly more expensive than the aborts they stand for.",
+        "makes those twins slightly more expensive than the aborts they stand for. The runs go "
+        "aborts, twins, twins, aborts, each on a fresh engine, and each side is the mean of its two.",
         "",
     ]
     lines += _cancel("Cancel storm", r["cancel_storm"])
