@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,7 +13,19 @@ from stopline.kv.kv_cache import KVCache
 from stopline.model.attention import KEY_TILE
 from stopline.model.llama import DecodeBatch, LlamaModel, PrefillSeq, StepInputs
 from stopline.model.paged_attention import PagedRows
-from stopline.sched.scheduler import StepPlan
+from stopline.sched.scheduler import ScheduledChunk, StepPlan
+
+
+@dataclass
+class _Rows:
+    """A step's rows, in chunk order."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # where each row's K/V goes
+    starts: list[int] = field(default_factory=list)  # first row of each chunk
+    logit_rows: list[int] = field(default_factory=list)
+    logit_index: dict[int, int] = field(default_factory=dict)  # chunk index -> row of logits
 
 
 @dataclass
@@ -46,29 +58,76 @@ class ModelRunner:
     def _width(self, nb: int) -> int:
         return -(-nb // self.tile_blocks) * self.tile_blocks
 
-    def prepare(self, plan: StepPlan) -> tuple[StepInputs, dict[int, int]]:
-        if self.paged:
-            return self._prepare_paged(plan)
+    def _rows(self, plan: StepPlan) -> _Rows:
+        """Every row of the step: its token, position and cache slot, and the rows sampled."""
         bs = self.bs
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        r = _Rows()
+        for ci, ch in enumerate(plan.chunks):
+            req = ch.req
+            end = ch.start + ch.num_tokens
+            r.starts.append(len(r.tokens))
+            all_ids = req.prompt_token_ids if end <= req.prompt_len else req.all_token_ids
+            r.tokens += all_ids[ch.start:end]
+            span = range(ch.start, end)
+            r.positions += span
+            r.slots += [req.block_ids[pos // bs] * bs + pos % bs for pos in span]
+            if ch.sample:
+                r.logit_index[ci] = len(r.logit_rows)
+                r.logit_rows.append(len(r.tokens) - 1)
+        return r
+
+    def _inputs(self, r: _Rows, **attention) -> StepInputs:
+        dev = self.device
+        return StepInputs(
+            token_ids=torch.tensor(r.tokens, dtype=torch.long, device=dev),
+            positions=torch.tensor(r.positions, dtype=torch.long, device=dev),
+            write_slots=torch.tensor(r.slots, dtype=torch.long, device=dev),
+            logit_rows=torch.tensor(r.logit_rows, dtype=torch.long, device=dev),
+            **attention,
+        )
+
+    def prepare(self, plan: StepPlan) -> tuple[StepInputs, dict[int, int]]:
+        r = self._rows(plan)
+        # A lone decode runs as two copies of itself where the GEMM libraries serve a linear:
+        # each takes another path for one row than for two or more (so the linears would pad
+        # it anyway, one copy per call), and rows never see each other. Both copies write the
+        # same K/V to the same slot. Not needed where the quantized kernel runs every linear:
+        # it gives one row the bits of the library's two.
+        twice = len(r.tokens) == 1 and plan.chunks[0].num_tokens == 1 and not self.model.one_row_ok
+        if twice:
+            r.tokens, r.positions, r.slots, r.logit_rows = r.tokens * 2, r.positions * 2, r.slots * 2, r.logit_rows * 2
+            r.starts = [0, 1]
+        chunks = plan.chunks * 2 if twice else plan.chunks
+        if self.paged:
+            return self._prepare_paged(r, chunks), r.logit_index
+        return self._prepare_torch(r, chunks), r.logit_index
+
+    def _prepare_paged(self, r: _Rows, chunks: list[ScheduledChunk]) -> StepInputs:
+        """Inputs for the native attention: each row attends its sequence's keys up to its own
+        position, through the sequence's block table."""
+        tables: list[int] = []
+        table_at: list[int] = []
+        for ch in chunks:
+            table_at += [len(tables)] * ch.num_tokens
+            tables += ch.req.block_ids[: (ch.start + ch.num_tokens + self.bs - 1) // self.bs]
+        if tables and not 0 <= min(tables) <= max(tables) < self.kv.num_blocks:
+            # The kernel reads where the tables point: a bad entry would read out of bounds.
+            raise RuntimeError(f"a block table points outside the KV pool of {self.kv.num_blocks} blocks")
+        return self._inputs(r, prefills=[], decode=None,
+                            paged=PagedRows.build([p + 1 for p in r.positions], table_at, tables))
+
+    def _prepare_torch(self, r: _Rows, chunks: list[ScheduledChunk]) -> StepInputs:
+        """Inputs for torch attention: prefill chunks with padded tables and causal masks, and
+        the decodes in DecodeRows, or gathering their padded tables."""
+        bs = self.bs
         prefills: list[PrefillSeq] = []
         dec_rows: list[int] = []
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
         dec_keys: list[int] = []
-        logit_rows: list[int] = []
-        logit_index: dict[int, int] = {}
-        for ci, ch in enumerate(plan.chunks):
+        for ch, row0 in zip(chunks, r.starts, strict=True):
             req = ch.req
-            row0 = len(tokens)
             end = ch.start + ch.num_tokens
-            all_ids = req.prompt_token_ids if end <= req.prompt_len else req.all_token_ids
-            tokens += all_ids[ch.start:end]
-            for pos in range(ch.start, end):
-                positions.append(pos)
-                slots.append(req.block_ids[pos // bs] * bs + pos % bs)
             if ch.num_tokens == 1:
                 dec_rows.append(row0)
                 dec_tables.append(req.block_ids[: (end + bs - 1) // bs])
@@ -82,18 +141,6 @@ class ModelRunner:
                 masked = torch.arange(width * bs)[None, :] > row_pos[:, None]  # causal
                 prefills.append(PrefillSeq(row0, row0 + ch.num_tokens, table.to(self.device),
                                            masked.to(self.device)))
-            if ch.sample:
-                logit_index[ci] = len(logit_rows)
-                logit_rows.append(len(tokens) - 1)
-        if len(tokens) == 1 and dec_rows and not self.model.one_row_ok:
-            # A lone decode runs as two copies of itself: every GEMM library here takes
-            # another path for one row than for two or more (so the linears would pad it
-            # anyway, one copy per call), and rows never see each other. Both copies write
-            # the same K/V to the same slot. Not needed where the quantized kernel runs
-            # every linear: it gives one row the bits of the library's two.
-            tokens, positions, slots = tokens * 2, positions * 2, slots * 2
-            dec_rows, dec_tables, dec_lens, dec_keys = [0, 1], dec_tables * 2, dec_lens * 2, dec_keys * 2
-            logit_rows = logit_rows * 2
         decode = None
         if dec_rows:
             staged = self.rows.plan(dec_keys, dec_lens, dec_tables) if self.rows else None
@@ -108,60 +155,9 @@ class ModelRunner:
                 # until written, and the padding blocks, which point at the zero block) are masked.
                 masked = (torch.arange(width * bs)[None, :] >= lens[:, None])[:, None, None, :].to(self.device)
             decode = DecodeBatch(torch.tensor(dec_rows, dtype=torch.long).to(self.device),
-                                 all_rows=len(dec_rows) == len(tokens), blocks=table, masked=masked,
+                                 all_rows=len(dec_rows) == len(r.tokens), blocks=table, masked=masked,
                                  staged=staged)
-        dev = self.device
-        inputs = StepInputs(
-            token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            write_slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefills=prefills, decode=decode,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
-        )
-        return inputs, logit_index
-
-    def _prepare_paged(self, plan: StepPlan) -> tuple[StepInputs, dict[int, int]]:
-        """Inputs for the native attention: each row attends its sequence's keys up to its own
-        position, through the sequence's block table."""
-        bs = self.bs
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[int] = []
-        table_at: list[int] = []
-        logit_rows: list[int] = []
-        logit_index: dict[int, int] = {}
-        for ci, ch in enumerate(plan.chunks):
-            req = ch.req
-            end = ch.start + ch.num_tokens
-            all_ids = req.prompt_token_ids if end <= req.prompt_len else req.all_token_ids
-            tokens += all_ids[ch.start:end]
-            span = range(ch.start, end)
-            positions += span
-            blocks = req.block_ids
-            slots += [blocks[pos // bs] * bs + pos % bs for pos in span]
-            table_at += [len(tables)] * ch.num_tokens
-            tables += blocks[: (end + bs - 1) // bs]
-            if ch.sample:
-                logit_index[ci] = len(logit_rows)
-                logit_rows.append(len(tokens) - 1)
-        if tables and not 0 <= min(tables) <= max(tables) < self.kv.num_blocks:
-            # The kernel reads where the tables point: a bad entry would read out of bounds.
-            raise RuntimeError(f"a block table points outside the KV pool of {self.kv.num_blocks} blocks")
-        if len(tokens) == 1 and not self.model.one_row_ok:
-            # The GEMM libraries take another path for one row than for two (see prepare).
-            tokens, positions, slots, table_at = tokens * 2, positions * 2, slots * 2, table_at * 2
-            logit_rows = logit_rows * 2
-        dev = self.device
-        inputs = StepInputs(
-            token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            write_slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefills=[], decode=None,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
-            paged=PagedRows.build([p + 1 for p in positions], table_at, tables),
-        )
-        return inputs, logit_index
+        return self._inputs(r, prefills=prefills, decode=decode)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, interrupt: threading.Event | None = None) -> StepResult:
