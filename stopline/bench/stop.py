@@ -21,6 +21,7 @@ import platform
 import random
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,7 +148,9 @@ def cancel_storm(loaded: LoadedModel, cfg: EngineConfig, n: int, max_tokens: int
     twin_s = [run_jobs(loaded, cfg, twins, "cancel storm: twins").survivors_seconds for _ in range(2)]
     again = run_jobs(loaded, cfg, jobs, "cancel storm: aborts again")
     abort_s = [aborted.survivors_seconds, again.survivors_seconds]
-    n_aborted = max(1, aborted.aborted)
+    both = (aborted, again)  # the stop-path counters hold in every run with aborts, not just one
+    n_aborted = max(1, sum(r.aborted for r in both))
+    reclaim_ms = aborted.reclaim_ms + again.reclaim_ms
     return {
         "requests": n, "aborted": aborted.aborted, "max_tokens": max_tokens,
         "abort_kinds": {k: sum(1 for j in jobs if j.abort_kind == k) for k in ("waiting", "prefill", "decode")},
@@ -155,10 +158,10 @@ def cancel_storm(loaded: LoadedModel, cfg: EngineConfig, n: int, max_tokens: int
         "survivors_s_with_twins": sum(twin_s) / 2,
         "survivors_s_runs": {"aborts": abort_s, "twins": twin_s},
         "ratio_twins_over_aborts": sum(twin_s) / sum(abort_s),
-        "tokens_after_abort_per_abort": aborted.tokens_after_abort / n_aborted,
-        "abort_to_reclaim_steps_max": max(aborted.reclaim_steps, default=0),
-        "reclaim_ms_p50": _pct(aborted.reclaim_ms, 50), "reclaim_ms_p99": _pct(aborted.reclaim_ms, 99),
-        "preemptions": aborted.preemptions,
+        "tokens_after_abort_per_abort": sum(r.tokens_after_abort for r in both) / n_aborted,
+        "abort_to_reclaim_steps_max": max(aborted.reclaim_steps + again.reclaim_steps, default=0),
+        "reclaim_ms_p50": _pct(reclaim_ms, 50), "reclaim_ms_p99": _pct(reclaim_ms, 99),
+        "preemptions": dict(Counter(aborted.preemptions) + Counter(again.preemptions)),
     }
 
 

@@ -50,7 +50,8 @@ def render(r: dict) -> str:
         "received, so it stops by itself at the same point; a request aborted before its first token "
         "or mid-prefill gets a twin with max_tokens=1 (a natural stop can't come earlier), which "
         "makes those twins slightly more expensive than the aborts they stand for. The runs go "
-        "aborts, twins, twins, aborts, each on a fresh engine, and each side is the mean of its two.",
+        "aborts, twins, twins, aborts, each on a fresh engine, and each side is the mean of its two; "
+        "the counts of tokens after abort, reclaim steps and preemptions cover both runs with aborts.",
         "",
     ]
     lines += _cancel("Cancel storm", r["cancel_storm"])

@@ -93,7 +93,7 @@ class ModelRunner:
         # it anyway, one copy per call), and rows never see each other. Both copies write the
         # same K/V to the same slot. Not needed where the quantized kernel runs every linear:
         # it gives one row the bits of the library's two.
-        twice = len(r.tokens) == 1 and plan.chunks[0].num_tokens == 1 and not self.model.one_row_ok
+        twice = len(r.tokens) == 1 and not self.model.one_row_ok  # one row: one chunk of one token
         if twice:
             r.tokens, r.positions, r.slots, r.logit_rows = r.tokens * 2, r.positions * 2, r.slots * 2, r.logit_rows * 2
             r.starts = [0, 1]
