@@ -30,7 +30,13 @@ bench_command = _registrar(_BENCHES, "Register `stopline bench NAME` (decorator)
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine settings shared by every command that builds an engine."""
-    from stopline.config import ATTENTION_BACKENDS, LINEAR_BACKENDS, PreemptionMode, VictimPolicy
+    from stopline.config import (
+        ATTENTION_BACKENDS,
+        LINEAR_BACKENDS,
+        EngineConfig,
+        PreemptionMode,
+        VictimPolicy,
+    )
 
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -54,7 +60,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS,
                    help="GEMM library of the linear layers on CPU (auto: oneDNN for the large "
                         "weights, BLAS for the small ones)")
-    g.add_argument("--quant-max-rows", type=int, default=48,
+    g.add_argument("--quant-max-rows", type=int, default=EngineConfig.quant_max_rows,
                    help="batches of up to this many rows read a GGUF's Q4_1/Q8_0 weights in their "
                         "blocks through stopline's C kernel (same bits as float32; 0: never)")
 
