@@ -60,7 +60,6 @@ class EngineCore:
                           device=cfg.device)
         if cfg.debug:
             self.pool.on_garbage = self.kv.poison
-        self.pool.on_allocate = self.kv.zero
         swap = None
         if cfg.preemption_mode is not PreemptionMode.RECOMPUTE:
             swap = SwapSpace(cfg.swap_space_blocks or num_blocks)
@@ -69,6 +68,10 @@ class EngineCore:
                                 linear_backend=cfg.linear_backend, blocks=loaded.blocks,
                                 quant_max_rows=cfg.quant_max_rows, attention=cfg.attention_backend)
         self.model.calibrate()
+        if self.model.attention == "torch":
+            # Torch attention multiplies whole blocks by masked weights: unwritten slots must
+            # hold zeros, not a freed block's NaN. The C kernel reads written slots only.
+            self.pool.on_allocate = self.kv.zero
         self.runner = ModelRunner(self.model, self.kv, cfg)
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)

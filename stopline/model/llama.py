@@ -15,6 +15,7 @@ from stopline.model.attention import attend, attend_rows
 from stopline.model.attention import probe as attention_probe
 from stopline.model.batch_invariant import InvariantLinear, rms_norm
 from stopline.model.config import ModelConfig
+from stopline.model.layer_ops import add_rms_norm, rope_store, silu_mul
 from stopline.model.paged_attention import PagedRows, paged_attention
 from stopline.model.paged_attention import pick as pick_attention
 from stopline.model.quant_linear import Blocks, QuantWeight, from_raw_rows
@@ -139,14 +140,44 @@ class LlamaModel:
         """Run one step; returns float32 logits for inp.logit_rows. decode_rows: the buffers
         inp.decode.staged refers to, if any."""
         c = self.config
-        n = inp.token_ids.shape[0]
         x = self.embed.index_select(0, inp.token_ids)
+        if inp.paged is not None:
+            x = self._layers_native(x, inp, inp.paged, kv, interrupt)
+        else:
+            x = self._layers_torch(x, inp, kv, interrupt, decode_rows)
+        last = rms_norm(x.index_select(0, inp.logit_rows), self.final_norm, c.rms_norm_eps)
+        return self.lm_head(last)
+
+    @staticmethod
+    def _check(interrupt: threading.Event | None, li: int) -> None:
+        if interrupt is not None and interrupt.is_set():
+            raise StepInterrupted(f"interrupted before layer {li}")
+
+    def _layers_native(self, x: torch.Tensor, inp: StepInputs, paged: PagedRows, kv: KVCache,
+                       interrupt: threading.Event | None) -> torch.Tensor:
+        """The layers with the C attention and glue (layer_ops.py): K/V go straight into the
+        cache, and each residual add is fused with the norm after it."""
+        c = self.config
+        eps, res = c.rms_norm_eps, None
+        for li, layer in enumerate(self.layers):
+            self._check(interrupt, li)
+            h = rms_norm(x, layer["ln1"], eps) if res is None else add_rms_norm(x, res, layer["ln1"], eps)
+            q = rope_store(layer["qkv"](h), inp.positions, self.cos, self.sin, inp.write_slots,
+                           kv.k[li], kv.v[li], c.num_heads)
+            o = paged_attention(q, kv.k[li], kv.v[li], paged, kv.block_size, self.scale)
+            h = add_rms_norm(x, layer["o"](o), layer["ln2"], eps)
+            res = layer["down"](silu_mul(layer["gate_up"](h)))
+        return x if res is None else x.add_(res)
+
+    def _layers_torch(self, x: torch.Tensor, inp: StepInputs, kv: KVCache,
+                      interrupt: threading.Event | None, decode_rows: DecodeRows | None) -> torch.Tensor:
+        c = self.config
+        n = inp.token_ids.shape[0]
         cos = self.cos.index_select(0, inp.positions)[:, None, :]
         sin = self.sin.index_select(0, inp.positions)[:, None, :]
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         for li, layer in enumerate(self.layers):
-            if interrupt is not None and interrupt.is_set():
-                raise StepInterrupted(f"interrupted before layer {li}")
+            self._check(interrupt, li)
             h = rms_norm(x, layer["ln1"], c.rms_norm_eps)
             qkv = layer["qkv"](h)
             qk = self._rope(qkv[:, :(hq + hk) * d].reshape(n, hq + hk, d), cos, sin)
@@ -160,15 +191,12 @@ class LlamaModel:
             gu = layer["gate_up"](h)
             inter = gu.shape[1] // 2
             x = x + layer["down"](F.silu(gu[:, :inter]) * gu[:, inter:])
-        last = rms_norm(x.index_select(0, inp.logit_rows), self.final_norm, c.rms_norm_eps)
-        return self.lm_head(last)
+        return x
 
     def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    inp: StepInputs, kv: KVCache, decode_rows: DecodeRows | None) -> torch.Tensor:
-        """Layer li's attention output [N, heads * d] for q [N, heads, d]; the step's k, v
+        """Layer li's torch attention output [N, heads * d] for q [N, heads, d]; the step's k, v
         [N, kv_heads, d] are already in the cache."""
-        if inp.paged is not None:
-            return paged_attention(q, kv.k[li], kv.v[li], inp.paged, kv.block_size, self.scale)
         dec = inp.decode
         rows_kv = None
         if dec is not None and dec.staged is not None and decode_rows is not None:

@@ -29,8 +29,11 @@ from pathlib import Path
 
 log = logging.getLogger("stopline.native")
 
-_SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
-_FLAGS = ["-O3", "-mavx512f", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = sorted(_CSRC.glob("*.c"))
+_HEADERS = sorted(_CSRC.glob("*.h"))
+# fp-contract=off: a * b + c stays two roundings unless a kernel asks for an FMA by name.
+_FLAGS = ["-O3", "-mavx512f", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _CPU_FLAGS = ("avx512f", "f16c")
 # STOPLINE_NATIVE=0 turns the kernels off (the torch path is used everywhere).
 ENV_SWITCH = "STOPLINE_NATIVE"
@@ -61,7 +64,7 @@ def _compiler() -> str:
 def _build(cc: str, out_dir: Path) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256(version.encode() + " ".join(_FLAGS).encode())
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         digest.update(src.name.encode() + b"\0" + src.read_bytes())
     lib = out_dir / f"stopline_kernels-{digest.hexdigest()[:16]}.so"
     if lib.is_file():
@@ -136,6 +139,13 @@ def _load() -> ctypes.CDLL:
                                       ctypes.c_int, ctypes.c_int, ctypes.c_float]
     lib.stopline_rms_norm.restype = None
     c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+    lib.stopline_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, c_int, c_int, ctypes.c_float]
+    lib.stopline_add_rms_norm.restype = None
+    lib.stopline_rope_store.argtypes = [ptr, c_int, c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr,
+                                        c_long, ptr]
+    lib.stopline_rope_store.restype = None
+    lib.stopline_silu_mul.argtypes = [ptr, c_int, c_int, ptr]
+    lib.stopline_silu_mul.restype = None
     lib.stopline_paged_attention.argtypes = [ptr, c_long, ptr, ptr, ptr, c_int, c_int, c_int, c_int,
                                              c_long, c_int, ptr, ptr, ptr, c_int, ctypes.c_float]
     lib.stopline_paged_attention.restype = c_int

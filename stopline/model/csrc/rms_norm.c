@@ -7,24 +7,37 @@
 #include <immintrin.h>
 #include <math.h>
 
+static inline void norm_row(const float* xr, const float* w, float* yr, int n, float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= n; k += 16) {
+        __m512 v = _mm512_loadu_ps(xr + k);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float s = _mm512_reduce_add_ps(acc);
+    for (; k < n; k++) s += xr[k] * xr[k];
+    float inv = 1.0f / sqrtf(s / (float)n + eps);
+    __m512 vi = _mm512_set1_ps(inv);
+    for (k = 0; k + 16 <= n; k += 16)
+        _mm512_storeu_ps(yr + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + k), vi),
+                                                _mm512_loadu_ps(w + k)));
+    for (; k < n; k++) yr[k] = (xr[k] * inv) * w[k];
+}
+
 void stopline_rms_norm(const float* x, const float* w, float* y, int rows, int n, float eps) {
     #pragma omp parallel for if (rows >= 64) schedule(static)
+    for (int r = 0; r < rows; r++) norm_row(x + (long)r * n, w, y + (long)r * n, n, eps);
+}
+
+/* The residual add and the next norm in one pass: x += res, then y = rms_norm(x). The add is
+ * the same IEEE add torch does, so x gets the same bits as `x + res`. */
+void stopline_add_rms_norm(float* x, const float* res, const float* w, float* y, int rows, int n,
+                           float eps) {
+    #pragma omp parallel for if (rows >= 64) schedule(static)
     for (int r = 0; r < rows; r++) {
-        const float* xr = x + (long)r * n;
-        float* yr = y + (long)r * n;
-        __m512 acc = _mm512_setzero_ps();
-        int k = 0;
-        for (; k + 16 <= n; k += 16) {
-            __m512 v = _mm512_loadu_ps(xr + k);
-            acc = _mm512_fmadd_ps(v, v, acc);
-        }
-        float s = _mm512_reduce_add_ps(acc);
-        for (; k < n; k++) s += xr[k] * xr[k];
-        float inv = 1.0f / sqrtf(s / (float)n + eps);
-        __m512 vi = _mm512_set1_ps(inv);
-        for (k = 0; k + 16 <= n; k += 16)
-            _mm512_storeu_ps(yr + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + k), vi),
-                                                    _mm512_loadu_ps(w + k)));
-        for (; k < n; k++) yr[k] = (xr[k] * inv) * w[k];
+        float* xr = x + (long)r * n;
+        const float* rr = res + (long)r * n;
+        for (int k = 0; k < n; k++) xr[k] = xr[k] + rr[k];
+        norm_row(xr, w, y + (long)r * n, n, eps);
     }
 }
