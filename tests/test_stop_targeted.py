@@ -157,22 +157,27 @@ def test_layer_boundary_interrupt_and_next_step_unaffected(tiny):
     eng = engine(tiny, max_num_batched_tokens=256)
     eng.add_request("x", PROMPT * 3, SamplingParams(max_tokens=8, **GREEDY))
     eng.add_request("y", PROMPT[:5], SamplingParams(max_tokens=8, **GREEDY))
-    attention = eng.model._attention
     calls = {"n": 0}
+    projections = [layer["o"] for layer in eng.model.layers]
 
-    def hooked(*args):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            eng.abort(["x", "y"])  # every request of the step in flight: stop at next layer
-        return attention(*args)
+    def hooked(proj):  # the attention's output projection: once in each layer, either backend
+        def run(*args):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                eng.abort(["x", "y"])  # every request of the step in flight: stop at next layer
+            return proj(*args)
+        return run
 
-    eng.model._attention = hooked
+    for layer, proj in zip(eng.model.layers, projections, strict=True):
+        layer["o"] = hooked(proj)
     res = drain(eng)
+    assert len(eng.model.layers) > 1
     assert eng.interrupted_steps == 1
     assert calls["n"] == 1, "the forward went past the next layer boundary"
     assert {k: v["terminal"][0].finish_reason for k, v in res.items()} == {
         ("x", 0): FinishReason.ABORT, ("y", 0): FinishReason.ABORT}
-    eng.model._attention = attention
+    for layer, proj in zip(eng.model.layers, projections, strict=True):
+        layer["o"] = proj
     # The interrupted step wrote into the aborted requests' blocks (released, poisoned in debug
     # mode); a new request with the same prompt must not see any of it.
     params = SamplingParams(max_tokens=8, **GREEDY)
