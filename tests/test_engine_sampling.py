@@ -252,3 +252,23 @@ def test_sampling_params_survive_engine_core(model_dir: Path, prompts) -> None:
     llm = _llm(model_dir, debug=True)
     res = drive(llm.engine, [(f"s{i}", p, _sampled(seed=9, top_k=20)) for i, p in enumerate(prompts[:3])])
     assert [res[(f"s{i}", 0)].token_ids for i in range(3)] == via_llm
+
+
+@pytest.mark.parametrize("vocab", [5, 16, 17, 384, 49152])
+def test_greedy_argmax_is_torchs_argmax(vocab):
+    """The C argmax of greedy rows (sampler.argmax_rows) gives torch.argmax's index on ties,
+    -inf rows, inf and NaN, for vocabularies with and without a 16-lane tail."""
+    from stopline.model.sampler import argmax_rows
+
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(12, vocab, generator=gen)
+    x[1, 1] = x[1, 2] = x[1, vocab - 1] = 50.0  # a tie: the first wins
+    x[2, vocab // 2] = x[2, vocab - 1] = float("nan")  # NaN wins, the first one
+    x[3, :] = float("-inf")
+    x[4, :] = 1.0
+    x[5, vocab - 1] = float("inf")
+    x[6, 0] = float("inf")
+    rows = [11, 1, 2, 3, 4, 5, 6, 0, 1]
+    assert argmax_rows(x, rows) == torch.argmax(x[rows], dim=-1).tolist()
+    with pytest.raises(IndexError):
+        argmax_rows(x, [12])

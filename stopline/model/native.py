@@ -146,6 +146,8 @@ def _load() -> ctypes.CDLL:
     lib.stopline_rope_store.restype = None
     lib.stopline_silu_mul.argtypes = [ptr, c_int, c_int, ptr]
     lib.stopline_silu_mul.restype = None
+    lib.stopline_row_argmax.argtypes = [ptr, c_long, ptr, c_int, c_int, ptr]
+    lib.stopline_row_argmax.restype = None
     lib.stopline_paged_attention.argtypes = [ptr, c_long, ptr, ptr, ptr, c_int, c_int, c_int, c_int,
                                              c_long, c_int, ptr, ptr, ptr, c_int, ctypes.c_float]
     lib.stopline_paged_attention.restype = c_int

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stopline.model.native import try_kernels
 from stopline.request import Request, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
@@ -89,6 +90,21 @@ def _logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
     return TokenLogprob(token, float(lp[token]), top)
 
 
+def argmax_rows(logits: torch.Tensor, rows: list[int]) -> list[int]:
+    """torch.argmax of each chosen row of logits ([N, vocab]); in C on CPU where it is built
+    (reads the rows in place: ~12x faster than an index_select and torch's argmax here)."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    lib = try_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if lib is None or logits.stride(1) != 1 or not rows:
+        return torch.argmax(logits.index_select(0, idx.to(logits.device)), dim=-1).tolist()
+    if min(rows) < 0 or max(rows) >= logits.shape[0]:
+        raise IndexError(f"rows {min(rows)}..{max(rows)} of {logits.shape[0]} logit rows")
+    out = torch.empty(len(rows), dtype=torch.long)
+    lib.stopline_row_argmax(logits.data_ptr(), logits.stride(0), idx.data_ptr(), len(rows), logits.shape[1],
+                            out.data_ptr())
+    return out.tolist()
+
+
 def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
            eos_token_ids: Collection[int] = ()) -> list[Sampled]:
     """One token per task. Greedy rows without penalties or masks are done in one argmax."""
@@ -98,8 +114,7 @@ def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
     fast = [i for i, t in enumerate(tasks)
             if t.req.params.greedy and not t.req.params.needs_penalties and not masks[i]]
     if fast:
-        rows = torch.tensor([tasks[i].row for i in fast], dtype=torch.long)
-        ids = torch.argmax(logits.index_select(0, rows), dim=-1).tolist()
+        ids = argmax_rows(logits, [tasks[i].row for i in fast])
         for i, tok in zip(fast, ids, strict=True):
             results[i] = Sampled(tok, None)
     for i, t in enumerate(tasks):
