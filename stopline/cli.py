@@ -179,6 +179,8 @@ def _stop_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--combos", default="recompute:cost,recompute:newest,recompute:fewest-output,"
                    "recompute:longest-output,recompute:least-computed,swap:cost,auto:cost",
                    help="comma-separated mode:policy pairs for the preemption storm")
+    p.add_argument("--storm-rounds", type=int, default=2,
+                   help="runs of each preemption-storm pair (one per round; the ratio is their mean)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/stop.json")
     p.add_argument("--report", default="docs/stop-benchmark.md")
@@ -194,8 +196,10 @@ def bench_stop(args: argparse.Namespace) -> int:
 
     loaded = load_model(args.model)
     combos = [tuple(c.split(":", 1)) for c in args.combos.split(",") if c]
+    if args.storm_rounds < 1:
+        raise SystemExit(f"--storm-rounds must be >= 1, got {args.storm_rounds}")
     result = stop.run(loaded, Path(args.out), args.requests, args.max_tokens, args.storm_requests,
-                      args.pool_fraction, args.seed, combos, engine_config(args))
+                      args.pool_fraction, args.seed, combos, engine_config(args), args.storm_rounds)
     result["command"] = "stopline bench stop " + " ".join(sys.argv[3:])
     Path(args.out).write_text(__import__("json").dumps(result, indent=2))
     Path(args.report).write_text(stop_report.render(result))

@@ -35,12 +35,17 @@ def test_stop_benchmark_runs_and_reports(tiny_model_dir: Path, tmp_path: Path,
     assert p["pool_blocks"] < p["demand_blocks"]
     assert [(r["mode"], r["policy"]) for r in p["rows"]] == [("recompute", "cost"), ("swap", "newest")]
     assert all(r["tok_s"] > 0 for r in p["rows"])
-    # The reference runs bracket every storm, and each ratio is against its own two.
-    runs = p["unconstrained_runs_tok_s"]
-    assert len(runs) == len(p["rows"]) + 1
+    # Two rounds of every pair; the reference runs bracket every storm, each storm's ratio is
+    # against its own two, and a pair's ratio is the mean of its rounds'.
+    runs, pairs = p["unconstrained_runs_tok_s"], len(p["rows"])
+    assert p["rounds"] == 2 and len(runs) == 2 * pairs + 1
     for i, r in enumerate(p["rows"]):
-        assert r["unconstrained_around_tok_s"] == pytest.approx((runs[i] + runs[i + 1]) / 2)
-        assert r["ratio_vs_unconstrained"] == pytest.approx(r["tok_s"] / r["unconstrained_around_tok_s"])
+        assert len(r["runs"]) == 2
+        for k, run in enumerate(r["runs"]):
+            at = k * pairs + i  # the storm ran between reference runs at and at + 1
+            assert run["unconstrained_around_tok_s"] == pytest.approx((runs[at] + runs[at + 1]) / 2)
+            assert run["ratio"] == pytest.approx(run["tok_s"] / run["unconstrained_around_tok_s"])
+        assert r["ratio_vs_unconstrained"] == pytest.approx(sum(r["ratio_runs"]) / 2)
     assert len(p["light_wave_runs"]["fresh"]) == len(p["light_wave_runs"]["after_storm"]) == 2
     report = render(res)
     assert "Preemption storm" in report and "Recovery" in report

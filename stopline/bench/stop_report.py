@@ -17,6 +17,11 @@ def _runs(c: dict, side: str) -> str:
     return f" (mean of {', '.join(_f(x) for x in runs)})" if runs else ""
 
 
+def _ratio_runs(row: dict) -> str:
+    rs = row.get("ratio_runs", [])
+    return f" ({', '.join(_f(x, 3) for x in rs)})" if len(rs) > 1 else ""
+
+
 def _cancel(title: str, c: dict) -> list[str]:
     return [
         f"### {title}",
@@ -65,7 +70,9 @@ def render(r: dict) -> str:
         f"{_f(p.get('unconstrained_tokens_per_step'), 1)} tokens per step"
         + (f" (mean of {len(runs)} runs, one before the first storm and one after each: "
            f"{', '.join(_f(t, 1) for t in runs)}; each storm is compared with the two around it)."
-           if (runs := p.get("unconstrained_runs_tok_s")) else "."),
+           if (runs := p.get("unconstrained_runs_tok_s")) else ".")
+        + (f" Each pair ran {p['rounds']} times, once a round; its ratio is the mean of its runs'."
+           if p.get("rounds", 1) > 1 else ""),
         "",
         "| mode | victim policy | tok/s | unconstrained around it | vs unconstrained (target >= 0.8) | tokens per step | preemptions | recomputed tokens |",
         "|---|---|---|---|---|---|---|---|",
@@ -73,7 +80,7 @@ def render(r: dict) -> str:
     for row in p["rows"]:
         lines.append(f"| {row['mode']} | {row['policy']} | {_f(row['tok_s'], 1)} | "
                      f"{_f(row.get('unconstrained_around_tok_s', p['unconstrained_tok_s']), 1)} | "
-                     f"{_f(row['ratio_vs_unconstrained'], 3)} | {_f(row.get('tokens_per_step'), 1)} | "
+                     f"{_f(row['ratio_vs_unconstrained'], 3)}{_ratio_runs(row)} | {_f(row.get('tokens_per_step'), 1)} | "
                      f"{row['preemptions']} {row['by_mode'] or ''} | "
                      f"{row['recomputed_tokens']} |")
     fresh, after = p["light_wave_tok_s_fresh"], p["light_wave_tok_s_after_storm"]

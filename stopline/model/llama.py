@@ -115,6 +115,10 @@ class LlamaModel:
         sin = emb.sin()
         self.sin = torch.cat([-sin[:, :c.head_dim // 2], sin[:, c.head_dim // 2:]], dim=-1).to(device)
 
+    # With the C attention, run the layer glue in C too (layer_ops.py). Off only to measure
+    # what it saves (bench/step_time.py --compare-glue).
+    c_glue = True
+
     # Whether one row may run as itself: true when the quantized kernel serves every linear
     # (see calibrate); the GEMM libraries give one row other bits than two.
     one_row_ok = False
@@ -141,7 +145,7 @@ class LlamaModel:
         inp.decode.staged refers to, if any."""
         c = self.config
         x = self.embed.index_select(0, inp.token_ids)
-        if inp.paged is not None:
+        if inp.paged is not None and self.c_glue:
             x = self._layers_native(x, inp, inp.paged, kv, interrupt)
         else:
             x = self._layers_torch(x, inp, kv, interrupt, decode_rows)
@@ -195,8 +199,10 @@ class LlamaModel:
 
     def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    inp: StepInputs, kv: KVCache, decode_rows: DecodeRows | None) -> torch.Tensor:
-        """Layer li's torch attention output [N, heads * d] for q [N, heads, d]; the step's k, v
+        """Layer li's attention output [N, heads * d] for q [N, heads, d]; the step's k, v
         [N, kv_heads, d] are already in the cache."""
+        if inp.paged is not None:  # the C attention under the torch glue (c_glue off)
+            return paged_attention(q, kv.k[li], kv.v[li], inp.paged, kv.block_size, self.scale)
         dec = inp.decode
         rows_kv = None
         if dec is not None and dec.staged is not None and decode_rows is not None:
