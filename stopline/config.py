@@ -65,8 +65,8 @@ class EngineConfig:
     # GGUF weights in Q4_1/Q8_0 are also kept in their blocks, and a batch of up to this many
     # rows reads those (5-8.5 bits a weight instead of 32) through stopline's C kernel, which
     # gives the same bits as the float32 library path (0: always the library). Measured on
-    # SmolLM2, 2 cores: a decode step 1.8x faster at 1 row; 64 rows 144 against 167 ms
-    # (bench/step_time.py --compare-quant); from about 96 rows the library is faster.
+    # SmolLM2, 2 cores: a decode step 1.8x faster at 1 row; 64 rows 130 against 152 ms
+    # (bench/step_time.py 64 --compare-quant 64); from about 96 rows the library is faster.
     quant_max_rows: int = 64
     debug: bool = False  # audit after every step and poison freed blocks
     device: str = "cpu"
