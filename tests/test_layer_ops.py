@@ -10,13 +10,7 @@ from stopline.model import native
 from stopline.model.batch_invariant import rms_norm
 from stopline.model.layer_ops import add_rms_norm, rope_store, silu_mul
 
-
-@pytest.fixture(scope="module", autouse=True)
-def c_kernels() -> None:
-    try:
-        native.kernels()
-    except native.NativeUnavailable as e:
-        pytest.skip(f"the C kernels cannot run here: {e}")
+pytestmark = pytest.mark.skipif(native.try_kernels() is None, reason="stopline's C kernels are not built here")
 
 
 def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit():
