@@ -24,6 +24,7 @@ KEY = "test-key"
 NUM_BLOCKS = 56  # 896 tokens: smaller than the 1024-token context, so "too big for the pool" exists
 MAX_SEQS = 4  # a fifth request waits in the queue
 LONG = 200  # tokens of a "long" request: 4 of them fit the pool together
+VERY_LONG = 800  # one request that has the pool to itself
 MAX_BODY = 64 * 1024
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,7 +56,7 @@ def baseline(server) -> float:
 
 def long_body(stream: bool, **extra) -> bytes:
     return json.dumps({"model": "tiny", "prompt": "Once upon a time", "max_tokens": LONG,
-                       "ignore_eos": True, "stream": stream, **extra}).encode()
+                       "ignore_eos": True, "stream": stream} | extra).encode()
 
 
 # ---- the happy paths -------------------------------------------------------------------------
@@ -257,8 +258,12 @@ def test_cancel_endpoint_ends_open_stream(server, client, baseline):
 def test_cancel_endpoint_non_streaming_returns_partial_output(server, baseline):
     result: dict = {}
 
+    # Alone in the pool, the request may take most of it: ~0.5 s of decoding on the tiny
+    # model, long enough to be seen running and cancelled (200 tokens once lost that race).
+    request = long_body(False, max_tokens=VERY_LONG)
+
     def call() -> None:
-        result["r"] = httpx.post(server.base + "/v1/completions", content=long_body(False),
+        result["r"] = httpx.post(server.base + "/v1/completions", content=request,
                                  headers={**server.headers, "Content-Type": "application/json"},
                                  timeout=30)
 
@@ -272,7 +277,7 @@ def test_cancel_endpoint_non_streaming_returns_partial_output(server, baseline):
     assert result["r"].status_code == 200 and body["id"] == ended["cancelled"][0]
     assert body["choices"][0]["finish_reason"] == "abort"
     assert body["choices"][0]["stop_detail"] == "cancel"
-    assert body["usage"]["completion_tokens"] < LONG
+    assert body["usage"]["completion_tokens"] < VERY_LONG
     server.wait_idle(baseline)
 
 
