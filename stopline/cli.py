@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--preemption-mode", default="recompute", choices=[m.value for m in PreemptionMode])
     g.add_argument("--victim-policy", default="cost", choices=[v.value for v in VictimPolicy])
+    g.add_argument("--admission-lookahead", type=int, default=EngineConfig.admission_lookahead,
+                   help="tokens of growth kept free for each running request when admitting new "
+                        "ones (0: admit into any free room)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
@@ -72,6 +75,7 @@ def engine_config(args: argparse.Namespace):
         kv_cache_memory_gb=args.kv_cache_gb, num_blocks=args.num_blocks, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=args.preemption_mode, victim_policy=args.victim_policy,
+        admission_lookahead=args.admission_lookahead,
         async_scheduling=args.async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend, decode_rows=args.decode_rows,
         linear_backend=args.linear_backend,

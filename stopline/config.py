@@ -49,6 +49,10 @@ class EngineConfig:
     # Admission keeps this fraction of the pool free for running requests to grow into; it
     # rises after a preemption and decays back (SGLang's new_token_ratio, simplified).
     admission_headroom: float = 0.0
+    # Admission also keeps room for every running request's next this-many tokens (up to
+    # its max_tokens): a request admitted into room that the others need within a few steps
+    # is only preempted again, its prefill thrown away (0: off).
+    admission_lookahead: int = 8
     async_scheduling: bool = False
     # "auto": the C kernel where it runs (CPU, AVX-512, a C compiler, head_dim 16 to 128),
     # else torch; "native" fails at start where it can't run; "torch" always torch. The two
@@ -94,3 +98,5 @@ class EngineConfig:
                              f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if not 0 <= self.admission_headroom < 1:
             raise ValueError("EngineConfig.admission_headroom must be in [0, 1)")
+        if self.admission_lookahead < 0:
+            raise ValueError(f"EngineConfig.admission_lookahead must be >= 0, got {self.admission_lookahead}")

@@ -181,7 +181,8 @@ class Request:
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens served from the prefix cache at first admission
     num_hashed_blocks: int = 0  # leading full blocks registered in the prefix cache
-    prompt_hashes: list[int] | None = None  # chained hashes of the prompt's full blocks
+    # Chained hashes of the leading full blocks of prompt + output, extended as blocks fill.
+    block_hashes: list[int] = field(default_factory=list)
 
     # Bookkeeping for the stop path.
     first_scheduled: float | None = None

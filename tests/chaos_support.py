@@ -22,17 +22,19 @@ TARGET_STATES = ["waiting", "prefilling", "running", "preempted", "swapped", "an
 
 
 def storm_config(mode: str, async_scheduling: bool, wide: bool = False,
-                 attention: str = "auto") -> EngineConfig:
+                 attention: str = "auto", lookahead: int = 0) -> EngineConfig:
     """The storm's engine: a pool small enough to force preemption. wide: 64 sequences and
     a larger pool, so that many decode at once (with torch attention, their decode rows
-    compact as they end)."""
+    compact as they end). lookahead: admission_lookahead, 0 by default: admission that
+    keeps room for the running requests' next tokens preempts far less, and the storm is
+    here to preempt."""
     if wide:
         size = dict(num_blocks=400, max_num_seqs=64, max_num_batched_tokens=64)
     else:
         size = dict(num_blocks=40, max_num_seqs=24, max_num_batched_tokens=24)
     return EngineConfig(block_size=4, preemption_mode=mode, debug=True, target_step_ms=None,
                         max_preemptions=1000, async_scheduling=async_scheduling,
-                        attention_backend=attention, **size)
+                        attention_backend=attention, admission_lookahead=lookahead, **size)
 
 
 def make_workload(seed: int, count: int, vocab: int):

@@ -52,9 +52,24 @@ def test_storm(tiny, storm_work, mode, async_scheduling):
     assert sum(stats.preemptions.values()) > 20, stats.preemptions
     if mode != "recompute":
         assert stats.preemptions["swap"] > 0
-    for state in ("waiting", "prefilling", "running", "swapped" if mode == "swap" else "preempted"):
+    for state in ("waiting", "prefilling", "running"):
         assert states_hit[state] > 0, f"no abort landed in state {state}: {dict(states_hit)}"
+    preempted_states = {"recompute": ["preempted"], "swap": ["swapped"], "auto": ["preempted", "swapped"]}[mode]
+    assert sum(states_hit[s] for s in preempted_states) > 0, f"no abort while preempted: {dict(states_hit)}"
     assert check_storm(work, ref, got, terminals, aborted_at) > 100
+
+
+def test_storm_with_admission_lookahead(tiny, storm_work):
+    """The storms above admit into any free room (admission_lookahead=0), so that the pool
+    runs dry all the time. Here the default admission, which keeps room for the running
+    requests' next tokens, on a pool small enough that it still preempts."""
+    work, ref = storm_work
+    work = work[:300]
+    config = dataclasses.replace(storm_config("auto", False, lookahead=EngineConfig.admission_lookahead),
+                                 num_blocks=20)
+    got, terminals, aborted_at, _, eng = run_storm(tiny, work, config, seed=9)
+    assert sum(eng.lifecycle.stats.preemptions.values()) > 0
+    assert check_storm(work, ref, got, terminals, aborted_at) > 50
 
 
 def test_solo_matches_reference(tiny, storm_work):

@@ -265,7 +265,7 @@ def test_preemption_resumes_exactly_with_penalties_logprobs_seed(tiny, mode):
 
 
 def test_too_many_preemptions_ends_with_preempted(tiny):
-    eng = engine(tiny, num_blocks=10, max_preemptions=0)
+    eng = engine(tiny, num_blocks=10, max_preemptions=0, admission_lookahead=0)
     for i in range(3):
         eng.add_request(f"r{i}", PROMPT, SamplingParams(max_tokens=20, ignore_eos=True, **GREEDY))
     res = drain(eng)

@@ -77,6 +77,8 @@ class EngineCore:
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
         self.lifecycle = Lifecycle(cfg, self.pool, self.scheduler, self.kv, swap, self._on_terminal)
         self.scheduler.lifecycle = self.lifecycle
+        if cfg.preemption_mode is PreemptionMode.AUTO:
+            self.lifecycle.calibrate_swap()
         self.families: dict[str, Family] = {}  # live requests by the caller's id
         self._rng = random.Random(cfg.seed)
         self._lock = threading.Lock()
@@ -210,6 +212,7 @@ class EngineCore:
             per_tok = elapsed_ms / plan.num_tokens
             prev = self._ms_per_prefill_token
             self._ms_per_prefill_token = per_tok if prev is None else 0.7 * prev + 0.3 * per_tok
+            self.lifecycle.ms_per_recomputed_token = self._ms_per_prefill_token
         self._apply_inbox(adds=False)  # aborts that arrived during the forward win
         if result is not None:
             self._process(result, sampled)
@@ -320,11 +323,13 @@ class EngineCore:
     def _register_prefix(self, req: Request) -> None:
         if not self.config.enable_prefix_caching:
             return
-        bs = self.pool.block_size
-        n_full = min(req.num_computed, req.prompt_len) // bs
+        # Generated blocks too: a preempted request finds them again when it resumes (its
+        # recompute shrinks to what was evicted meanwhile), as does any request that shares
+        # the whole prefix.
+        n_full = req.num_computed // self.pool.block_size
         if n_full <= req.num_hashed_blocks:
             return
-        hashes = self.scheduler.prompt_hashes(req)
+        hashes = self.scheduler.block_hashes(req, n_full)
         for i in range(req.num_hashed_blocks, n_full):
             self.pool.register(req.block_ids[i], hashes[i])
         req.num_hashed_blocks = n_full

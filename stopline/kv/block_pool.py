@@ -26,12 +26,17 @@ def hash_blocks(token_ids: Sequence[int], block_size: int) -> list[int]:
 
     Each hash covers every token before it (the chain), so equal hashes mean equal prefixes.
     """
-    out: list[int] = []
-    h = 0x5707_11E
-    for i in range(len(token_ids) // block_size):
+    return extend_hashes([], token_ids, block_size, len(token_ids) // block_size)
+
+
+def extend_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, n_blocks: int) -> list[int]:
+    """Continue the chain of `hashes` (of token_ids' leading blocks) up to n_blocks blocks,
+    in place; a request's chain grows as its generated tokens fill blocks."""
+    h = hashes[-1] if hashes else 0x5707_11E
+    for i in range(len(hashes), n_blocks):
         h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size])))
-        out.append(h)
-    return out
+        hashes.append(h)
+    return hashes
 
 
 class BlockPool:

@@ -58,6 +58,7 @@ class KVCache:
             self.block(t, dst).copy_(self.block(t, src))
 
     def read_blocks(self, blocks: Sequence[int]) -> list[torch.Tensor]:
+        """Copies of the blocks' K and V, one tensor per layer and kind (never views)."""
         slots = self._slots(blocks)
         return [t.index_select(1, slots) for t in self.k + self.v]
 
@@ -91,9 +92,10 @@ class SwapSpace:
         return n <= len(self.free)
 
     def store(self, tensors: list[torch.Tensor], n: int) -> list[int]:
+        """Keep `tensors` (fresh copies, as read_blocks gives them) in host memory: on the CPU
+        as they are, from a GPU copied to the host."""
         slots = [self.free.pop() for _ in range(n)]
-        # pinned-free copies; on CPU this is a plain clone
-        self.data[slots[0]] = [t.clone() for t in tensors]
+        self.data[slots[0]] = [t.to("cpu") for t in tensors]
         return slots
 
     def load(self, slots: Sequence[int]) -> list[torch.Tensor]:

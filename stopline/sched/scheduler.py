@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from stopline.config import EngineConfig
-from stopline.kv.block_pool import BlockPool, hash_blocks
+from stopline.kv.block_pool import BlockPool, extend_hashes
 from stopline.request import FinishReason, Request, RequestStatus
 from stopline.sched.victims import pick_victim
 
@@ -117,6 +117,7 @@ class Scheduler:
                 prefill_left -= n
 
         # 2. Admit waiting (and preempted) requests in arrival order while they fit.
+        growth = sum(self._growth(r) for r in self.running if r.status is RequestStatus.RUNNING)
         while self.waiting and budget > 0 and prefill_left > 0:
             req = self.waiting[0]
             if req.status.is_finished:
@@ -129,8 +130,9 @@ class Scheduler:
                 self.waiting.popleft()
                 self.lifecycle.fail(req, FinishReason.ERROR, why)
                 continue
-            if not self._admit(req):
+            if not self._admit(req, growth):
                 break
+            growth += self._growth(req) * (1 + len(req.forks_pending))
             self.waiting.popleft()
             n = min(req.num_tokens - req.num_computed, budget, prefill_left)
             self._add_chunk(plan, req, n)
@@ -140,6 +142,11 @@ class Scheduler:
         # Headroom raised by preemption relaxes again while the pool keeps up.
         self.headroom = max(self.config.admission_headroom, self.headroom * 0.98)
         return plan
+
+    def _growth(self, req: Request) -> int:
+        """Blocks req will need for its next admission_lookahead tokens, beyond its table."""
+        upto = min(req.num_tokens + self.config.admission_lookahead, req.prompt_len + req.max_tokens)
+        return max(0, self.blocks_for(upto) - max(len(req.block_ids), self.blocks_for(req.num_tokens)))
 
     def _live_running(self) -> int:
         return sum(1 for r in self.running if r.status is RequestStatus.RUNNING)
@@ -189,12 +196,13 @@ class Scheduler:
             )
         return False
 
-    def prompt_hashes(self, req: Request) -> list[int]:
-        """Chained hashes of the prompt's full blocks, computed once per request (a request
-        at the head of the queue is looked up again at every step until it fits)."""
-        if req.prompt_hashes is None:
-            req.prompt_hashes = hash_blocks(req.prompt_token_ids, self.pool.block_size)
-        return req.prompt_hashes
+    def block_hashes(self, req: Request, n_blocks: int) -> list[int]:
+        """Chained hashes of req's first n_blocks full blocks (prompt, then output), each
+        computed once per request: a request at the head of the queue is looked up again at
+        every step until it fits."""
+        if len(req.block_hashes) < n_blocks:
+            extend_hashes(req.block_hashes, req.all_token_ids, self.pool.block_size, n_blocks)
+        return req.block_hashes[:n_blocks]
 
     def _never_fits(self, req: Request) -> str | None:
         need = self.blocks_for(req.num_tokens + 1) + len(req.forks_pending)
@@ -203,25 +211,29 @@ class Scheduler:
                     f"the pool has {self.pool.num_blocks}")
         return None
 
-    def _admit(self, req: Request) -> bool:
+    def _admit(self, req: Request, growth: int = 0) -> bool:
         """Give a waiting request its blocks for every token it has (prompt, or for a
         preempted one everything it must recompute: it is admitted only when the whole
-        re-prefill fits, so a resumption always makes progress). False: not now."""
+        re-prefill fits, so a resumption always makes progress). growth: blocks the running
+        requests need for their next tokens (see _growth), kept free along with its own.
+        False: not now."""
+        lookahead = growth + self._growth(req) * (1 + len(req.forks_pending)) if self.running else 0
         if req.status is RequestStatus.SWAPPED:
-            return self.lifecycle.swap_in(req, self.pool.num_available)
+            return self.lifecycle.swap_in(req, self.pool.num_available - lookahead)
         members = [req] + req.forks_pending
         total = self.blocks_for(req.num_tokens)
         hits: list[int] = []
         if self.config.enable_prefix_caching:
-            # Never cover the last token: its logits must be computed.
-            n_full = min(req.prompt_len, req.num_tokens - 1) // self.pool.block_size
-            hits = self.pool.lookup(self.prompt_hashes(req)[:n_full])
+            # Never cover the last token: its logits must be computed. A preempted request
+            # also finds its own generated blocks, if nobody has needed their room since.
+            n_full = (req.num_tokens - 1) // self.pool.block_size
+            hits = self.pool.lookup(self.block_hashes(req, n_full))
         hits_free = sum(1 for b in hits if self.pool.refcount[b] == 0)
         # Each forked sample needs its own copy of the last, partial prompt block.
         partial = 1 if req.prompt_len % self.pool.block_size else 0
         fork_blocks = (len(members) - 1) * partial
         need = total - len(hits) + hits_free + fork_blocks
-        reserve = math.ceil(self.headroom * self.pool.num_blocks) if self.running else 0
+        reserve = math.ceil(self.headroom * self.pool.num_blocks) + lookahead if self.running else 0
         if not self.pool.can_allocate(need + reserve):
             return False
         self.pool.touch(hits)
