@@ -46,7 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    g.add_argument("--preemption-mode", default="recompute", choices=[m.value for m in PreemptionMode])
+    g.add_argument("--preemption-mode", default=EngineConfig.preemption_mode.value,
+                   choices=[m.value for m in PreemptionMode],
+                   help="how a preempted request gets back its KV: recompute, swap (a host copy), or "
+                        "auto (whichever costs less, measured)")
     g.add_argument("--victim-policy", default="cost", choices=[v.value for v in VictimPolicy])
     g.add_argument("--admission-lookahead", type=int, default=EngineConfig.admission_lookahead,
                    help="tokens of growth kept free for each running request when admitting new "

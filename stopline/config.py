@@ -42,7 +42,9 @@ class EngineConfig:
     target_step_ms: float | None = 400.0
     enable_prefix_caching: bool = True
     keep_aborted_prefix: bool = True  # a cancelled request's computed full blocks stay cached
-    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    # AUTO: each victim recomputed or swapped, whichever costs less by measurement (on a CPU a
+    # swap is a copy in host memory, ~25x cheaper than recomputing SmolLM2's tokens).
+    preemption_mode: PreemptionMode = PreemptionMode.AUTO
     victim_policy: VictimPolicy = VictimPolicy.COST
     max_preemptions: int = 8  # per request; then it ends with finish_reason "preempted"
     swap_space_blocks: int = 0  # host blocks for swap preemption (0: as many as the pool)
