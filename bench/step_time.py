@@ -6,6 +6,7 @@
     python bench/step_time.py 1 8 16 --compare-quant 32 # quantized kernel up to 32 rows against none
     python bench/step_time.py 11 31 64 --compare-attention  # the C paged attention against torch's
     python bench/step_time.py 1 11 31 64 --compare-glue  # the layer glue in C against torch's ops
+    python bench/step_time.py 1 11 32 --compare-layers  # all layers in one C call against the Python loop
 
 Each request is a chat-templated question (the offline benchmark's prompts) generating with
 EOS ignored; steps are timed after `--warm` steps, so every request is decoding.
@@ -41,6 +42,9 @@ def main() -> None:
     ap.add_argument("--compare-glue", action="store_true",
                     help="time each count with the layer glue in C, then in torch ops (both on the C "
                          "attention; two engines, run alternately)")
+    ap.add_argument("--compare-layers", action="store_true",
+                    help="time each count with every layer in one C call, then with the Python loop "
+                         "over the same kernels (two engines, run alternately)")
     args = ap.parse_args()
     engines = {"": LLM(config=EngineConfig(kv_cache_memory_gb=2.0), progress=False).engine}
     if args.compare_attention:
@@ -50,6 +54,10 @@ def main() -> None:
         engines = {f" {g} glue": LLM(config=EngineConfig(kv_cache_memory_gb=2.0), progress=False).engine
                    for g in ("C", "torch")}
         engines[" torch glue"].runner.model.c_glue = False
+    if args.compare_layers:
+        engines = {f" {g} loop": LLM(config=EngineConfig(kv_cache_memory_gb=2.0), progress=False).engine
+                   for g in ("C", "Python")}
+        engines[" Python loop"].runner.model.c_layers = False
     if args.compare_quant is not None:
         engines = {f" quant<={args.compare_quant}": LLM(config=EngineConfig(
                        kv_cache_memory_gb=2.0, quant_max_rows=args.compare_quant), progress=False).engine,

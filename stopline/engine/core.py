@@ -23,6 +23,7 @@ from stopline.engine.output import OutputProcessor, RequestOutput, Stop
 from stopline.kv.block_pool import BlockPool, LedgerError
 from stopline.kv.kv_cache import KVCache, SwapSpace
 from stopline.lifecycle import Lifecycle
+from stopline.model.decoder_native import StepInterrupt
 from stopline.model.llama import LlamaModel, StepInterrupted
 from stopline.model.loader import LoadedModel, load_model
 from stopline.model.runner import ModelRunner, StepResult
@@ -88,7 +89,7 @@ class EngineCore:
         self._inflight: StepPlan | None = None
         self._inflight_ids: set[str] = set()
         self._aborting: set[str] = set()
-        self._interrupt = threading.Event()
+        self._interrupt = StepInterrupt()  # an Event the C decoder loop can read too
         self.steps = 0
         self.interrupted_steps = 0
         self._ms_per_prefill_token: float | None = None

@@ -15,6 +15,7 @@ from stopline.model.attention import attend, attend_rows
 from stopline.model.attention import probe as attention_probe
 from stopline.model.batch_invariant import InvariantLinear, rms_norm
 from stopline.model.config import ModelConfig
+from stopline.model.decoder_native import DecoderLoop
 from stopline.model.layer_ops import add_rms_norm, rope_store, silu_mul
 from stopline.model.paged_attention import PagedRows, paged_attention
 from stopline.model.paged_attention import pick as pick_attention
@@ -119,6 +120,11 @@ class LlamaModel:
     # what it saves (bench/step_time.py --compare-glue).
     c_glue = True
 
+    # All layers in one C call where every linear is quantized (decoder_native.py). Off only
+    # to measure what it saves (bench/step_time.py --compare-layers).
+    c_layers = True
+    decoder: DecoderLoop | None = None  # set by calibrate() where it can run
+
     # Whether one row may run as itself: true when the quantized kernel serves every linear
     # (see calibrate); the GEMM libraries give one row other bits than two.
     one_row_ok = False
@@ -132,6 +138,8 @@ class LlamaModel:
             lin.heights()
             lin.kc()  # each weight checks its own packing against the library once
         self.one_row_ok = all(lin.kc() is not None for lin in linears)
+        if self.attention == "native" and DecoderLoop.supports(self):
+            self.decoder = DecoderLoop(self)
         rms_norm(self.embed[:2], self.final_norm, self.config.rms_norm_eps)
         if self.attention == "torch":
             attention_probe(self.embed.device.type)
@@ -146,7 +154,12 @@ class LlamaModel:
         c = self.config
         x = self.embed.index_select(0, inp.token_ids)
         if inp.paged is not None and self.c_glue:
-            x = self._layers_native(x, inp, inp.paged, kv, interrupt)
+            if self.c_layers and self.decoder is not None and self.decoder.can_run(x.shape[0], interrupt):
+                x, stopped = self.decoder.run(x, inp, kv, interrupt)
+                if stopped is not None:
+                    raise StepInterrupted(f"interrupted before layer {stopped}")
+            else:
+                x = self._layers_native(x, inp, inp.paged, kv, interrupt)
         else:
             x = self._layers_torch(x, inp, kv, interrupt, decode_rows)
         last = rms_norm(x.index_select(0, inp.logit_rows), self.final_norm, c.rms_norm_eps)

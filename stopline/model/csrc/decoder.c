@@ -1,0 +1,104 @@
+/* Every decoder layer of a step in one call, for steps whose linears all run on the
+ * quantized kernel (up to quant_max_rows rows) with the C attention and glue.
+ *
+ * Why: each layer is nine kernel calls, and from Python each call cost 4-10 us of wrapper,
+ * ctypes and tensor allocation: ~2 ms of a ~30 ms step at 11 rows and of a ~12 ms one at one
+ * row (cProfile). Here the same kernels run in the same order on the same buffers, so every
+ * row gets the bits the Python loop gives it (model/llama.py `_layers_native`).
+ *
+ * An abort that empties the step sets *interrupt; the loop checks it before each layer, as
+ * the Python loop checks its event. */
+#include <stdint.h>
+
+void stopline_q4_1_gemm(const float* x, const uint8_t* w, float* y, int M, int K, int N, int kc);
+void stopline_q8_0_gemm(const float* x, const uint8_t* w, float* y, int M, int K, int N, int kc);
+void stopline_rms_norm(const float* x, const float* w, float* y, int rows, int n, float eps);
+void stopline_add_rms_norm(float* x, const float* res, const float* w, float* y, int rows, int n,
+                           float eps);
+void stopline_rope_store(const float* qkv, int n, int hq, int hk, int d, const int64_t* pos,
+                         const float* cos, const float* sin, const int64_t* slots, float* kc,
+                         float* vc, long nslots, float* q_out);
+int stopline_paged_attention(const float* q, long ldq, const float* kc, const float* vc, float* out,
+                             int rows, int heads, int kv_heads, int d, long slots, int bs,
+                             const int32_t* nkeys, const int32_t* table_at, const int32_t* tables,
+                             int max_keys, float scale);
+void stopline_silu_mul(const float* gu, int n, int inter, float* out);
+
+enum { QKV, O, GATE_UP, DOWN };
+enum { Q4_1, Q8_0 };
+
+/* One layer's weights (packed blocks, see quant_gemm.c) and cache. */
+typedef struct {
+    const uint8_t* w[4];
+    int32_t fmt[4];
+    int32_t kc[4];
+    const float* ln1;
+    const float* ln2;
+    float* k_cache;
+    float* v_cache;
+} Layer;
+
+/* What one step's layers share: sizes, the rows' positions and keys, scratch rows. */
+typedef struct {
+    int32_t rows, hidden, heads, kv_heads, d, inter, bs, max_keys;
+    float eps, scale;
+    int64_t slots;
+    const int64_t* positions;
+    const int64_t* write_slots;
+    const float* cos;
+    const float* sin;
+    const int32_t* nkeys;
+    const int32_t* table_at;
+    const int32_t* tables;
+    float* h;     /* [rows][hidden] normed input of a block */
+    float* qkv;   /* [rows][(heads + 2 kv_heads) d] */
+    float* q;     /* [rows][heads d] */
+    float* attn;  /* [rows][heads d] */
+    float* o;     /* [rows][hidden] */
+    float* gu;    /* [rows][2 inter] */
+    float* act;   /* [rows][inter] */
+    float* res;   /* [rows][hidden] the MLP's output, added to x by the next layer's norm */
+    const volatile int32_t* interrupt;
+} Step;
+
+static void gemm(const Layer* l, int which, const float* x, float* y, int M, int K, int N) {
+    if (l->fmt[which] == Q4_1)
+        stopline_q4_1_gemm(x, l->w[which], y, M, K, N, l->kc[which]);
+    else
+        stopline_q8_0_gemm(x, l->w[which], y, M, K, N, l->kc[which]);
+}
+
+/* x: [rows][hidden], the residual stream, updated in place. Returns 0 when every layer ran,
+ * 1 when *interrupt stopped it (*ran: layers completed), 2 when the attention could not get
+ * its scratch memory. */
+int stopline_decoder_layers(const Layer* layers, int n_layers, const Step* s, float* x, int* ran) {
+    int n = s->rows, hd = s->heads * s->d;
+    int qkv_width = (s->heads + 2 * s->kv_heads) * s->d;
+    *ran = 0;
+    if (n_layers < 1) return 0;
+    for (int li = 0; li < n_layers; li++) {
+        *ran = li;
+        if (*s->interrupt) return 1;
+        const Layer* l = layers + li;
+        if (li == 0)
+            stopline_rms_norm(x, l->ln1, s->h, n, s->hidden, s->eps);
+        else
+            stopline_add_rms_norm(x, s->res, l->ln1, s->h, n, s->hidden, s->eps);
+        gemm(l, QKV, s->h, s->qkv, n, s->hidden, qkv_width);
+        stopline_rope_store(s->qkv, n, s->heads, s->kv_heads, s->d, s->positions, s->cos, s->sin,
+                            s->write_slots, l->k_cache, l->v_cache, s->slots, s->q);
+        if (stopline_paged_attention(s->q, hd, l->k_cache, l->v_cache, s->attn, n, s->heads,
+                                     s->kv_heads, s->d, s->slots, s->bs, s->nkeys, s->table_at,
+                                     s->tables, s->max_keys, s->scale))
+            return 2;
+        gemm(l, O, s->attn, s->o, n, hd, s->hidden);
+        stopline_add_rms_norm(x, s->o, l->ln2, s->h, n, s->hidden, s->eps);
+        gemm(l, GATE_UP, s->h, s->gu, n, s->hidden, 2 * s->inter);
+        stopline_silu_mul(s->gu, n, s->inter, s->act);
+        gemm(l, DOWN, s->act, s->res, n, s->inter, s->hidden);
+    }
+    *ran = n_layers;
+    long total = (long)n * s->hidden;
+    for (long i = 0; i < total; i++) x[i] = x[i] + s->res[i];  /* torch's x.add_(res) */
+    return 0;
+}

@@ -1,0 +1,128 @@
+"""All decoder layers of a step in one C call (`csrc/decoder.c`), where every linear of every
+layer runs on the quantized kernel: a GGUF model's decode and small mixed steps on CPU.
+
+The Python loop (`LlamaModel._layers_native`) makes nine kernel calls a layer, each with
+4-10 us of wrapper, ctypes and allocation: ~2 ms a step at 11 rows (cProfile). The C loop
+calls the same kernels in the same order on the same buffers, so a row's bits are the same
+either way (tests/test_decoder_native.py compares the two).
+
+An abort that empties the step must still stop it at the next layer boundary: the C loop
+cannot see a `threading.Event`, so the engine's event is a `StepInterrupt`, which mirrors
+its state in an int32 the loop reads before each layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from stopline.model.native import kernels
+
+if TYPE_CHECKING:
+    from stopline.kv.kv_cache import KVCache
+    from stopline.model.llama import LlamaModel, StepInputs
+
+_P = ctypes.c_void_p
+_LINEARS = ("qkv", "o", "gate_up", "down")
+_FMT = {"q4_1": 0, "q8_0": 1}
+
+
+class StepInterrupt(threading.Event):
+    """A threading.Event whose state C code can read (`flag`, an int32 tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flag = torch.zeros(1, dtype=torch.int32)
+
+    def set(self) -> None:
+        self.flag[0] = 1
+        super().set()
+
+    def clear(self) -> None:
+        super().clear()
+        self.flag[0] = 0
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("w", _P * 4), ("fmt", ctypes.c_int32 * 4), ("kc", ctypes.c_int32 * 4),
+                ("ln1", _P), ("ln2", _P), ("k_cache", _P), ("v_cache", _P)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in
+                ("rows", "hidden", "heads", "kv_heads", "d", "inter", "bs", "max_keys")] + \
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("slots", ctypes.c_int64)] + \
+               [(name, _P) for name in ("positions", "write_slots", "cos", "sin", "nkeys", "table_at",
+                                        "tables", "h", "qkv", "q", "attn", "o", "gu", "act", "res",
+                                        "interrupt")]
+
+
+class DecoderLoop:
+    """One model's layer table for the C loop, built once per KV cache."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        self.max_rows = min(model.layers[0][name].quant_max_rows for name in _LINEARS)
+        self._tables: dict[int, ctypes.Array] = {}
+        self._idle = StepInterrupt()  # for calls without an event: never set
+        self._fn = kernels().stopline_decoder_layers
+
+    @staticmethod
+    def supports(model: LlamaModel) -> bool:
+        """Whether every linear of every layer has a quantized weight whose kc matched."""
+        for layer in model.layers:
+            for name in _LINEARS:
+                lin = layer[name]
+                if lin.quant is None or lin.quant.fmt not in _FMT or lin.kc() is None:
+                    return False
+        return True
+
+    def _table(self, kv: KVCache) -> ctypes.Array:
+        table = self._tables.get(id(kv))
+        if table is None:
+            table = (Layer * len(self.model.layers))()
+            for li, layer in enumerate(self.model.layers):
+                t = table[li]
+                for j, name in enumerate(_LINEARS):
+                    lin = layer[name]
+                    t.w[j], t.fmt[j], t.kc[j] = lin.quant.packed.data_ptr(), _FMT[lin.quant.fmt], lin.kc()
+                t.ln1, t.ln2 = layer["ln1"].data_ptr(), layer["ln2"].data_ptr()
+                t.k_cache, t.v_cache = kv.k[li].data_ptr(), kv.v[li].data_ptr()
+            self._tables = {id(kv): table}  # one cache at a time; it holds the pointers
+            self._kv = kv  # kept alive while its pointers are in the table
+        return table
+
+    def can_run(self, rows: int, interrupt: threading.Event | None) -> bool:
+        """Rows within every linear's quantized range, and an interrupt the loop can read."""
+        return rows <= self.max_rows and (interrupt is None or isinstance(interrupt, StepInterrupt))
+
+    def run(self, x: torch.Tensor, inp: StepInputs, kv: KVCache,
+            interrupt: threading.Event | None) -> tuple[torch.Tensor, int | None]:
+        """Run every layer on x ([rows, hidden], contiguous, updated in place). Returns x
+        and None, or x and the layer the interrupt stopped it before."""
+        m, c = self.model, self.model.config
+        flag = interrupt.flag if isinstance(interrupt, StepInterrupt) else self._idle.flag
+        n, paged = x.shape[0], inp.paged
+        qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        hd = c.num_heads * c.head_dim
+        inter = c.intermediate_size
+        bufs = {name: torch.empty(n, width) for name, width in
+                (("h", c.hidden_size), ("qkv", qkv_width), ("q", hd), ("attn", hd), ("o", c.hidden_size),
+                 ("gu", 2 * inter), ("act", inter), ("res", c.hidden_size))}
+        positions, slots = inp.positions.contiguous(), inp.write_slots.contiguous()
+        step = Step(rows=n, hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads,
+                    d=c.head_dim, inter=inter, bs=kv.block_size, max_keys=paged.max_keys,
+                    eps=c.rms_norm_eps, scale=m.scale, slots=kv.k[0].shape[1],
+                    positions=positions.data_ptr(), write_slots=slots.data_ptr(),
+                    cos=m.cos.data_ptr(), sin=m.sin.data_ptr(), nkeys=paged.nkeys.data_ptr(),
+                    table_at=paged.table_at.data_ptr(), tables=paged.tables.data_ptr(),
+                    interrupt=flag.data_ptr(), **{k: v.data_ptr() for k, v in bufs.items()})
+        ran = ctypes.c_int(0)
+        rc = self._fn(ctypes.addressof(self._table(kv)), len(m.layers), ctypes.addressof(step),
+                      x.data_ptr(), ctypes.addressof(ran))
+        if rc == 2:
+            raise MemoryError("paged attention could not allocate its scratch memory")
+        return x, (ran.value if rc == 1 else None)

@@ -1,0 +1,116 @@
+"""All layers of a step in one C call (stopline/model/decoder_native.py), on a tiny model
+stored as Q4_1 so that every linear runs on the quantized kernel."""
+
+from __future__ import annotations
+
+import pytest
+
+from stopline.config import EngineConfig
+from stopline.engine.core import EngineCore
+from stopline.model.decoder_native import DecoderLoop, StepInterrupt
+from stopline.model.loader import load_model
+from stopline.model.native import try_kernels
+from stopline.request import FinishReason, SamplingParams
+from tests.tiny_model import make_tiny_gguf, make_tiny_llama_dir
+
+PROMPT = [5, 17, 99, 23, 42, 7, 300, 12, 9, 81]
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory, stopline_cache_dir):
+    if try_kernels() is None:
+        pytest.skip("stopline's C kernels are not built here")
+    hf = make_tiny_llama_dir(tmp_path_factory.mktemp("decoder") / "tiny", seed=9, init_std=0.1,
+                             vocab_size=384, layers=3)
+    path = make_tiny_gguf(hf, tmp_path_factory.mktemp("decoder_q4") / "tiny.gguf", qtype="Q4_1")
+    return load_model(path, progress=False, cache_dir=stopline_cache_dir)
+
+
+def engine(q4, **kw) -> EngineCore:
+    cfg = dict(num_blocks=128, block_size=4, max_num_batched_tokens=64, quant_max_rows=16, debug=True,
+               target_step_ms=None)
+    cfg.update(kw)
+    return EngineCore(q4, EngineConfig(**cfg))
+
+
+def count_runs(eng: EngineCore) -> dict:
+    """Counts the steps that went through the C loop."""
+    calls = {"n": 0}
+    run = eng.model.decoder.run
+
+    def counted(*args):
+        calls["n"] += 1
+        return run(*args)
+
+    eng.model.decoder.run = counted
+    return calls
+
+
+def outputs(eng: EngineCore, prompts: list[list[int]]) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    out: dict = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks, lps = out.setdefault(o.request_id, ([], []))
+            toks += o.new_token_ids
+            lps += [(lp.logprob, lp.top) for lp in o.new_logprobs]
+    eng.audit()
+    return out
+
+
+def test_the_c_loop_gives_every_row_the_python_loops_bits(q4):
+    """Same tokens and the same float logprobs, for decode steps (C loop) and for prefill
+    steps past quant_max_rows (Python loop, library GEMMs) alike."""
+    prompts = [PROMPT[: 3 + i] * (1 + i % 3) for i in range(9)]
+    c_eng = engine(q4)
+    assert c_eng.model.decoder is not None
+    calls = count_runs(c_eng)
+    with_c = outputs(c_eng, prompts)
+    py_eng = engine(q4)
+    py_eng.model.c_layers = False
+    assert with_c == outputs(py_eng, prompts)
+    assert calls["n"] > 10  # the decode steps ran in C
+
+
+def test_abort_of_every_request_stops_the_c_loop(q4):
+    """An abort that empties the step in flight sets the interrupt the C loop reads before
+    each layer; the step ends there and the next request is unaffected."""
+    eng = engine(q4)
+    eng.add_request("x", PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
+    eng.add_request("y", PROMPT[:5], SamplingParams(temperature=0.0, max_tokens=8))
+    eng.step()  # the prompts (7 + 5 rows, in C too)
+    run = eng.model.decoder.run
+
+    def abort_then_run(x, inp, kv, interrupt):
+        eng.abort(["x", "y"])  # arrives while the step is in flight
+        assert isinstance(interrupt, StepInterrupt) and interrupt.flag.item() == 1
+        return run(x, inp, kv, interrupt)
+
+    eng.model.decoder.run = abort_then_run
+    finished = {}
+    while eng.has_unfinished():
+        finished |= {o.request_id: o.finish_reason for o in eng.step() if o.finished}
+    assert eng.interrupted_steps == 1
+    assert finished == {"x": FinishReason.ABORT, "y": FinishReason.ABORT}
+    eng.model.decoder.run = run
+    alone = outputs(engine(q4), [PROMPT * 2])
+    assert outputs(eng, [PROMPT * 2]) == alone
+
+
+def test_step_interrupt_mirrors_its_state_for_c():
+    ev = StepInterrupt()
+    assert ev.flag.item() == 0 and not ev.is_set()
+    ev.set()
+    assert ev.flag.item() == 1 and ev.is_set()
+    ev.clear()
+    assert ev.flag.item() == 0 and not ev.is_set()
+
+
+def test_no_c_loop_without_quantized_weights(tmp_path_factory):
+    """A float32 model (HF safetensors) has no blocks for the quantized kernel: the layers
+    stay in the Python loop."""
+    hf = make_tiny_llama_dir(tmp_path_factory.mktemp("decoder_f32") / "tiny", seed=9, vocab_size=384)
+    eng = EngineCore(load_model(str(hf), progress=False), EngineConfig(num_blocks=32, block_size=4))
+    assert eng.model.decoder is None and not DecoderLoop.supports(eng.model)
