@@ -35,17 +35,31 @@ def test_stop_benchmark_runs_and_reports(tiny_model_dir: Path, tmp_path: Path,
     assert p["pool_blocks"] < p["demand_blocks"]
     assert [(r["mode"], r["policy"]) for r in p["rows"]] == [("recompute", "cost"), ("swap", "newest")]
     assert all(r["tok_s"] > 0 for r in p["rows"])
-    # Two rounds of every pair; the reference runs bracket every storm, each storm's ratio is
-    # against its own two, and a pair's ratio is the mean of its rounds'.
+    # Two rounds of every pair; each storm ran beside its own unconstrained run, its ratio is
+    # against that run, and a pair's ratio is the mean of its rounds'.
     runs, pairs = p["unconstrained_runs_tok_s"], len(p["rows"])
-    assert p["rounds"] == 2 and len(runs) == 2 * pairs + 1
+    assert p["rounds"] == 2 and p["method"] == "side by side" and len(runs) == 2 * pairs
     for i, r in enumerate(p["rows"]):
         assert len(r["runs"]) == 2
         for k, run in enumerate(r["runs"]):
-            at = k * pairs + i  # the storm ran between reference runs at and at + 1
-            assert run["unconstrained_around_tok_s"] == pytest.approx((runs[at] + runs[at + 1]) / 2)
+            assert run["unconstrained_around_tok_s"] == pytest.approx(runs[k * pairs + i])
             assert run["ratio"] == pytest.approx(run["tok_s"] / run["unconstrained_around_tok_s"])
         assert r["ratio_vs_unconstrained"] == pytest.approx(sum(r["ratio_runs"]) / 2)
+    assert len(p["null_ratios"]) == 2 and all(x > 0 for x in p["null_ratios"])
     assert len(p["light_wave_runs"]["fresh"]) == len(p["light_wave_runs"]["after_storm"]) == 2
     report = render(res)
-    assert "Preemption storm" in report and "Recovery" in report
+    assert "Preemption storm" in report and "Recovery" in report and "beside itself" in report
+
+
+def test_side_by_side_runs_each_engine_to_the_end(tiny_model_dir: Path) -> None:
+    """Engines stepped in turn by tokens out: each produces every token of every job, and
+    each is timed by its own steps only."""
+    loaded = load_model(str(tiny_model_dir), progress=False)
+    jobs = [stop.Job(f"j{i}", [5 + i, 9, 11, 40 + i], 5 + i) for i in range(6)]
+    tight = EngineConfig(num_blocks=6, block_size=4, admission_lookahead=0)
+    roomy = EngineConfig(num_blocks=64, block_size=4)
+    a, b = stop.run_side_by_side(loaded, [tight, roomy], jobs, "test")
+    want = sum(j.max_tokens for j in jobs)
+    assert a.tokens_out == b.tokens_out == want
+    assert a.steps > b.steps and sum(a.preemptions.values()) > 0 and not b.preemptions
+    assert a.total_seconds > 0 and b.total_seconds > 0

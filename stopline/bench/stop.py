@@ -122,6 +122,39 @@ def run_jobs(loaded: LoadedModel, cfg: EngineConfig, jobs: list[Job], desc: str)
     return res
 
 
+def run_side_by_side(loaded: LoadedModel, cfgs: list[EngineConfig], jobs: list[Job], desc: str) -> list[RunResult]:
+    """The same jobs on one engine per config, stepped in turn: the engine with the fewest
+    tokens out so far steps next, so all of them run through the same stretch of wall time
+    (this host's speed moves by 10-30% from one stretch of seconds to the next, which a storm
+    run after its reference charges to one side). Each engine's total_seconds is the sum of
+    its own steps."""
+    engines = [EngineCore(loaded, c) for c in cfgs]
+    results = [RunResult(0, 0, 0, 0) for _ in cfgs]
+    for eng in engines:
+        for j in jobs:
+            eng.add_request(j.rid, j.prompt, SamplingParams(temperature=0.0, max_tokens=j.max_tokens,
+                                                            ignore_eos=True))
+    bar = tqdm(total=len(jobs) * len(cfgs), desc=desc, unit="req", leave=False)
+    while True:
+        live = [i for i, eng in enumerate(engines) if eng.has_unfinished()]
+        if not live:
+            break
+        i = min(live, key=lambda i: results[i].tokens_out)
+        t0 = time.perf_counter()
+        outs = engines[i].step()
+        results[i].total_seconds += time.perf_counter() - t0
+        results[i].tokens_out += sum(len(o.new_token_ids) for o in outs)
+        bar.update(sum(1 for o in outs if o.finished))
+    bar.close()
+    for eng, res in zip(engines, results, strict=True):
+        eng.audit()
+        res.survivors_seconds = res.total_seconds
+        res.steps = eng.steps
+        res.preemptions = dict(eng.lifecycle.stats.preemptions)
+        res.recomputed_tokens = eng.lifecycle.stats.recomputed_tokens
+    return results
+
+
 def cancel_storm(loaded: LoadedModel, cfg: EngineConfig, n: int, max_tokens: int, seed: int) -> dict:
     rng = random.Random(seed)
     prompts = make_prompts(loaded, n, seed)
@@ -180,29 +213,29 @@ def preemption_storm(loaded: LoadedModel, base: EngineConfig, n: int, max_tokens
         return dataclasses.replace(base, num_blocks=num_blocks, preemption_mode=PreemptionMode(mode),
                                    victim_policy=VictimPolicy(policy))
 
-    # The unconstrained run is repeated between the storms, and each storm is compared with
-    # the mean of the runs on either side of it: this host's speed drifts by 10-20% over a few
-    # minutes, which a single reference at the start would charge to the later storms.
-    def unconstrained() -> RunResult:
-        return run_jobs(loaded, cfg(demand + 16), jobs, "preemption storm: unconstrained")
-
-    free = [unconstrained()]
-    free_tps = [free[0].tokens_out / free[0].total_seconds]
+    # Each storm runs side by side with an unconstrained run of the same jobs, stepped in
+    # turn (run_side_by_side), and each combination once a round: one storm run after its
+    # reference moved by up to 0.25 here between runs of the same engine.
     tight_blocks = max(int(demand * fraction), max(-(-(len(p) + max_tokens) // base.block_size) for p in prompts) + 1)
-    # A storm runs in ~5 s, and this host has bursts that move one such run by 10-20%: each
-    # combination runs once a round, the rounds one after another, and its ratio is the mean.
+    free_tps: list[float] = []
+    free_steps: list[float] = []
     runs: dict[tuple[str, str], list[dict]] = {combo: [] for combo in combos}
     first: dict[tuple[str, str], RunResult] = {}
     for _ in range(rounds):
         for mode, policy in combos:
-            r = run_jobs(loaded, cfg(tight_blocks, mode, policy), jobs, f"storm {mode}/{policy}")
+            r, free = run_side_by_side(loaded, [cfg(tight_blocks, mode, policy), cfg(demand + 16)], jobs,
+                                       f"storm {mode}/{policy} beside unconstrained")
             first.setdefault((mode, policy), r)
-            free.append(unconstrained())
-            free_tps.append(free[-1].tokens_out / free[-1].total_seconds)
-            tps, around = r.tokens_out / r.total_seconds, statistics.mean(free_tps[-2:])
+            tps, around = r.tokens_out / r.total_seconds, free.tokens_out / free.total_seconds
+            free_tps.append(around)
+            free_steps.append(free.tokens_out / max(1, free.steps))
             runs[(mode, policy)].append({"tok_s": tps, "unconstrained_around_tok_s": around,
                                          "ratio": tps / around, "preemptions": sum(r.preemptions.values()),
                                          "recomputed_tokens": r.recomputed_tokens})
+    # The method's own error: the unconstrained run beside itself.
+    null = [run_side_by_side(loaded, [cfg(demand + 16), cfg(demand + 16)], jobs, "unconstrained beside itself")
+            for _ in range(2)]
+    null_ratios = [a.total_seconds / b.total_seconds for a, b in null]
     rows = []
     for (mode, policy), rs in runs.items():
         # Steps, preemptions, recomputed tokens: the first round's (the prefill cap follows
@@ -220,9 +253,10 @@ def preemption_storm(loaded: LoadedModel, base: EngineConfig, n: int, max_tokens
         fresh_tps.append(_storm_then_light(loaded, cfg(tight_blocks), [], light))
         after_tps.append(_storm_then_light(loaded, cfg(tight_blocks), jobs, light))
     return {"requests": n, "max_tokens": max_tokens, "demand_blocks": demand, "pool_blocks": tight_blocks,
-            "rounds": rounds,
+            "rounds": rounds, "method": "side by side",
             "unconstrained_tok_s": statistics.mean(free_tps), "unconstrained_runs_tok_s": free_tps,
-            "unconstrained_tokens_per_step": free[0].tokens_out / max(1, free[0].steps),
+            "unconstrained_tokens_per_step": statistics.mean(free_steps),
+            "null_ratios": null_ratios,
             "rows": rows, "light_wave_requests": len(light),
             "light_wave_tok_s_fresh": statistics.mean(fresh_tps),
             "light_wave_tok_s_after_storm": statistics.mean(after_tps),

@@ -62,19 +62,19 @@ def render(r: dict) -> str:
     lines += _cancel("Cancel storm", r["cancel_storm"])
     lines += _cancel("Cancel storm with the pool at half the demand (aborts under preemption)",
                      r["cancel_storm_under_pressure"])
+    side = p.get("method") == "side by side"
     lines += [
         "### Preemption storm",
         "",
         f"{p['requests']} requests x {p['max_tokens']} tokens; demand {p['demand_blocks']} blocks, "
         f"pool {p['pool_blocks']} blocks. Unconstrained: {_f(p['unconstrained_tok_s'], 1)} tok/s, "
         f"{_f(p.get('unconstrained_tokens_per_step'), 1)} tokens per step"
-        + (f" (mean of {len(runs)} runs, one before the first storm and one after each: "
-           f"{', '.join(_f(t, 1) for t in runs)}; each storm is compared with the two around it)."
-           if (runs := p.get("unconstrained_runs_tok_s")) else ".")
+        + _reference(p)
         + (f" Each pair ran {p['rounds']} times, once a round; its ratio is the mean of its runs'."
            if p.get("rounds", 1) > 1 else ""),
         "",
-        "| mode | victim policy | tok/s | unconstrained around it | vs unconstrained (target >= 0.8) | tokens per step | preemptions | recomputed tokens |",
+        f"| mode | victim policy | tok/s | unconstrained {'beside' if side else 'around'} it | vs unconstrained "
+        "(target >= 0.8) | tokens per step | preemptions | recomputed tokens |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in p["rows"]:
@@ -93,3 +93,19 @@ def render(r: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _reference(p: dict) -> str:
+    runs = p.get("unconstrained_runs_tok_s")
+    if not runs:
+        return "."
+    listed = ", ".join(_f(t, 1) for t in runs)
+    if p.get("method") != "side by side":
+        return (f" (mean of {len(runs)} runs, one before the first storm and one after each: {listed}; "
+                f"each storm is compared with the two around it).")
+    null = p.get("null_ratios") or []
+    return (f" (mean of {len(runs)} runs: {listed}). Each storm ran side by side with an unconstrained "
+            f"run of the same requests, the two engines stepped in turn so that both went through the "
+            f"same seconds of this host, each timed by its own steps; the unconstrained run beside "
+            f"itself read {', '.join(_f(x, 3) for x in null)} (the method's own error).")
+
