@@ -16,6 +16,7 @@ Two workloads (issue 3):
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import platform
 import random
@@ -75,8 +76,16 @@ def make_prompts(loaded: LoadedModel, n: int, seed: int, long_every: int = 4,
     return out
 
 
+def _fresh_engines(loaded: LoadedModel, cfgs: list[EngineConfig]) -> list[EngineCore]:
+    # An engine (~1 GB here: float32 and packed weights, KV pool) is freed by the cycle
+    # collector, which counts objects, not bytes: without a collection between runs a full
+    # benchmark's dead engines filled 24 GB.
+    gc.collect()
+    return [EngineCore(loaded, c) for c in cfgs]
+
+
 def run_jobs(loaded: LoadedModel, cfg: EngineConfig, jobs: list[Job], desc: str) -> RunResult:
-    eng = EngineCore(loaded, cfg)
+    (eng,) = _fresh_engines(loaded, [cfg])
     t0 = time.perf_counter()
     for j in jobs:
         eng.add_request(j.rid, j.prompt, SamplingParams(temperature=0.0, max_tokens=j.max_tokens,
@@ -128,7 +137,7 @@ def run_side_by_side(loaded: LoadedModel, cfgs: list[EngineConfig], jobs: list[J
     (this host's speed moves by 10-30% from one stretch of seconds to the next, which a storm
     run after its reference charges to one side). Each engine's total_seconds is the sum of
     its own steps."""
-    engines = [EngineCore(loaded, c) for c in cfgs]
+    engines = _fresh_engines(loaded, cfgs)
     results = [RunResult(0, 0, 0, 0) for _ in cfgs]
     for eng in engines:
         for j in jobs:
@@ -268,7 +277,7 @@ def preemption_storm(loaded: LoadedModel, base: EngineConfig, n: int, max_tokens
 
 
 def _storm_then_light(loaded: LoadedModel, cfg: EngineConfig, storm: list[Job], light: list[Job]) -> float:
-    eng = EngineCore(loaded, cfg)
+    (eng,) = _fresh_engines(loaded, [cfg])
     for j in storm:
         eng.add_request(j.rid, j.prompt, SamplingParams(temperature=0.0, max_tokens=j.max_tokens, ignore_eos=True))
     while eng.has_unfinished():

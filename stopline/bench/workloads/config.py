@@ -62,7 +62,7 @@ def quick() -> BenchConfig:
                    storm_prompt_tokens=128, invariance_tokens=32, hol_prompt_tokens=1500,
                    preempt_output_tokens=64, preempt_prompt_tokens=64, preempt_after_s=3.0,
                    nonstream_max_tokens=1024,
-                   preempt_variants=(("cost", "recompute"), ("cost", "swap")))
+                   preempt_variants=(("cost", "recompute"), ("cost", "swap"), ("cost", "auto")))
 
 
 def small() -> BenchConfig:
