@@ -67,6 +67,7 @@ class DecoderLoop:
         self.model = model
         self.max_rows = min(model.layers[0][name].quant_max_rows for name in _LINEARS)
         self._tables: dict[int, ctypes.Array] = {}
+        self._kv: KVCache | None = None  # the cache whose pointers the table holds, kept alive
         self._idle = StepInterrupt()  # for calls without an event: never set
         self._fn = kernels().stopline_decoder_layers
 
@@ -91,8 +92,7 @@ class DecoderLoop:
                     t.w[j], t.fmt[j], t.kc[j] = lin.quant.packed.data_ptr(), _FMT[lin.quant.fmt], lin.kc()
                 t.ln1, t.ln2 = layer["ln1"].data_ptr(), layer["ln2"].data_ptr()
                 t.k_cache, t.v_cache = kv.k[li].data_ptr(), kv.v[li].data_ptr()
-            self._tables = {id(kv): table}  # one cache at a time; it holds the pointers
-            self._kv = kv  # kept alive while its pointers are in the table
+            self._tables, self._kv = {id(kv): table}, kv  # one cache at a time
         return table
 
     def can_run(self, rows: int, interrupt: threading.Event | None) -> bool:
