@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.server_harness import ServerProcess, raw_request
+from tests.tiny_model import make_tiny_llama_dir
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,10 +69,15 @@ def test_core_killed_during_8_streams(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def inproc(tiny_model_dir):
-    """In-process mode (the core steps in a thread of the server), one request at a time."""
-    srv = ServerProcess("--model", str(tiny_model_dir), "--served-model-name", "tiny", "--in-process",
-                        "--num-blocks", "256", "--max-num-seqs", "4", "--max-waiting", "1",
+def inproc(tmp_path_factory):
+    """In-process mode (the core steps in a thread of the server), one request at a time.
+
+    Its model has a long context, so that a request can outlast the drain timeout on any machine
+    (on a fast one the tiny model writes 1,000 tokens within the second of drain).
+    """
+    model = make_tiny_llama_dir(tmp_path_factory.mktemp("tiny_long") / "model", seed=0, max_position=8192)
+    srv = ServerProcess("--model", str(model), "--served-model-name", "tiny", "--in-process",
+                        "--num-blocks", "1024", "--max-num-seqs", "4", "--max-waiting", "1",
                         "--drain-timeout", "1.0")
     try:
         srv.wait_ready()
@@ -122,7 +128,7 @@ def test_sigterm_drains_then_aborts_with_shutdown(inproc):
     started = [threading.Event(), threading.Event()]
     threads = [
         threading.Thread(target=_stream_lines, args=(inproc.base, {
-            "prompt": "b", "max_tokens": 1000, "ignore_eos": True, "stream": True}, long, started[0])),
+            "prompt": "b", "max_tokens": 8000, "ignore_eos": True, "stream": True}, long, started[0])),
         threading.Thread(target=_stream_lines, args=(inproc.base, {
             "prompt": "a", "max_tokens": 30, "ignore_eos": True, "stream": True}, short, started[1])),
     ]
