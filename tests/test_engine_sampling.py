@@ -272,3 +272,59 @@ def test_greedy_argmax_is_torchs_argmax(vocab):
     assert argmax_rows(x, rows) == torch.argmax(x[rows], dim=-1).tolist()
     with pytest.raises(IndexError):
         argmax_rows(x, [12])
+
+
+def _keys(n: int, seed: int) -> list[tuple[int, int]]:
+    from stopline.model.sampler import mix_seed
+
+    return [(z & 0xFFFFFFFF, z >> 32) for z in (mix_seed(seed, k) for k in range(n))]
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_draw_follows_softmax_at_temperature(path):
+    """The exponential race (sampler.draw_rows, and its torch twin) picks token v with
+    probability softmax(x / T)_v: a chi-square test over 20,000 draws of one row, each with its
+    own key, at two temperatures. A draw that ignored T, or favoured low indices, fails it."""
+    from stopline.model.native import try_kernels
+    from stopline.model.sampler import draw_rows, race_torch
+
+    if path == "c" and try_kernels() is None:
+        pytest.skip("the C kernels are off here")
+    n = 20_000
+    x = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf"), 1.5, -3.0] * 3)  # 24: a tail past 16
+    for temp in (1.0, 0.5):
+        keys = _keys(n, seed=int(temp * 10))
+        if path == "c":
+            got = draw_rows(x.expand(n, -1).contiguous(), list(range(n)), [1 / temp] * n, keys)
+        else:
+            got = race_torch(x.expand(n, -1), torch.full((n,), 1 / temp), torch.tensor(keys)).tolist()
+        counts = torch.bincount(torch.tensor(got), minlength=x.numel()).double()
+        p = torch.softmax(x.double() / temp, dim=0)
+        assert counts[p == 0].sum() == 0  # -inf is never drawn
+        expected = p * n
+        live = expected > 0
+        chi2 = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
+        # 20 degrees of freedom: P(chi2 > 50) ~ 2e-4.
+        assert chi2 < 50, (temp, chi2)
+
+
+def test_draw_c_equals_torch_and_ignores_other_rows():
+    """The C draw and the torch one give the same tokens, and a row's token does not depend on
+    which other rows are drawn beside it (batch invariance of random sampling)."""
+    from stopline.model.native import try_kernels
+    from stopline.model.sampler import draw_rows, race_torch
+
+    if try_kernels() is None:
+        pytest.skip("the C kernels are off here")
+    gen = torch.Generator().manual_seed(3)
+    for vocab in (49152, 1007):
+        x = torch.randn(40, vocab, generator=gen) * 4
+        x[5, : vocab // 2] = float("-inf")
+        keys = _keys(40, seed=vocab)
+        inv = [1 / (0.3 + 0.05 * i) for i in range(40)]
+        c = draw_rows(x, list(range(40)), inv, keys)
+        assert c == race_torch(x, torch.tensor(inv), torch.tensor(keys)).tolist()
+        assert c[5] >= vocab // 2
+        alone = [draw_rows(x, [i], [inv[i]], [keys[i]])[0] for i in (0, 17, 39)]
+        assert alone == [c[0], c[17], c[39]]
+        assert len(set(c)) > 20  # different keys and rows: different tokens

@@ -77,7 +77,7 @@ def inproc(tmp_path_factory):
     """
     model = make_tiny_llama_dir(tmp_path_factory.mktemp("tiny_long") / "model", seed=0, max_position=8192)
     srv = ServerProcess("--model", str(model), "--served-model-name", "tiny", "--in-process",
-                        "--num-blocks", "1024", "--max-num-seqs", "4", "--max-waiting", "1",
+                        "--num-blocks", "2048", "--max-num-seqs", "4", "--max-waiting", "1",
                         "--drain-timeout", "1.0")
     try:
         srv.wait_ready()
@@ -99,14 +99,14 @@ def _stream_lines(base: str, body: dict, out: list, first: threading.Event) -> N
 def test_in_process_disconnect_and_queue_full(inproc):
     # A disconnect aborts in this mode too.
     sock = raw_request(inproc.port, "/v1/completions", json.dumps(
-        {"prompt": "x", "max_tokens": 500, "ignore_eos": True}).encode())
+        {"prompt": "x", "max_tokens": 8000, "ignore_eos": True}).encode())
     inproc.wait_for(lambda m: m["stopline_requests_running"] == 1)
     sock.close()
     inproc.wait_idle(timeout=1.0)
     assert inproc.metrics()['stopline_aborts_total{source="disconnect",state="running"}'] + \
         inproc.metrics()['stopline_aborts_total{source="disconnect",state="prefilling"}'] == 1
     # 4 running, 1 waiting for its first step: the next request is refused with 429.
-    body = json.dumps({"prompt": "y", "max_tokens": 500, "ignore_eos": True, "stream": True}).encode()
+    body = json.dumps({"prompt": "y", "max_tokens": 8000, "ignore_eos": True, "stream": True}).encode()
     busy = []
     try:
         for i in range(5):  # one at a time: with --max-waiting 1 a burst would be refused

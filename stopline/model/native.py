@@ -148,6 +148,8 @@ def _load() -> ctypes.CDLL:
     lib.stopline_silu_mul.restype = None
     lib.stopline_row_argmax.argtypes = [ptr, c_long, ptr, c_int, c_int, ptr]
     lib.stopline_row_argmax.restype = None
+    lib.stopline_sample_rows.argtypes = [ptr, c_long, ptr, ptr, ptr, c_int, c_int, ptr]
+    lib.stopline_sample_rows.restype = None
     lib.stopline_paged_attention.argtypes = [ptr, c_long, ptr, ptr, ptr, c_int, c_int, c_int, c_int,
                                              c_long, c_int, ptr, ptr, ptr, c_int, ctypes.c_float]
     lib.stopline_paged_attention.restype = c_int

@@ -64,21 +64,76 @@ def suppressed_ids(req: Request, eos_token_ids: Collection[int], vocab: int) -> 
 
 
 def _filtered(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """logits with the tokens top-k / min-p / top-p drop set to -inf (the rest unchanged:
+    the draw applies the temperature)."""
     p = req.params
-    logits = logits / p.temperature
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    scaled = logits / p.temperature
     if p.top_k and p.top_k < logits.shape[0]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits.double(), dim=-1)
+        keep &= scaled >= torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scaled.double(), dim=-1)
     if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        keep &= probs >= p.min_p * probs.max()
+        probs = probs.masked_fill(~keep, 0.0)
     if p.top_p < 1.0:
         sp, idx = torch.sort(probs, descending=True)
         cum = torch.cumsum(sp, dim=0)
         drop = (cum - sp) > p.top_p * cum[-1]  # keep the smallest set reaching top_p
-        sp = sp.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, idx, sp)
-    return probs
+        keep[idx[drop]] = False
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def draw_keys(req: Request) -> tuple[int, int]:
+    """The 64-bit key of req's next random draw, as two 32-bit halves."""
+    z = mix_seed(req.seed, len(req.output_token_ids))
+    return z & 0xFFFFFFFF, z >> 32
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # x * c mod 2^32 without overflowing int64: two 16-bit halves of c.
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def _triple32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 17)
+    x = _mul32(x, 0xED5AD4BB)
+    x = x ^ (x >> 11)
+    x = _mul32(x, 0xAC4C1B51)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x31848BAB)
+    return x ^ (x >> 14)
+
+
+def race_torch(rows: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The draw of csrc/sample.c in torch ([R, V] float32 rows, [R] inverse temperatures,
+    [R, 2] int64 keys): for devices or machines without the C kernels."""
+    v = torch.arange(rows.shape[1], dtype=torch.int64, device=rows.device)
+    h = _triple32(_triple32(v ^ keys[:, :1]) ^ keys[:, 1:])
+    u = ((h >> 9) * 2 + 1).to(torch.float32) * 2.0 ** -24
+    w = torch.exp((rows - rows.amax(dim=1, keepdim=True)) * inv_temp[:, None])
+    return torch.argmax(w / -torch.log(u), dim=1)
+
+
+def draw_rows(logits: torch.Tensor, rows: list[int], inv_temp: list[float],
+              keys: list[tuple[int, int]]) -> list[int]:
+    """One token from each chosen row of logits ([N, vocab]) by the exponential race of
+    csrc/sample.c: the token depends only on the row, its temperature and its key."""
+    lib = try_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if lib is None or logits.stride(1) != 1:
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        return race_torch(logits.index_select(0, idx).float(),
+                          torch.tensor(inv_temp, dtype=torch.float32, device=logits.device),
+                          torch.tensor(keys, dtype=torch.int64, device=logits.device)).tolist()
+    if min(rows) < 0 or max(rows) >= logits.shape[0]:
+        raise IndexError(f"rows {min(rows)}..{max(rows)} of {logits.shape[0]} logit rows")
+    idx = torch.tensor(rows, dtype=torch.long)
+    t = torch.tensor(inv_temp, dtype=torch.float32)
+    k = torch.tensor(keys, dtype=torch.int64).to(torch.int32)  # the low 32 bits, as uint32
+    out = torch.empty(len(rows), dtype=torch.long)
+    lib.stopline_sample_rows(logits.data_ptr(), logits.stride(0), idx.data_ptr(), t.data_ptr(),
+                             k.data_ptr(), len(rows), logits.shape[1], out.data_ptr())
+    return out.tolist()
 
 
 def _logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
@@ -108,35 +163,51 @@ def argmax_rows(logits: torch.Tensor, rows: list[int]) -> list[int]:
 
 def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
            eos_token_ids: Collection[int] = ()) -> list[Sampled]:
-    """One token per task. Greedy rows without penalties or masks are done in one argmax."""
-    results: list[Sampled | None] = [None] * len(tasks)
+    """One token per task. Greedy rows without penalties or masks are done in one argmax,
+    random rows whose logits need no change in one draw over the rows in place."""
     vocab = logits.shape[-1]
-    masks = [suppressed_ids(t.req, eos_token_ids, vocab) for t in tasks]
-    fast = [i for i, t in enumerate(tasks)
-            if t.req.params.greedy and not t.req.params.needs_penalties and not masks[i]]
-    if fast:
-        ids = argmax_rows(logits, [tasks[i].row for i in fast])
-        for i, tok in zip(fast, ids, strict=True):
-            results[i] = Sampled(tok, None)
+    tokens: list[int | None] = [None] * len(tasks)
+    edited: dict[int, torch.Tensor] = {}  # task -> its row after penalties, masks, filters
     for i, t in enumerate(tasks):
         p = t.req.params
-        row = logits[t.row]
-        if results[i] is None:
-            row = row.clone()
+        mask = suppressed_ids(t.req, eos_token_ids, vocab)
+        filters = not p.greedy and (p.top_k or p.min_p > 0 or p.top_p < 1.0)
+        if p.needs_penalties or mask or filters:
+            row = logits[t.row].clone()
             if p.needs_penalties:
                 row = apply_penalties(row, t.req)
-            if masks[i]:
-                row[masks[i]] = float("-inf")
-            if p.greedy:
-                tok = int(torch.argmax(row))
-            else:
-                probs = _filtered(row, t.req)
-                gen = torch.Generator().manual_seed(mix_seed(t.req.seed, len(t.req.output_token_ids)))
-                noise = torch.empty_like(probs).exponential_(generator=gen)
-                tok = int(torch.argmax(probs / noise))
-            results[i] = Sampled(tok, None)
-        if p.logprobs is not None:
-            res = results[i]
-            assert res is not None
-            res.logprob = _logprob(row, res.token_id, p.logprobs)
-    return [r for r in results if r is not None]
+            if mask:
+                row[mask] = float("-inf")
+            edited[i] = row
+    greedy = [i for i, t in enumerate(tasks) if t.req.params.greedy]
+    if greedy:
+        plain = [i for i in greedy if i not in edited]
+        if plain:
+            for i, tok in zip(plain, argmax_rows(logits, [tasks[i].row for i in plain]), strict=True):
+                tokens[i] = tok
+        for i in greedy:
+            if i in edited:
+                tokens[i] = int(torch.argmax(edited[i]))
+    drawn = [i for i, t in enumerate(tasks) if not t.req.params.greedy]
+    if drawn:
+        plain = [i for i in drawn if i not in edited]
+        own = [i for i in drawn if i in edited]
+        for group, source, rows in (
+                (plain, logits, [tasks[i].row for i in plain]),
+                (own, torch.stack([_filtered(edited[i], tasks[i].req) for i in own]) if own else None,
+                 list(range(len(own))))):
+            if not group:
+                continue
+            got = draw_rows(source, rows, [1.0 / tasks[i].req.params.temperature for i in group],
+                            [draw_keys(tasks[i].req) for i in group])
+            for i, tok in zip(group, got, strict=True):
+                tokens[i] = tok
+    results = []
+    for i, t in enumerate(tasks):
+        tok = tokens[i]
+        assert tok is not None  # every task is greedy or drawn
+        lp = None
+        if t.req.params.logprobs is not None:
+            lp = _logprob(edited.get(i, logits[t.row]), tok, t.req.params.logprobs)
+        results.append(Sampled(tok, lp))
+    return results

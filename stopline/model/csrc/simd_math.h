@@ -21,4 +21,30 @@ static inline __m512 exp_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* log(x) for finite x > 0, ~1 ulp (Cephes' logf: x = m 2^e with m in [sqrt(1/2), sqrt(2)),
+ * a degree-8 polynomial for log(m)). */
+static inline __m512 log_ps(__m512 x) {
+    __m512 e = _mm512_getexp_ps(x);
+    __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
+    __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356237f), _CMP_GT_OQ);
+    m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
+    e = _mm512_mask_add_ps(e, big, e, _mm512_set1_ps(1.0f));
+    __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f));
+    __m512 z = _mm512_mul_ps(f, f);
+    __m512 y = _mm512_set1_ps(7.0376836292e-2f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.1514610310e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.1676998740e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.2420140846e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.4249322787e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-1.6668057665e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.0000714765e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(-2.4999993993e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(3.3333331174e-1f));
+    y = _mm512_mul_ps(_mm512_mul_ps(y, f), z);
+    y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);
+    y = _mm512_fnmadd_ps(_mm512_set1_ps(0.5f), z, y);
+    __m512 r = _mm512_add_ps(f, y);
+    return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), r);
+}
+
 #endif
