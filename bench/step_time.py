@@ -7,6 +7,7 @@
     python bench/step_time.py 11 31 64 --compare-attention  # the C paged attention against torch's
     python bench/step_time.py 1 11 31 64 --compare-glue  # the layer glue in C against torch's ops
     python bench/step_time.py 1 11 32 --compare-layers  # all layers in one C call against the Python loop
+    python bench/step_time.py 32 64 --temperature 1.0   # every row sampled at random, not argmax
 
 Each request is a chat-templated question (the offline benchmark's prompts) generating with
 EOS ignored; steps are timed after `--warm` steps, so every request is decoding.
@@ -45,6 +46,8 @@ def main() -> None:
     ap.add_argument("--compare-layers", action="store_true",
                     help="time each count with every layer in one C call, then with the Python loop "
                          "over the same kernels (two engines, run alternately)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request (0: greedy)")
     args = ap.parse_args()
     engines = {"": LLM(config=EngineConfig(kv_cache_memory_gb=2.0), progress=False).engine}
     if args.compare_attention:
@@ -67,7 +70,7 @@ def main() -> None:
         engines = {" auto linears": engines[""],
                    " blas linears": LLM(config=EngineConfig(kv_cache_memory_gb=2.0, linear_backend="blas"),
                                         progress=False).engine}
-    params = SamplingParams(temperature=0.0, max_tokens=args.warm + args.steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.warm + args.steps + 8, ignore_eos=True)
     rows = {label: eng.runner.rows for label, eng in engines.items()}
     for n in args.requests:
         for on in ((True, False) if args.compare_decode_rows else (True,)):
