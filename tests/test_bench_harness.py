@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,25 @@ def test_stopline_and_vllm_get_the_same_kv_pool_unless_a_workload_sizes_it():
     assert vllm_spec().env["VLLM_CPU_KVCACHE_SPACE"] == str(KV_GIB)
     sized = stopline_spec().command(8000, 1000, {})
     assert "--kv-cache-gb" not in sized and sized[sized.index("--num-blocks") + 1] == "63"
+
+
+def test_engines_start_without_stoplines_openmp_spin(tmp_path, monkeypatch):
+    """`import stopline` sets GOMP_SPINCOUNT for its own process; an engine the benchmark
+    starts (a peer above all) gets the user's environment, not that default."""
+    import stopline
+    from stopline.bench.engines import EngineSpec, MetricNames, RunningEngine
+
+    monkeypatch.setattr(stopline, "SPIN_SET_HERE", True)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    show = "import os; print('spin=' + str(os.environ.get('GOMP_SPINCOUNT')), flush=True)"
+    spec = EngineSpec("probe", lambda port, kv, variant: [sys.executable, "-c", show],
+                      MetricNames(), start_timeout=5)
+    eng = RunningEngine(spec, tmp_path / "probe.log")
+    eng.proc.wait(30)
+    eng.stop()
+    assert "spin=None" in (tmp_path / "probe.log").read_text()
+    monkeypatch.setattr(stopline, "SPIN_SET_HERE", False)  # the user set it: it is kept
+    eng = RunningEngine(spec, tmp_path / "user.log")
+    eng.proc.wait(30)
+    eng.stop()
+    assert "spin=1000" in (tmp_path / "user.log").read_text()

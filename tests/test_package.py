@@ -18,7 +18,7 @@ def test_import_chooses_a_short_openmp_spin_unless_set():
     seen = [subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, timeout=120,
                            env={**env, **extra}).stdout.split()
             for extra in ({}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "5"})]
-    assert seen == [["20000", "None"], ["None", "PASSIVE"], ["5", "None"]]
+    assert seen == [["1000", "None"], ["None", "PASSIVE"], ["5", "None"]]
 
 
 def test_cli_lists_its_commands():

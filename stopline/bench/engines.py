@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+import stopline
 from stopline.bench.probe import MetricNames
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -150,6 +151,10 @@ class RunningEngine:
         self.log_path = log_path
         self.command = spec.command(self.port, kv_tokens, dict(variant or {}))
         env = os.environ | spec.env | {"PORT": str(self.port), "SERVED_NAME": MODEL_NAME}
+        if stopline.SPIN_SET_HERE:
+            # The OpenMP spin this process got from `import stopline` is not the user's: each
+            # engine starts with its own default (stopline's server sets it again).
+            env.pop("GOMP_SPINCOUNT", None)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._log.write(f"$ {' '.join(self.command)}\n".encode())
