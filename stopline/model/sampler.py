@@ -167,7 +167,7 @@ def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
     random rows whose logits need no change in one draw over the rows in place."""
     vocab = logits.shape[-1]
     tokens: list[int | None] = [None] * len(tasks)
-    edited: dict[int, torch.Tensor] = {}  # task -> its row after penalties, masks, filters
+    edited: dict[int, torch.Tensor] = {}  # task -> its row after penalties and masks (a copy)
     for i, t in enumerate(tasks):
         p = t.req.params
         mask = suppressed_ids(t.req, eos_token_ids, vocab)
