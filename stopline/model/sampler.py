@@ -166,7 +166,6 @@ def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
     """One token per task. Greedy rows without penalties or masks are done in one argmax,
     random rows whose logits need no change in one draw over the rows in place."""
     vocab = logits.shape[-1]
-    tokens: list[int | None] = [None] * len(tasks)
     edited: dict[int, torch.Tensor] = {}  # task -> its row after penalties and masks (a copy)
     for i, t in enumerate(tasks):
         p = t.req.params
@@ -179,35 +178,27 @@ def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
             if mask:
                 row[mask] = float("-inf")
             edited[i] = row
-    greedy = [i for i, t in enumerate(tasks) if t.req.params.greedy]
-    if greedy:
-        plain = [i for i in greedy if i not in edited]
-        if plain:
-            for i, tok in zip(plain, argmax_rows(logits, [tasks[i].row for i in plain]), strict=True):
-                tokens[i] = tok
-        for i in greedy:
-            if i in edited:
-                tokens[i] = int(torch.argmax(edited[i]))
-    drawn = [i for i, t in enumerate(tasks) if not t.req.params.greedy]
+    tokens: dict[int, int] = {}  # task -> its token
+    plain = [i for i in range(len(tasks)) if i not in edited]
+    argmax = [i for i in plain if tasks[i].req.params.greedy]
+    if argmax:
+        tokens.update(zip(argmax, argmax_rows(logits, [tasks[i].row for i in argmax]), strict=True))
+    drawn = [i for i in plain if not tasks[i].req.params.greedy]
     if drawn:
-        plain = [i for i in drawn if i not in edited]
-        own = [i for i in drawn if i in edited]
-        for group, source, rows in (
-                (plain, logits, [tasks[i].row for i in plain]),
-                (own, torch.stack([_filtered(edited[i], tasks[i].req) for i in own]) if own else None,
-                 list(range(len(own))))):
-            if not group:
-                continue
-            got = draw_rows(source, rows, [1.0 / tasks[i].req.params.temperature for i in group],
-                            [draw_keys(tasks[i].req) for i in group])
-            for i, tok in zip(group, got, strict=True):
-                tokens[i] = tok
-    results = []
-    for i, t in enumerate(tasks):
-        tok = tokens[i]
-        assert tok is not None  # every task is greedy or drawn
-        lp = None
-        if t.req.params.logprobs is not None:
-            lp = _logprob(edited.get(i, logits[t.row]), tok, t.req.params.logprobs)
-        results.append(Sampled(tok, lp))
-    return results
+        tokens.update(zip(drawn, _draw(logits, [tasks[i].row for i in drawn], [tasks[i].req for i in drawn]),
+                          strict=True))
+    drawn = [i for i in edited if not tasks[i].req.params.greedy]
+    if drawn:
+        rows = torch.stack([_filtered(edited[i], tasks[i].req) for i in drawn])
+        tokens.update(zip(drawn, _draw(rows, list(range(len(drawn))), [tasks[i].req for i in drawn]),
+                          strict=True))
+    for i, row in edited.items():
+        if tasks[i].req.params.greedy:
+            tokens[i] = int(torch.argmax(row))
+    return [Sampled(tokens[i], None if t.req.params.logprobs is None else
+                    _logprob(edited.get(i, logits[t.row]), tokens[i], t.req.params.logprobs))
+            for i, t in enumerate(tasks)]
+
+
+def _draw(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> list[int]:
+    return draw_rows(logits, rows, [1.0 / r.params.temperature for r in reqs], [draw_keys(r) for r in reqs])
