@@ -21,6 +21,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same tiny Llama with an 8,192-token context, for server tests whose requests must
+    outlast a client's round trips (the tiny model writes 1,024 tokens in well under a second)."""
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny_long") / "model", seed=0, max_position=8192)
+
+
+@pytest.fixture(scope="session")
 def stopline_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Weights cache dir shared by a test session."""
     return tmp_path_factory.mktemp("stopline_cache")

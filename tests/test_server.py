@@ -19,10 +19,10 @@ import openai
 import pytest
 
 from tests.server_harness import ServerProcess, raw_request, total
-from tests.tiny_model import make_tiny_llama_dir
 
 KEY = "test-key"
-CONTEXT = 8192  # the fixture model's context: long, so a request outlasts a client's round trips
+# The model is tiny_long_model_dir (8,192-token context), so a long request outlasts a client's
+# round trips.
 NUM_BLOCKS = 448  # 7,168 tokens: smaller than the context, so "too big for the pool" exists
 MAX_SEQS = 4  # a fifth request waits in the queue
 LONG = 1600  # tokens of a "long" request: 4 of them fit the pool together
@@ -33,13 +33,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    # The session's tiny model has a 1,024-token context, which the tiny model writes in well
-    # under a second: tests that need a request still running after a few HTTP round trips
-    # lost that race once the engine got faster.
-    model = make_tiny_llama_dir(tmp_path_factory.mktemp("tiny_server") / "model", seed=0,
-                                max_position=CONTEXT)
-    srv = ServerProcess("--model", str(model), "--served-model-name", "tiny",
+def server(tiny_long_model_dir):
+    srv = ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", "tiny",
                         "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_SEQS),
                         "--max-body-bytes", str(MAX_BODY), api_key=KEY)
     try:

@@ -16,7 +16,6 @@ import openai
 import pytest
 
 from tests.server_harness import ServerProcess, raw_request
-from tests.tiny_model import make_tiny_llama_dir
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,14 +68,12 @@ def test_core_killed_during_8_streams(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def inproc(tmp_path_factory):
+def inproc(tiny_long_model_dir):
     """In-process mode (the core steps in a thread of the server), one request at a time.
 
-    Its model has a long context, so that a request can outlast the drain timeout on any machine
-    (on a fast one the tiny model writes 1,000 tokens within the second of drain).
+    Its model has a long context, so that a request can outlast the drain timeout on any machine.
     """
-    model = make_tiny_llama_dir(tmp_path_factory.mktemp("tiny_long") / "model", seed=0, max_position=8192)
-    srv = ServerProcess("--model", str(model), "--served-model-name", "tiny", "--in-process",
+    srv = ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", "tiny", "--in-process",
                         "--num-blocks", "2048", "--max-num-seqs", "4", "--max-waiting", "1",
                         "--drain-timeout", "1.0")
     try:
