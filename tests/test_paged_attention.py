@@ -35,7 +35,9 @@ def reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: list[i
     return torch.einsum("hgn,hnd->hgd", p, v).reshape(-1)
 
 
-@pytest.mark.parametrize("d,heads,hk", [(16, 4, 2), (32, 2, 2), (64, 9, 3), (128, 8, 1)])
+# 1, 2, 3, 4, 8 and 9 query heads a KV head: every way the value pass splits a group
+@pytest.mark.parametrize("d,heads,hk", [(16, 4, 2), (32, 2, 2), (64, 9, 3), (128, 8, 1), (64, 8, 2),
+                                       (64, 8, 1), (16, 9, 1)])
 def test_matches_float64_reference(d, heads, hk) -> None:
     kc, vc = cache(hk, d, 64)
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
@@ -73,6 +75,24 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_or_how_a_prompt_is_chunked(
                                                                  [20, 20, 20, 20, 20, 0], table + other),
                                 BS, scale)
         assert torch.equal(alone[0], whole[pos]) and torch.equal(mixed[5], whole[pos]), pos
+
+
+@pytest.mark.parametrize("n", [15, 31, 47])
+def test_a_score_has_the_same_bits_in_a_full_group_of_16_keys_and_in_the_tail(n) -> None:
+    """Keys are scored 16 at a time with one shared reduction tree, and one by one after the
+    last full 16. A row of n keys and the same row with one more key that can't count (its
+    score is -1000, so its weight is exactly 0, and its value is zero) score keys n-15..n-1
+    on the two paths; the outputs are the same bits only if every score is."""
+    gen = torch.Generator().manual_seed(n)
+    kc, vc = cache(1, 64, 8, seed=n)
+    sign = torch.randint(0, 2, (64,), generator=gen) * 2.0 - 1
+    q = torch.randn(1, 3, 64, generator=gen).abs() * sign
+    kc[0, n] = -1e4 * sign  # every head's score about -1e4 * 0.125 * 50
+    vc[0, n] = 0.0
+    table = list(range(8))
+    short = paged_attention(q, kc, vc, PagedRows.build([n], [0], table), BS, 0.125)
+    longer = paged_attention(q, kc, vc, PagedRows.build([n + 1], [0], table), BS, 0.125)
+    assert not torch.isnan(short).any() and torch.equal(short, longer)
 
 
 def test_nan_in_a_read_key_or_value_reaches_the_row_and_only_rows_that_read_it() -> None:

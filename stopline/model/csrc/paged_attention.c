@@ -28,8 +28,11 @@
 
 #include "simd_math.h"
 
+#define UNROLL _Pragma("GCC unroll 16")
+
 /* The fixed tree: halves added, then quarters, ... (GCC's reduce_add is also fixed, but
- * spelled out so the order is ours, not the compiler's). */
+ * spelled out so the order is ours, not the compiler's). For v_0..v_15:
+ * a_i = v_i + v_(i+8), b_i = a_i + a_(i+4), c_i = b_i + b_(i+2), sum = c_0 + c_1. */
 static inline float sum16(__m512 v) {
     __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -39,70 +42,141 @@ static inline float sum16(__m512 v) {
     return _mm_cvtss_f32(b);
 }
 
+/* sum16 of 16 vectors at once, the same additions on the same operands (so the same bits),
+ * each step pairing two vectors' halves in one add: 15 adds and 30 shuffles for 16 sums
+ * against 64 operations one by one. Lane 4q + j of the result is sum16(v[4j + q]). */
+static inline __m512 sum16x16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int t = 0; t < 8; t++) /* a of v[2t] in lanes 0-7, of v[2t+1] in 8-15 */
+        a[t] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * t], v[2 * t + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * t], v[2 * t + 1], 0xEE));
+    for (int t = 0; t < 4; t++) /* quarter q: b of v[4t + q] */
+        b[t] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * t], a[2 * t + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * t], a[2 * t + 1], 0xDD));
+    for (int t = 0; t < 2; t++) /* quarter q: c_0, c_1 of v[8t + q], then of v[8t + 4 + q] */
+        c[t] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * t], b[2 * t + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * t], b[2 * t + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
+
 static inline float max16(__m512 v) { return _mm512_reduce_max_ps(v); }
 
+/* A key's or value's row of d floats (NV lines of 64 bytes) fetched ahead. The cache rows
+ * of a sequence lie in blocks scattered over the pool, one 4 KB page each at block size 16,
+ * which the hardware prefetcher meets cold: without this the kernel waits on memory. */
+#define AHEAD 16
+static inline __attribute__((always_inline)) void prefetch_row(const float* r, const int NV) {
+    UNROLL for (int c = 0; c < NV; c++) _mm_prefetch((const char*)(r + 16 * c), _MM_HINT_T0);
+}
+
+/* One key's 16-lane partial products with a query head (already scaled). */
+static inline __attribute__((always_inline)) __m512 dot(const __m512* qv, const float* k, const int NV) {
+    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+    UNROLL for (int c = 1; c < NV; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc);
+    return acc;
+}
+
+/* Softmax weights of one head's n scores, in place; returns their sum. The max is exact in
+ * any order; the NaN check keeps a poisoned key from being skipped by max (which drops NaN). */
+static inline float softmax_in_place(float* se, int n) {
+    __m512 mx = _mm512_set1_ps(-__builtin_inff());
+    __m512 bad = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_loadu_ps(se + j);
+        mx = _mm512_max_ps(mx, v);
+        bad = _mm512_add_ps(bad, _mm512_sub_ps(v, v)); /* NaN or inf - inf -> NaN, else 0 */
+    }
+    __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
+    if (n - j) {
+        __m512 v = _mm512_maskz_loadu_ps(tail, se + j);
+        mx = _mm512_mask_max_ps(mx, tail, mx, v);
+        bad = _mm512_add_ps(bad, _mm512_sub_ps(v, v));
+    }
+    __m512 shift = _mm512_add_ps(_mm512_set1_ps(max16(mx)), _mm512_set1_ps(sum16(bad)));
+    __m512 lsum = _mm512_setzero_ps();
+    for (j = 0; j + 16 <= n; j += 16) {
+        __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(se + j), shift));
+        _mm512_storeu_ps(se + j, p);
+        lsum = _mm512_add_ps(lsum, p);
+    }
+    if (n - j) {
+        __m512 p = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, se + j), shift));
+        _mm512_mask_storeu_ps(se + j, tail, p);
+        lsum = _mm512_add_ps(lsum, _mm512_maskz_mov_ps(tail, p));
+    }
+    return sum16(lsum);
+}
+
+/* out[e] = (sum_j p_ej v_j) / l_e for EH heads at once, so each value row is read once for
+ * them all and the EH * NV accumulators are independent chains (one head's NV alone leave
+ * the FMA units waiting on latency). Each accumulator still sums j in order from zero. */
+static inline __attribute__((always_inline)) void weighted_values(
+    const float* vc, const int32_t* slot, const float* s, const float* l, float* out, int n, int d,
+    const int NV, const int EH) {
+    __m512 acc[4][8]; /* fixed sizes (EH <= 4, NV <= 8): arrays sized by NV or EH are put on the
+                         stack, and the chains then go through memory */
+    UNROLL for (int e = 0; e < EH; e++)
+        UNROLL for (int c = 0; c < NV; c++) acc[e][c] = _mm512_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        const float* vj = vc + (long)slot[j] * d;
+        if (j + AHEAD < n) prefetch_row(vc + (long)slot[j + AHEAD] * d, NV);
+        __m512 vv[8];
+        UNROLL for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(vj + 16 * c);
+        UNROLL for (int e = 0; e < EH; e++) {
+            __m512 p = _mm512_set1_ps(s[(long)e * n + j]);
+            UNROLL for (int c = 0; c < NV; c++) acc[e][c] = _mm512_fmadd_ps(p, vv[c], acc[e][c]);
+        }
+    }
+    UNROLL for (int e = 0; e < EH; e++)
+        UNROLL for (int c = 0; c < NV; c++)
+            _mm512_storeu_ps(out + e * d + 16 * c, _mm512_div_ps(acc[e][c], _mm512_set1_ps(l[e])));
+}
+
+/* Heads a value pass takes at once: EH * NV accumulators plus NV loaded rows fit the 32
+ * registers. */
+#define MAX_EH(NV) ((NV) >= 8 ? 2 : 4)
+
 /* One (row, kv head): the group's g query heads over n keys. NV = d / 16, a constant in each
- * instantiation so the accumulators stay in registers. */
+ * instantiation so the accumulators stay in registers. Scratch: `slot` for n key slots, `s`
+ * for g x n scores, `l` for g sums. */
 static inline __attribute__((always_inline)) void item(
-    const float* q, const float* kc, const float* vc, float* out, float* s, int g, int n, int bs,
-    const int32_t* table, float scale, const int NV) {
+    const float* q, const float* kc, const float* vc, float* out, int32_t* slot, float* s, float* l,
+    int g, int n, int bs, const int32_t* table, float scale, const int NV) {
     const int d = NV * 16;
+    for (int j = 0, b = 0; j < n; j += bs, b++) {
+        int m = n - j < bs ? n - j : bs;
+        for (int o = 0; o < m; o++) slot[j + o] = table[b] * bs + o;
+    }
+    for (int t = 0; t < AHEAD && t < n; t++) prefetch_row(kc + (long)slot[t] * d, NV);
     for (int e = 0; e < g; e++) {
-        __m512 qv[NV];
-        for (int c = 0; c < NV; c++)
+        __m512 qv[8];
+        UNROLL for (int c = 0; c < NV; c++)
             qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + e * d + 16 * c), _mm512_set1_ps(scale));
         float* se = s + (long)e * n;
-        for (int j0 = 0, b = 0; j0 < n; j0 += bs, b++) {
-            const float* kb = kc + (long)table[b] * bs * d;
-            int m = n - j0 < bs ? n - j0 : bs;
-            for (int o = 0; o < m; o++) {
-                __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kb + o * d));
-                for (int c = 1; c < NV; c++)
-                    acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kb + o * d + 16 * c), acc);
-                se[j0 + o] = sum16(acc);
-            }
+        int j0 = 0;
+        for (; j0 + 16 <= n; j0 += 16) {
+            if (e == 0) /* the first head brings the keys in; the others find them in cache */
+                for (int t = j0 + AHEAD; t < j0 + AHEAD + 16 && t < n; t++) prefetch_row(kc + (long)slot[t] * d, NV);
+            if (e == g - 1 && j0 < AHEAD) /* and the last the values the value pass starts with */
+                for (int t = j0; t < j0 + 16; t++) prefetch_row(vc + (long)slot[t] * d, NV);
+            __m512 v[16];
+            UNROLL for (int t = 0; t < 16; t++) /* the order sum16x16 gives back as 0..15 */
+                v[t] = dot(qv, kc + (long)slot[j0 + 4 * (t % 4) + t / 4] * d, NV);
+            _mm512_storeu_ps(se + j0, sum16x16(v));
         }
-        /* Softmax weights in place. The max is exact in any order; the NaN check keeps a
-         * poisoned key from being skipped by max (which drops NaN). */
-        __m512 mx = _mm512_set1_ps(-__builtin_inff());
-        __m512 bad = _mm512_setzero_ps();
-        int j = 0;
-        for (; j + 16 <= n; j += 16) {
-            __m512 v = _mm512_loadu_ps(se + j);
-            mx = _mm512_max_ps(mx, v);
-            bad = _mm512_add_ps(bad, _mm512_sub_ps(v, v)); /* NaN or inf - inf -> NaN, else 0 */
+        for (; j0 < n; j0++) se[j0] = sum16(dot(qv, kc + (long)slot[j0] * d, NV));
+        l[e] = softmax_in_place(se, n);
+    }
+    for (int e0 = 0; e0 < g; e0 += MAX_EH(NV)) {
+        const float* se = s + (long)e0 * n;
+        float* oe = out + e0 * d;
+        switch (g - e0 < MAX_EH(NV) ? g - e0 : MAX_EH(NV)) {
+        case 1: weighted_values(vc, slot, se, l + e0, oe, n, d, NV, 1); break;
+        case 2: weighted_values(vc, slot, se, l + e0, oe, n, d, NV, 2); break;
+        case 3: weighted_values(vc, slot, se, l + e0, oe, n, d, NV, 3); break;
+        default: weighted_values(vc, slot, se, l + e0, oe, n, d, NV, MAX_EH(NV)); break;
         }
-        __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
-        if (n - j) {
-            __m512 v = _mm512_maskz_loadu_ps(tail, se + j);
-            mx = _mm512_mask_max_ps(mx, tail, mx, v);
-            bad = _mm512_add_ps(bad, _mm512_sub_ps(v, v));
-        }
-        __m512 shift = _mm512_add_ps(_mm512_set1_ps(max16(mx)), _mm512_set1_ps(sum16(bad)));
-        __m512 lsum = _mm512_setzero_ps();
-        for (j = 0; j + 16 <= n; j += 16) {
-            __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(se + j), shift));
-            _mm512_storeu_ps(se + j, p);
-            lsum = _mm512_add_ps(lsum, p);
-        }
-        if (n - j) {
-            __m512 p = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, se + j), shift));
-            _mm512_mask_storeu_ps(se + j, tail, p);
-            lsum = _mm512_add_ps(lsum, _mm512_maskz_mov_ps(tail, p));
-        }
-        __m512 l = _mm512_set1_ps(sum16(lsum));
-        __m512 acc[NV];
-        for (int c = 0; c < NV; c++) acc[c] = _mm512_setzero_ps();
-        for (int j0 = 0, b = 0; j0 < n; j0 += bs, b++) {
-            const float* vb = vc + (long)table[b] * bs * d;
-            int m = n - j0 < bs ? n - j0 : bs;
-            for (int o = 0; o < m; o++) {
-                __m512 p = _mm512_set1_ps(se[j0 + o]);
-                for (int c = 0; c < NV; c++)
-                    acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vb + o * d + 16 * c), acc[c]);
-            }
-        }
-        for (int c = 0; c < NV; c++) _mm512_storeu_ps(out + e * d + 16 * c, _mm512_div_ps(acc[c], l));
     }
 }
 
@@ -114,14 +188,18 @@ int stopline_paged_attention(const float* q, long ldq, const float* kc, const fl
                              int max_keys, float scale) {
     int g = heads / kv_heads;
     int items = rows * kv_heads;
+    long keys = max_keys > 0 ? max_keys : 1;
     int failed = 0;
 #pragma omp parallel
     {
-        float* s = malloc(sizeof(float) * (size_t)g * (size_t)(max_keys > 0 ? max_keys : 1));
+        /* per thread: g x keys scores, g sums, keys slots */
+        float* s = malloc(sizeof(float) * (size_t)(g * keys + g) + sizeof(int32_t) * (size_t)keys);
         if (!s) {
 #pragma omp atomic write
             failed = 1;
         }
+        float* l = s + g * keys;
+        int32_t* slot = (int32_t*)(l + g);
 #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < items; it++) {
             if (!s) continue;
@@ -132,10 +210,10 @@ int stopline_paged_attention(const float* q, long ldq, const float* kc, const fl
             float* oi = out + (long)i * heads * d + (long)h * g * d;
             const int32_t* t = tables + table_at[i];
             switch (d) {
-            case 16: item(qi, kh, vh, oi, s, g, nkeys[i], bs, t, scale, 1); break;
-            case 32: item(qi, kh, vh, oi, s, g, nkeys[i], bs, t, scale, 2); break;
-            case 64: item(qi, kh, vh, oi, s, g, nkeys[i], bs, t, scale, 4); break;
-            default: item(qi, kh, vh, oi, s, g, nkeys[i], bs, t, scale, 8); break;
+            case 16: item(qi, kh, vh, oi, slot, s, l, g, nkeys[i], bs, t, scale, 1); break;
+            case 32: item(qi, kh, vh, oi, slot, s, l, g, nkeys[i], bs, t, scale, 2); break;
+            case 64: item(qi, kh, vh, oi, slot, s, l, g, nkeys[i], bs, t, scale, 4); break;
+            default: item(qi, kh, vh, oi, slot, s, l, g, nkeys[i], bs, t, scale, 8); break;
             }
         }
         free(s);
