@@ -298,15 +298,22 @@ def test_deadline_and_queue_timeout(tiny):
     assert slow.finish_reason in (FinishReason.TIMEOUT, FinishReason.LENGTH)
 
 
-def test_nan_logits_fail_one_request_only(tiny):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nan_or_infinite_logits_fail_one_request_only(tiny, bad, temperature):
+    """A NaN or +inf anywhere in a row, or a row all -inf, has no token to draw (the C race
+    drew token 0 from a row with +inf): that request ends with an error, the other runs on."""
     eng = engine(tiny)
     forward = eng.model.forward
-    eng.add_request("bad", PROMPT, SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY))
+    eng.add_request("bad", PROMPT, SamplingParams(max_tokens=6, ignore_eos=True, temperature=temperature, seed=1))
     eng.add_request("good", PROMPT[:6], SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY))
 
     def poisoned(inp, kv, interrupt=None, decode_rows=None):
         logits = forward(inp, kv, interrupt, decode_rows)
-        logits[0] = float("nan")  # the first sampling row belongs to "bad"
+        if bad == float("-inf"):
+            logits[0] = bad  # the first sampling row belongs to "bad"
+        else:
+            logits[0, 7] = bad
         return logits
 
     eng.model.forward = poisoned
@@ -315,7 +322,8 @@ def test_nan_logits_fail_one_request_only(tiny):
     while eng.has_unfinished():
         collect(eng.step(), res)
     assert res[("bad", 0)]["terminal"][0].finish_reason is FinishReason.ERROR
-    assert "NaN" in res[("bad", 0)]["terminal"][0].stop_detail
+    assert res[("bad", 0)]["terminal"][0].stop_detail == "the model produced NaN or infinite logits"
+    assert res[("bad", 0)]["tokens"] == []
     assert res[("good", 0)]["tokens"] == solo(tiny, PROMPT[:6], SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY))
 
 

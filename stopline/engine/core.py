@@ -228,7 +228,7 @@ class EngineCore:
         stream, 206 -> 121 at 32, for a synchronous engine in a process where an async one
         had run)."""
         result = self.runner.execute(plan, self._interrupt)
-        result.nan_rows = bad_rows = self._nan_rows(result)
+        result.bad_rows = bad_rows = self._bad_rows(result)
         tasks = [SampleTask(result.logit_index[ci], m)
                  for ci, ch in enumerate(plan.chunks)
                  if ch.sample and ch.req.status is RequestStatus.RUNNING
@@ -238,20 +238,23 @@ class EngineCore:
         return result, {(t.row, id(t.req)): s for t, s in zip(tasks, samples, strict=True)}
 
     @staticmethod
-    def _nan_rows(result: StepResult) -> set[int]:
-        if result.nan_rows is not None:
-            return result.nan_rows
+    def _bad_rows(result: StepResult) -> set[int]:
+        """Rows no token can be drawn from: a NaN or +inf anywhere (a broken forward), or
+        nothing above -inf. Sampling would turn them into an arbitrary token."""
+        if result.bad_rows is not None:
+            return result.bad_rows
         if not result.logits.numel():
             return set()
-        # max propagates NaN: one cheap reduction (isnan().any() cost ~10x more at 32 rows).
-        nan = torch.isnan(result.logits.amax(dim=-1)).tolist()
-        return {i for i, b in enumerate(nan) if b}
+        # max propagates NaN and is +inf / -inf in the other cases: one cheap reduction
+        # (isnan().any() cost ~10x more at 32 rows).
+        finite = torch.isfinite(result.logits.amax(dim=-1)).tolist()
+        return {i for i, ok in enumerate(finite) if not ok}
 
     def _process(self, result: StepResult,
                  sampled: dict[tuple[int, int], Sampled] | None = None) -> None:
         plan = result.plan
         tasks: list[SampleTask] = []
-        bad_rows = self._nan_rows(result)
+        bad_rows = self._bad_rows(result)
         for ci, ch in enumerate(plan.chunks):
             req = ch.req
             req.inflight_samples = req.inflight_tokens = 0
@@ -262,7 +265,7 @@ class EngineCore:
                 continue
             row = result.logit_index[ci]
             if row in bad_rows:
-                self.lifecycle.fail(req, FinishReason.ERROR, "the model produced NaN logits")
+                self.lifecycle.fail(req, FinishReason.ERROR, "the model produced NaN or infinite logits")
                 continue
             tasks += [SampleTask(row, m) for m in [req, *req.forks_pending]]
         if not tasks:

@@ -33,7 +33,7 @@ class StepResult:
     plan: StepPlan
     logits: torch.Tensor  # [number of sampling chunks, vocab]
     logit_index: dict[int, int]  # chunk index -> row of logits
-    nan_rows: set[int] | None = None  # rows of logits with a NaN, once looked at
+    bad_rows: set[int] | None = None  # rows of logits with a NaN or an inf, once looked at
 
 
 class ModelRunner:
