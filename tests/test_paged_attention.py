@@ -197,3 +197,19 @@ def test_a_block_table_outside_the_pool_fails_the_step_not_the_process(tiny, mon
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("a", True, "error")]
     assert "outside the KV pool" in outs[0].stop_detail
     assert not eng.has_unfinished() and eng.pool.num_used == 0
+
+
+def test_the_attention_timer_runs_and_compares_two_builds() -> None:
+    """bench/attention_time.py (not a test of speed): it runs, and compared with itself as the
+    'other build' it reports the same bits."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "attention_time.py"
+    lib = native.kernels()._name
+    done = subprocess.run([sys.executable, str(script), "--rows", "3", "--keys", "20", "40", "--rounds", "1",
+                           "--against", lib], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [ln for ln in done.stdout.splitlines() if " keys: " in ln]
+    assert len(lines) == 2 and all("same bits" in ln for ln in lines), done.stdout

@@ -1,0 +1,89 @@
+"""Time the C paged attention alone: one layer's call for N decode rows over K keys each.
+
+    python bench/attention_time.py                       # SmolLM2's shape, 64 rows, 32..1000 keys
+    python bench/attention_time.py --rows 11 --keys 100 300
+    python bench/attention_time.py --against /tmp/old/stopline_kernels-XXXX.so   # A/B two builds
+
+Prints the best of several timings and the K/V bytes read per second: a decode row reads
+every key and value of its sequence once, so past a few hundred keys a step's attention is
+bound by memory (about 20 GB/s here), not by arithmetic. `--against` loads another build of
+the kernels (e.g. one made from an older commit: check it out in a worktree, import stopline
+there once, and take the .so from `~/.cache/stopline/native/`), checks that both give the
+same bits and times them alternately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import time
+
+import torch
+
+from stopline.model import native
+from stopline.model.paged_attention import PagedRows
+
+
+def call(lib: ctypes.CDLL, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: PagedRows,
+         bs: int, scale: float) -> torch.Tensor:
+    n, heads, d = q.shape
+    out = torch.empty(n, heads * d)
+    rc = lib.stopline_paged_attention(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), out.data_ptr(), n,
+                                      heads, kc.shape[0], d, kc.shape[1], bs, rows.nkeys.data_ptr(),
+                                      rows.table_at.data_ptr(), rows.tables.data_ptr(), rows.max_keys, scale)
+    if rc != 0:
+        raise MemoryError("paged attention could not allocate its scratch memory")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--keys", type=int, nargs="+", default=[32, 128, 250, 1000])
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--against", metavar="LIB", help="another build of the kernels to compare with")
+    args = ap.parse_args()
+    libs = {"this build": native.kernels()}
+    if args.against:
+        other = ctypes.CDLL(args.against)
+        other.stopline_paged_attention.argtypes = libs["this build"].stopline_paged_attention.argtypes
+        other.stopline_paged_attention.restype = libs["this build"].stopline_paged_attention.restype
+        libs[args.against] = other
+    bs, d = args.block_size, args.head_dim
+    per_row = -(-max(args.keys) // bs)
+    blocks = per_row * args.rows
+    gen = torch.Generator().manual_seed(0)
+    kc = torch.randn(args.kv_heads, blocks * bs, d, generator=gen)
+    vc = torch.randn(args.kv_heads, blocks * bs, d, generator=gen)
+    tables = torch.randperm(blocks, generator=gen).tolist()  # scattered, as a pool's blocks are
+    q = torch.randn(args.rows, args.heads, d, generator=gen)
+    scale = d ** -0.5
+    print(f"{args.rows} rows, {args.heads} heads over {args.kv_heads} KV heads, head_dim {d}, "
+          f"block size {bs}, {torch.get_num_threads()} threads")
+    for n in args.keys:
+        rows = PagedRows.build([n] * args.rows, [i * per_row for i in range(args.rows)], tables)
+        outs = {name: call(lib, q, kc, vc, rows, bs, scale) for name, lib in libs.items()}
+        first = next(iter(outs.values()))
+        same = all(torch.equal(first, o) for o in outs.values())
+        best = dict.fromkeys(libs, float("inf"))
+        for _ in range(args.rounds):
+            for name, lib in libs.items():
+                t = time.perf_counter()
+                for _ in range(10):
+                    call(lib, q, kc, vc, rows, bs, scale)
+                best[name] = min(best[name], (time.perf_counter() - t) / 10)
+        gb = 2 * args.rows * n * args.kv_heads * d * 4 / 1e9
+        line = ", ".join(f"{name} {t * 1e3:.3f} ms ({gb / t:.1f} GB/s)" for name, t in best.items())
+        extra = ""
+        if len(libs) > 1:
+            a, b = best.values()
+            extra = f"; ratio {a / b:.3f}, {'same bits' if same else 'DIFFERENT BITS'}"
+        print(f"{n} keys: {line}{extra}")
+
+
+if __name__ == "__main__":
+    main()
