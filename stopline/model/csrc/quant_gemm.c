@@ -25,6 +25,19 @@
 #define Q4_REC (PANEL * 2 * 2 + GROUP / 2 * PANEL)
 #define Q8_REC (PANEL * 2 + GROUP * PANEL)
 #define MR 8
+#ifndef AHEAD
+#define AHEAD 4096
+#endif
+
+/* Bytes of weights a pass fetches ahead of the record it reads. Panels lie one after another,
+ * but the hardware prefetcher stops at each 4 KB page, and a small batch is bound by how fast
+ * the weights stream in: a step of a few rows reads ~100 MB of them (SmolLM2). Measured on the
+ * layers' weights, interleaved with the kernel without it: 14% less time at one row, 8% at
+ * four, none from eight (compute bound). A prefetch past the end of the weights is harmless:
+ * prefetches do not fault. Tall chunks fetch ahead on their first pass over a panel only. */
+static inline void fetch_ahead(const uint8_t* rec, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(rec + AHEAD + o), _MM_HINT_T0);
+}
 
 static inline void q4_deq(const uint8_t* rec, int pair, __m512 d0, __m512 d1, __m512 m0, __m512 m1,
                           __m512* we0, __m512* we1, __m512* wo0, __m512* wo1) {
@@ -66,6 +79,7 @@ static inline void q4_panel(const float* x, long ldx, const uint8_t* P, float* y
         for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int g = k0 / GROUP; g < k1 / GROUP; g++) {
             const uint8_t* rec = P + (long)g * Q4_REC;
+            fetch_ahead(rec, Q4_REC);
             __m512 d0 = f16x16(rec), d1 = f16x16(rec + 32), m0 = f16x16(rec + 64), m1 = f16x16(rec + 96);
             const float* xk = x + g * GROUP;
             for (int p = 0; p < GROUP / 2; p++) {
@@ -93,6 +107,7 @@ static inline void q8_panel(const float* x, long ldx, const uint8_t* P, float* y
         for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int g = k0 / GROUP; g < k1 / GROUP; g++) {
             const uint8_t* rec = P + (long)g * Q8_REC;
+            fetch_ahead(rec, Q8_REC);
             __m512 d0 = f16x16(rec), d1 = f16x16(rec + 32);
             const float* xk = x + g * GROUP;
             for (int k = 0; k < GROUP; k++) {
@@ -120,7 +135,8 @@ static inline void q8_panel(const float* x, long ldx, const uint8_t* P, float* y
 #define UNROLL _Pragma("GCC unroll 24")
 
 static inline __attribute__((always_inline)) void
-q4_half(const float* xp, const uint8_t* P, int half, float* y, long ldy, int mr, int K, int kc) {
+q4_half(const float* xp, const uint8_t* P, int half, int first, float* y, long ldy, int mr, int K,
+        int kc) {
     __m512 acc[TALL];
     const __m512i f = _mm512_set1_epi32(15);
     for (int k0 = 0; k0 < K; k0 += kc) {
@@ -128,6 +144,7 @@ q4_half(const float* xp, const uint8_t* P, int half, float* y, long ldy, int mr,
         UNROLL for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
         for (int g = k0 / GROUP; g < k1 / GROUP; g++) {
             const uint8_t* rec = P + (long)g * Q4_REC;
+            if (first) fetch_ahead(rec, Q4_REC);
             __m512 d = f16x16(rec + half * 32), m = f16x16(rec + 64 + half * 32);
             const float* xk = xp + (long)g * GROUP * mr;
             for (int p = 0; p < GROUP / 2; p++) {
@@ -148,13 +165,15 @@ q4_half(const float* xp, const uint8_t* P, int half, float* y, long ldy, int mr,
 }
 
 static inline __attribute__((always_inline)) void
-q8_half(const float* xp, const uint8_t* P, int half, float* y, long ldy, int mr, int K, int kc) {
+q8_half(const float* xp, const uint8_t* P, int half, int first, float* y, long ldy, int mr, int K,
+        int kc) {
     __m512 acc[TALL];
     for (int k0 = 0; k0 < K; k0 += kc) {
         int k1 = k0 + kc < K ? k0 + kc : K;
         UNROLL for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
         for (int g = k0 / GROUP; g < k1 / GROUP; g++) {
             const uint8_t* rec = P + (long)g * Q8_REC;
+            if (first) fetch_ahead(rec, Q8_REC);
             __m512 d = f16x16(rec + half * 32);
             const float* xk = xp + (long)g * GROUP * mr;
             for (int k = 0; k < GROUP; k++) {
@@ -240,10 +259,10 @@ static float* pack_space(long floats) {
     }
 
 #define PANEL_CALL(n) q4_panel(xr, K, P, yr, N, n, K, kc)
-#define HALF_CALL(n) q4_half(xc, P, half, yr, N, n, K, kc)
+#define HALF_CALL(n) q4_half(xc, P, half, half == 0 && c == 0, yr, N, n, K, kc)
 GEMM(stopline_q4_1_gemm, Q4_REC)
 #undef PANEL_CALL
 #undef HALF_CALL
 #define PANEL_CALL(n) q8_panel(xr, K, P, yr, N, n, K, kc)
-#define HALF_CALL(n) q8_half(xc, P, half, yr, N, n, K, kc)
+#define HALF_CALL(n) q8_half(xc, P, half, half == 0 && c == 0, yr, N, n, K, kc)
 GEMM(stopline_q8_0_gemm, Q8_REC)
