@@ -64,7 +64,7 @@ static inline float max16(__m512 v) { return _mm512_reduce_max_ps(v); }
 /* A key's or value's row of d floats (NV lines of 64 bytes) fetched ahead. The cache rows
  * of a sequence lie in blocks scattered over the pool, one 4 KB page each at block size 16,
  * which the hardware prefetcher meets cold: without this the kernel waits on memory. */
-#define AHEAD 16
+#define KEYS_AHEAD 16
 static inline __attribute__((always_inline)) void prefetch_row(const float* r, const int NV) {
     UNROLL for (int c = 0; c < NV; c++) _mm_prefetch((const char*)(r + 16 * c), _MM_HINT_T0);
 }
@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) void weighted_values(
         UNROLL for (int c = 0; c < NV; c++) acc[e][c] = _mm512_setzero_ps();
     for (int j = 0; j < n; j++) {
         const float* vj = vc + (long)slot[j] * d;
-        if (j + AHEAD < n) prefetch_row(vc + (long)slot[j + AHEAD] * d, NV);
+        if (j + KEYS_AHEAD < n) prefetch_row(vc + (long)slot[j + KEYS_AHEAD] * d, NV);
         __m512 vv[8];
         UNROLL for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(vj + 16 * c);
         UNROLL for (int e = 0; e < EH; e++) {
@@ -148,7 +148,7 @@ static inline __attribute__((always_inline)) void item(
         int m = n - j < bs ? n - j : bs;
         for (int o = 0; o < m; o++) slot[j + o] = table[b] * bs + o;
     }
-    for (int t = 0; t < AHEAD && t < n; t++) prefetch_row(kc + (long)slot[t] * d, NV);
+    for (int t = 0; t < KEYS_AHEAD && t < n; t++) prefetch_row(kc + (long)slot[t] * d, NV);
     for (int e = 0; e < g; e++) {
         __m512 qv[8];
         UNROLL for (int c = 0; c < NV; c++)
@@ -157,8 +157,9 @@ static inline __attribute__((always_inline)) void item(
         int j0 = 0;
         for (; j0 + 16 <= n; j0 += 16) {
             if (e == 0) /* the first head brings the keys in; the others find them in cache */
-                for (int t = j0 + AHEAD; t < j0 + AHEAD + 16 && t < n; t++) prefetch_row(kc + (long)slot[t] * d, NV);
-            if (e == g - 1 && j0 < AHEAD) /* and the last the values the value pass starts with */
+                for (int t = j0 + KEYS_AHEAD; t < j0 + KEYS_AHEAD + 16 && t < n; t++)
+                    prefetch_row(kc + (long)slot[t] * d, NV);
+            if (e == g - 1 && j0 < KEYS_AHEAD) /* and the last the values the value pass starts with */
                 for (int t = j0; t < j0 + 16; t++) prefetch_row(vc + (long)slot[t] * d, NV);
             __m512 v[16];
             UNROLL for (int t = 0; t < 16; t++) /* the order sum16x16 gives back as 0..15 */

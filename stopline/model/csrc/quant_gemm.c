@@ -25,9 +25,7 @@
 #define Q4_REC (PANEL * 2 * 2 + GROUP / 2 * PANEL)
 #define Q8_REC (PANEL * 2 + GROUP * PANEL)
 #define MR 8
-#ifndef AHEAD
-#define AHEAD 4096
-#endif
+#define AHEAD_BYTES 4096
 
 /* Bytes of weights a pass fetches ahead of the record it reads. Panels lie one after another,
  * but the hardware prefetcher stops at each 4 KB page, and a small batch is bound by how fast
@@ -36,7 +34,7 @@
  * four, none from eight (compute bound). A prefetch past the end of the weights is harmless:
  * prefetches do not fault. Tall chunks fetch ahead on their first pass over a panel only. */
 static inline void fetch_ahead(const uint8_t* rec, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(rec + AHEAD + o), _MM_HINT_T0);
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(rec + AHEAD_BYTES + o), _MM_HINT_T0);
 }
 
 static inline void q4_deq(const uint8_t* rec, int pair, __m512 d0, __m512 d1, __m512 m0, __m512 m1,
