@@ -34,7 +34,9 @@ def test_calibration_keeps_only_row_counts_that_agree():
     w_t = torch.randn(64, 48)
 
     def odd_kernel(x):  # a library whose kernel for 17..40 rows sums in another order
-        y = torch.matmul(x, w_t)
+        # Row by row, so every other height agrees by construction: whether MKL's own
+        # kernels agree depends on the CPU (on a Zen 5 host, 2 and 3 rows differ).
+        y = torch.cat([torch.matmul(r[None], w_t) for r in x])
         return y + 1e-3 if 17 <= x.shape[0] <= 40 else y
 
     kept = calibrate(odd_kernel, 64, 64)

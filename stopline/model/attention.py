@@ -8,9 +8,10 @@ decode row alone, or a row of a prefill chunk of any size (a preempted request i
 as a prefill and must write the K/V it wrote the first time). So no reduction here may
 change order with the batch, the padding or the chunking:
 
-- scores: `q @ k` reduces over head_dim only; measured, the batched GEMM gives the same
-  bits for every row count >= 2 and any key count, so a query block with one row gets a zero
-  row beside it;
+- scores: `q @ k` reduces over head_dim only; the batched GEMM gives the same bits for
+  every row count from some small count on (measured: 2 on the earlier hosts, 4 on a Zen 5
+  host, where MKL takes 2 and 3 rows through another kernel), so a query block with fewer
+  rows gets zero rows beside it, up to a count probed at first use (`min_rows`);
 - softmax: rows are padded with -inf to whole tiles of KEY_TILE (64) keys, so torch's fused
   softmax takes every element through its vector loop, and the padding only adds exact
   zeros to its per-lane sums; a probe at start checks that a row's bits do not move with
@@ -47,9 +48,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
     p = _weights(q, keys, masked, scale)
     nt = vals.shape[-2] // KEY_TILE
     vals = vals.unflatten(-2, (nt, KEY_TILE))  # [..., nt, tile, d]
-    pb = p.unflatten(-1, (nt, KEY_TILE)).transpose(-3, -2)  # [..., nt, m, tile]
-    if m == 1:
-        pb = torch.cat([pb, torch.zeros_like(pb)], dim=-2)
+    pb = _pad_rows(p.unflatten(-1, (nt, KEY_TILE)).transpose(-3, -2))  # [..., nt, m', tile]
     acc = torch.matmul(pb, vals)  # [..., nt, m', d], per tile
     return acc.cumsum(dim=-3)[..., -1, :m, :]
 
@@ -65,9 +64,7 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
     if ctx % KEY_TILE:
         raise ValueError(f"attend_rows needs whole tiles of {KEY_TILE} keys, got {ctx}")
     m = q.shape[-2]
-    p = _weights(q, keys, masked, scale)
-    if m == 1:
-        p = torch.cat([p, torch.zeros_like(p)], dim=-2)
+    p = _pad_rows(_weights(q, keys, masked, scale))
     acc = torch.stack([torch.matmul(p[..., t:t + KEY_TILE], vals[..., t:t + KEY_TILE, :])
                        for t in range(0, ctx, KEY_TILE)], dim=-3)  # [..., nt, m', d]
     return acc.cumsum(dim=-3)[..., -1, :m, :]
@@ -76,13 +73,38 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
 def _weights(q: torch.Tensor, keys: torch.Tensor, masked: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax weights [..., m, ctx] of the query rows over the keys."""
     m = q.shape[-2]
-    if m == 1:  # one row goes through another GEMM kernel than two or more
-        q = torch.cat([q, torch.zeros_like(q)], dim=-2)
-    scores = torch.matmul(q, keys).mul_(scale)
-    if m == 1:
-        scores = scores[..., :1, :]
+    scores = torch.matmul(_pad_rows(q), keys)[..., :m, :].mul_(scale)
     scores.masked_fill_(masked, float("-inf"))
     return _softmax(scores)
+
+
+def _pad_rows(a: torch.Tensor) -> torch.Tensor:
+    """a [..., m, k] with zero rows after its own up to `min_rows`: a GEMM library takes a
+    few rows through another kernel than many."""
+    want = min_rows(a.device.type, torch.get_num_threads())
+    m = a.shape[-2]
+    if m >= want:
+        return a
+    return torch.cat([a, a.new_zeros(*a.shape[:-2], want - m, a.shape[-1])], dim=-2)
+
+
+@functools.lru_cache(maxsize=8)
+def min_rows(device: str, threads: int) -> int:
+    """The fewest rows the attention's batched GEMMs take: the smallest of 2, 4, 8, 16 from
+    which every row count gives a row the bits it gets among 64, for the shapes attention
+    uses (scores over a few key counts, P @ V over a tile). Probed, like the linears."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    shapes = [(d, n) for d in (16, 32, 64, 128) for n in (64, 640)] + [(KEY_TILE, d) for d in (16, 32, 64, 128)]
+    cases = []
+    for k, n in shapes:
+        a = torch.randn(3, 64, k, generator=gen).to(device)
+        b = torch.randn(3, k, n, generator=gen).to(device)
+        cases.append((a, b, torch.matmul(a, b)))
+    for want in (2, 4, 8, 16):
+        if all(torch.equal(torch.matmul(a[:, :h], b), ref[:, :h])
+               for a, b, ref in cases for h in range(want, 65)):
+            return want
+    return 64  # none held: pad every block to the tallest count probed
 
 
 def probe(device: str) -> bool:

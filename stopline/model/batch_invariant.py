@@ -36,6 +36,9 @@ from stopline.model.quant_linear import QuantWeight
 # A tile costs its rows plus this many rows' worth of fixed overhead (call, weight reads).
 _TILE_OVERHEAD_ROWS = 8
 
+# Row counts every weight is probed up to, however few rows its engine's steps carry.
+MIN_PROBE_ROWS = 64
+
 # Weights with at least this many elements take oneDNN where it is available: SmolLM2's
 # gate/up (1.77M) and LM head (28M), not down (0.88M), q/k/v (0.55M) or o (0.33M).
 ONEDNN_MIN_ELEMENTS = 1 << 20
@@ -60,14 +63,18 @@ def calibrate(mm: MatMul, in_features: int, max_rows: int, seed: int = 0,
     kept count. Seeded from 2 rows (a lone decode pads to 2; one row goes down another path
     in every library tried); if that class stops short of 16 rows, the class of 16 is tried
     too and the cheaper one for a spread of batch sizes wins."""
-    probes = [h for h in probe_heights(max_rows) if h >= 2] or [2]
+    # Probed to at least MIN_PROBE_ROWS whatever the engine's own limit, and the class picked
+    # by a fixed spread of sizes: engines with other step budgets then keep the same heights
+    # for the batches they share, so a request gets the same bits in either (on a Zen 5 host
+    # 2 and 3 rows disagree with 4 and up: an engine probing only up to 5 rows kept {2, 3}).
+    probes = [h for h in probe_heights(max(max_rows, MIN_PROBE_ROWS)) if h >= 2]
     small = _chain(mm, in_features, probes, 2, seed, device, dtype)
     if small and small[-1] >= 16:
         return small
     large = _chain(mm, in_features, probes, 16, seed, device, dtype)
     if not large:
         return small
-    sizes = sorted({1, 4, 16, 64, max_rows})
+    sizes = (1, 4, 16, 64)
     cost = {c: sum(_plan_cost(n, c) for n in sizes) for c in (small, large) if c}
     return min(cost, key=cost.__getitem__)
 
