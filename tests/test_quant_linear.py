@@ -57,9 +57,9 @@ def test_kernel_rows_carry_the_library_bits_at_every_batch_size(fmt, backend, sh
     library = lin._library(x)
     alone = torch.cat([lin(x[i:i + 1]) for i in range(20)])  # the kernel, one row at a time
     assert torch.equal(alone, library[:20])
-    # The kernel takes up to 8 rows at once over whole panels, then even chunks of up to 24
-    # rows over half panels (9..24: one chunk, 25..48: two, 49..72: three); 73 and up: the library.
-    for rows in (2, 3, 8, 9, 11, 15, 16, 23, 24, 25, 31, 40, 47, 48, 49, 56, 64, 71, 72, 73, 96):
+    # The kernel takes rows in even chunks of up to 12 over whole panels (1..12: one chunk,
+    # 13..24: two, ..., 61..72: six); 73 and up: the library.
+    for rows in (2, 3, 8, 9, 11, 12, 13, 15, 16, 23, 24, 25, 31, 36, 37, 47, 49, 56, 64, 71, 72, 73, 96):
         assert torch.equal(lin(x[:rows]), library[:rows]), rows
 
 
@@ -188,3 +188,20 @@ def test_quant_max_rows_is_a_command_line_setting_and_refuses_negatives():
     assert engine_config(p.parse_args(["--quant-max-rows", "0"])).quant_max_rows == 0
     with pytest.raises(ValueError, match="quant_max_rows must be >= 0"):
         engine_config(p.parse_args(["--quant-max-rows", "-1"]))
+
+
+def test_the_gemm_timer_runs_and_compares_two_builds() -> None:
+    """bench/quant_time.py (not a test of speed): it runs, and compared with itself as the
+    'other build' it reports the same bits at a panel's row counts and past one chunk."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if native.try_kernels() is None:
+        pytest.skip("the C kernels are not built here")
+    script = Path(__file__).resolve().parents[1] / "bench" / "quant_time.py"
+    done = subprocess.run([sys.executable, str(script), "--rows", "1", "13", "--layers", "1", "--rounds", "1",
+                           "--against", native.kernels()._name], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [ln for ln in done.stdout.splitlines() if " rows: " in ln]
+    assert len(lines) == 2 and all("same bits" in ln for ln in lines), done.stdout

@@ -1,0 +1,99 @@
+"""Time the quantized GEMM kernel alone on SmolLM2's shapes, weights streamed from memory.
+
+    python bench/quant_time.py                              # 1..64 rows
+    python bench/quant_time.py --rows 8 11 31 --layers 30
+    python bench/quant_time.py --against /tmp/old/stopline_kernels-XXXX.so   # A/B two builds
+
+One "step" is what a decode step's linears do: 30 layers of Q4_1 weights (q|k|v, o, gate|up,
+down, each with the block order kc the engine probes for SmolLM2 under MKL/oneDNN) and the
+Q8_0 LM head, every weight distinct, so (96 MB in all, against a 32 MB L3) each is read from
+memory as in the engine. A microbenchmark that calls one weight over and over times it from
+cache and hides what a step of few rows is bound by. Weights are random GGML blocks.
+`--against` loads another build of the kernels (check out an older commit in a worktree,
+import stopline there once, take the .so from `~/.cache/stopline/native/`), checks that both
+give the same bits and times them alternately, so a slow spell of this host lands on both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import time
+
+import numpy as np
+import torch
+
+from stopline.model import native
+from stopline.model.quant_linear import BLOCK_BYTES, QuantWeight
+
+# name: (out_features, in_features, kc) for SmolLM2-135M
+LAYER_SHAPES = {"qkv": (960, 576, 288), "o": (576, 576, 288), "gate_up": (3072, 576, 512),
+                "down": (576, 1536, 1536)}
+HEAD_SHAPE = (49152, 576, 288)
+ENTRIES = ("stopline_q4_1_gemm", "stopline_q8_0_gemm")
+
+
+def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """GGML blocks with random quants and small positive scales (Q4_1: negative minimums)."""
+    groups = k // 32
+    b = rng.integers(0, 256, size=(n, groups, BLOCK_BYTES[fmt]), dtype=np.uint8)
+    b[..., 0:2] = (rng.random((n, groups)) * 0.01 + 0.001).astype(np.float16).view(np.uint8).reshape(n, groups, 2)
+    if fmt == "q4_1":
+        b[..., 2:4] = (-rng.random((n, groups)) * 0.05).astype(np.float16).view(np.uint8).reshape(n, groups, 2)
+    return b.reshape(n, -1)
+
+
+def load_other(path: str, this: ctypes.CDLL) -> ctypes.CDLL:
+    other = ctypes.CDLL(path)
+    for name in ENTRIES:
+        getattr(other, name).argtypes = getattr(this, name).argtypes
+        getattr(other, name).restype = getattr(this, name).restype
+    return other
+
+
+def step(lib: ctypes.CDLL, weights: list, xs: dict[int, torch.Tensor], out: list[torch.Tensor]) -> None:
+    """Every weight once, in order, as a decode step's linears run."""
+    for (_, n, k, kc, w), y in zip(weights, out, strict=True):
+        fn = lib.stopline_q4_1_gemm if w.fmt == "q4_1" else lib.stopline_q8_0_gemm
+        fn(xs[k].data_ptr(), w.packed.data_ptr(), y.data_ptr(), y.shape[0], k, n, kc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 9, 11, 12, 16, 24, 31, 48, 64])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=12, help="timed steps per build (median shown)")
+    ap.add_argument("--against", metavar="LIB", help="another build of the kernels to compare with")
+    args = ap.parse_args()
+    libs = {"this build": native.kernels()}
+    if args.against:
+        libs["other"] = load_other(args.against, libs["this build"])
+    rng = np.random.default_rng(0)
+    weights = [(name, *shape, QuantWeight.from_raw("q4_1", random_blocks("q4_1", shape[0], shape[1], rng), shape[1]))
+               for _ in range(args.layers) for name, shape in LAYER_SHAPES.items()]
+    weights.append(("head", *HEAD_SHAPE, QuantWeight.from_raw("q8_0", random_blocks("q8_0", *HEAD_SHAPE[:2], rng),
+                                                              HEAD_SHAPE[1])))
+    print(f"{args.layers} layers + LM head, {sum(w.packed.numel() for *_, w in weights) / 1e6:.0f} MB "
+          f"of blocks, {torch.get_num_threads()} threads")
+    for m in args.rows:
+        xs = {k: torch.randn(m, k) for k in {w[2] for w in weights}}
+        outs = {label: [torch.empty(m, n) for _, n, _, _, _ in weights] for label in libs}
+        times: dict[str, list[float]] = {label: [] for label in libs}
+        for i in range(args.rounds + 2):
+            order = list(libs) if i % 2 else list(libs)[::-1]
+            for label in order:
+                t = time.perf_counter()
+                step(libs[label], weights, xs, outs[label])
+                if i >= 2:  # the first two rounds warm up
+                    times[label].append(time.perf_counter() - t)
+        p50 = {label: sorted(ts)[len(ts) // 2] for label, ts in times.items()}
+        line = f"{m:3d} rows: this build {p50['this build'] * 1e3:6.2f} ms ({p50['this build'] * 1e3 / m:.3f} a row)"
+        if args.against:
+            same = all(torch.equal(a, b) for a, b in zip(*outs.values(), strict=True))
+            line += (f", other {p50['other'] * 1e3:6.2f} ms; ratio {p50['this build'] / p50['other']:.3f}, "
+                     f"{'same bits' if same else 'DIFFERENT BITS'}")
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
