@@ -124,3 +124,23 @@ def test_attend_rows_on_views_of_wider_buffers_gives_attends_bits(g):
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="whole tiles"):
         attention.attend_rows(q, k[:, :, :5].transpose(2, 3), v[:, :, :5], masked[..., :5], 0.25)
+
+
+def test_a_library_whose_few_rows_take_another_kernel_gets_its_blocks_padded(monkeypatch) -> None:
+    """Where the GEMM library gives 2 and 3 rows other bits than 4 and more (MKL on a Zen 5
+    host does), the probe says 4, and a decode (G = 3 query rows) still gets the bits of the
+    same position in a prefill chunk (G x rows)."""
+    real = torch.matmul
+
+    def odd(a, b):  # 2 or 3 rows: another summation order
+        y = real(a, b)
+        return y + 1e-3 if a.shape[-2] in (2, 3) else y
+
+    monkeypatch.setattr(torch, "matmul", odd)
+    attention.min_rows.cache_clear()
+    try:
+        assert attention.min_rows("cpu", torch.get_num_threads()) == 4
+        q, k, v, n = seq = _seq(100, 0)
+        assert torch.equal(_decode([seq])[0], _prefill(q, k, v, n - 5, n)[-1])
+    finally:
+        attention.min_rows.cache_clear()

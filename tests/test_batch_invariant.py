@@ -128,3 +128,19 @@ def test_the_backend_is_a_command_line_setting():
     assert engine_config(p.parse_args(["--linear-backend", "blas"])).linear_backend == "blas"
     with pytest.raises(SystemExit):
         p.parse_args(["--linear-backend", "mkl"])
+
+
+def test_engines_with_other_step_budgets_keep_the_same_heights():
+    """An engine whose steps carry at most 5 rows must pad like one that carries 100: where 2
+    and 3 rows take another kernel (MKL on a Zen 5 host), probing only up to 5 rows would keep
+    {2, 3} and give a lone decode other bits than the larger engine gives it."""
+    w_t = torch.randn(64, 48)
+
+    def odd_kernel(x):
+        y = torch.cat([torch.matmul(r[None], w_t) for r in x])
+        return y + 1e-3 if x.shape[0] in (2, 3) else y
+
+    small, large = calibrate(odd_kernel, 64, 5), calibrate(odd_kernel, 64, 100)
+    assert 2 not in small and 3 not in small
+    assert [h for h in small if h <= 64] == [h for h in large if h <= 64]
+    assert tile_plan(1, small) == tile_plan(1, large) == ((1, 4),)
