@@ -27,15 +27,14 @@
 #define AHEAD_BYTES 4096
 
 /* Rows a panel pass carries: 12 rows x 2 vectors of 16 columns = 24 accumulators, which with
- * the dequantized weights and their scales fill the 32 vector registers. Each x broadcast
- * feeds two FMAs (one per 16 columns); the kernel's issue slots, not its arithmetic, are what
- * a batch of a few rows is short of. Measured against the earlier tall kernel (16 columns,
- * chunks of up to 24 rows, one FMA per broadcast) on SmolLM2's 30 layers of Q4_1 weights
- * streamed from memory: 11 rows 5.7 against 7.8-8.2 ms, 31 rows 15.3 against 16.6-18.1, 64
- * rows 30.9 against 31.5-34.5. */
+ * the dequantized weights and their scales fill the 32 vector registers, and each x broadcast
+ * feeds two FMAs (one per 16 columns). It replaced a tall path (16 columns against up to 24
+ * rows, one FMA per broadcast) built to spread the dequantization over more rows: on
+ * SmolLM2's shapes with the weights streamed from memory (bench/quant_time.py, interleaved
+ * A/B, same bits) this takes 0.69-0.71x its time at 9-12 rows, 0.82x at 31, 0.89x at 64. */
 #define MR 12
 /* Every loop over a chunk's rows is unrolled whole, so each accumulator is a register of its
- * own; gcc's own limits unroll it only up to a few rows. */
+ * own whatever gcc's unrolling limits. */
 #define UNROLL _Pragma("GCC unroll 12")
 
 /* Bytes of weights a pass fetches ahead of the record it reads. Panels lie one after another,
@@ -81,8 +80,8 @@ static inline void add_block(__m512 acc[][2], float* y, long ldy, int mr, int fi
 
 /* One panel (32 columns) for rows [0, mr) of x; mr <= MR, fixed per call so the compiler
  * keeps the accumulators in registers. */
-static inline __attribute__((always_inline)) void q4_panel(const float* x, long ldx, const uint8_t* P, float* y, long ldy,
-                            int mr, int K, int kc) {
+static inline __attribute__((always_inline)) void
+q4_panel(const float* x, long ldx, const uint8_t* P, float* y, long ldy, int mr, int K, int kc) {
     __m512 acc[MR][2];
     for (int k0 = 0; k0 < K; k0 += kc) {
         int k1 = k0 + kc < K ? k0 + kc : K;
@@ -109,8 +108,8 @@ static inline __attribute__((always_inline)) void q4_panel(const float* x, long 
     }
 }
 
-static inline __attribute__((always_inline)) void q8_panel(const float* x, long ldx, const uint8_t* P, float* y, long ldy,
-                            int mr, int K, int kc) {
+static inline __attribute__((always_inline)) void
+q8_panel(const float* x, long ldx, const uint8_t* P, float* y, long ldy, int mr, int K, int kc) {
     __m512 acc[MR][2];
     for (int k0 = 0; k0 < K; k0 += kc) {
         int k1 = k0 + kc < K ? k0 + kc : K;
@@ -135,9 +134,8 @@ static inline __attribute__((always_inline)) void q8_panel(const float* x, long 
     }
 }
 
-/* One function per row count, each compiled on its own: with the count a constant the
- * accumulators stay in registers, and no case's register allocation disturbs another's (with
- * all twelve inlined into one switch, gcc 12 made the 8-row case 1.4x slower). */
+/* One function per row count, each compiled on its own with the count a constant, so its
+ * accumulators stay in registers; the entry points pick one from a table. */
 typedef void (*PanelFn)(const float* x, long ldx, const uint8_t* P, float* y, long ldy, int K, int kc);
 #define PANEL_FN(kind, n)                                                                     \
     static __attribute__((noinline)) void kind##_panel_##n(const float* x, long ldx, const uint8_t* P, \
