@@ -206,6 +206,12 @@ def _preemption(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
         u = w["unconstrained"]
         L.append(f"| {e} | unconstrained | — | {f(u['output_tok_s'], 1)} | 1.00 | {f(u['preemptions'], 0)} "
                  f"| {f(u['recomputed_tokens'], 0)} | — | {', '.join(u['finish_reasons'])} |")
+        refs = w.get("references", [])
+        if len(refs) > 1:
+            notes.append(f"- {e}: each variant's ratios are against the mean of the unconstrained runs "
+                         f"just before and after it ({len(refs)} in all: "
+                         + ", ".join(f(r["output_tok_s"], 1) for r in refs) + " tok/s; light load "
+                         + ", ".join(f(r["light_load_tok_s"], 1) for r in refs) + " tok/s).")
         for v in w["variants"]:
             if "error" in v:
                 why = v["error"].strip().splitlines()

@@ -40,6 +40,7 @@ class BenchConfig:
     preempt_kv_fraction: float = 0.25
     preempt_after_s: float = 5.0
     preempt_after_concurrency: int = 8
+    preempt_bracket: bool = True  # an unconstrained reference after every variant too
     # stopline variants: (victim policy, preemption mode)
     preempt_variants: tuple[tuple[str, str], ...] = field(default_factory=lambda: (
         ("cost", "recompute"), ("cost", "swap"), ("cost", "auto"), ("newest", "recompute"),

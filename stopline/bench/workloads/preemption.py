@@ -5,6 +5,13 @@ unconstrained, preemptions and recomputed tokens (engine counters), and the thro
 light load in the seconds right after the storm against the same load before it (a collapse
 after pressure shows up as a ratio well under 1). stopline runs once per victim policy and
 preemption mode.
+
+Each variant is bracketed by unconstrained runs (the engine relaunched with its own pool):
+its ratios are taken against the mean of the reference just before and just after it. With
+one reference at the start, a host that slowed down over the ~5 minutes of variants read as
+the later variants being slower: in one run the light load alone, which no pool size
+touches, read 155-182 tok/s after the last three variants against 205 at the start.
+`preempt_bracket=False` keeps the single reference (fewer relaunches, e.g. for a slow peer).
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ AFTER_TOKENS = 32
 
 
 def planned(cfg: Any) -> int:
-    return 1 + cfg.preempt_streams * (1 + len(cfg.preempt_variants))
+    per_variant = 2 if cfg.preempt_bracket else 1
+    return 1 + cfg.preempt_streams * (1 + per_variant * len(cfg.preempt_variants))
 
 
 def _variants(ctx: Ctx) -> list[tuple[str, str]]:
@@ -39,11 +47,11 @@ async def run(ctx: Ctx) -> dict[str, Any]:
     demand = cfg.preempt_streams * (prompt_tokens + cfg.preempt_output_tokens)
     kv_tokens = int(demand * cfg.preempt_kv_fraction)
 
-    free = await _storm(ctx, prompts)
-    free_after = await _after_load(ctx, "before")
+    refs = [await _reference(ctx, prompts, 0)]
     results: dict[str, Any] = {"demand_tokens": demand, "kv_tokens": kv_tokens,
-                               "unconstrained": free | {"light_load_tok_s": free_after}, "variants": []}
-    for policy, mode in _variants(ctx):
+                               "unconstrained": refs[0], "variants": []}
+    variants = _variants(ctx)
+    for i, (policy, mode) in enumerate(variants):
         settings = {} if policy == "default" else {"victim-policy": policy, "preemption-mode": mode}
         try:
             ctx.client, ctx.probe = await ctx.relaunch(kv_tokens, settings)
@@ -52,14 +60,35 @@ async def run(ctx: Ctx) -> dict[str, Any]:
             continue
         storm = await _storm(ctx, prompts)
         after = await _after_load(ctx, "after")
+        bracket = refs[-1:]
+        if cfg.preempt_bracket:
+            ctx.client, ctx.probe = await ctx.relaunch(None, {})
+            refs.append(await _reference(ctx, prompts, i + 1))
+            bracket = refs[-2:]
+        free_tok_s = _mean([r["output_tok_s"] for r in bracket])
+        free_after = _mean([r["light_load_tok_s"] for r in bracket])
         storm |= {
             "policy": policy, "mode": mode,
-            "throughput_ratio": ratio(storm["output_tok_s"], free["output_tok_s"]),
+            "unconstrained_tok_s": free_tok_s, "unconstrained_light_load_tok_s": free_after,
+            "throughput_ratio": ratio(storm["output_tok_s"], free_tok_s),
             "light_load_after_tok_s": after,
             "after_ratio": ratio(after, free_after),
         }
         results["variants"].append(storm)
+    if len(refs) > 1:
+        results["references"] = [{k: r[k] for k in ("output_tok_s", "light_load_tok_s")} for r in refs]
     return results
+
+
+async def _reference(ctx: Ctx, prompts: list[str], n: int) -> dict[str, Any]:
+    """The storm and the light load on the engine with its own (unconstrained) pool."""
+    free = await _storm(ctx, prompts)
+    return free | {"light_load_tok_s": await _after_load(ctx, f"before:{n}" if n else "before")}
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 async def _storm(ctx: Ctx, prompts: list[str]) -> dict[str, Any]:
