@@ -184,7 +184,7 @@ def test_quant_max_rows_is_a_command_line_setting_and_refuses_negatives():
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    assert engine_config(p.parse_args([])).quant_max_rows == EngineConfig().quant_max_rows == 64
+    assert engine_config(p.parse_args([])).quant_max_rows == EngineConfig().quant_max_rows == 512
     assert engine_config(p.parse_args(["--quant-max-rows", "0"])).quant_max_rows == 0
     with pytest.raises(ValueError, match="quant_max_rows must be >= 0"):
         engine_config(p.parse_args(["--quant-max-rows", "-1"]))
