@@ -3,6 +3,7 @@
     python bench/quant_time.py                              # 1..64 rows
     python bench/quant_time.py --rows 8 11 31 --layers 30
     python bench/quant_time.py --against /tmp/old/stopline_kernels-XXXX.so   # A/B two builds
+    python bench/quant_time.py --library --rows 64 128 256 512   # the kernel against float32
 
 One "step" is what a decode step's linears do: 30 layers of Q4_1 weights (q|k|v, o, gate|up,
 down, each with the block order kc the engine probes for SmolLM2 under MKL/oneDNN) and the
@@ -12,6 +13,9 @@ cache and hides what a step of few rows is bound by. Weights are random GGML blo
 `--against` loads another build of the kernels (check out an older commit in a worktree,
 import stopline there once, take the .so from `~/.cache/stopline/native/`), checks that both
 give the same bits and times them alternately, so a slow spell of this host lands on both.
+`--library` times the float32 GEMM library path the engine takes past `quant_max_rows` (the
+same weights dequantized, tiled as `InvariantLinear` tiles them) against the kernel, each
+weight summed in the block order the engine probes for it, so the bits must match too.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 import torch
 
 from stopline.model import native
+from stopline.model.batch_invariant import InvariantLinear
 from stopline.model.quant_linear import BLOCK_BYTES, QuantWeight
 
 # name: (out_features, in_features, kc) for SmolLM2-135M
@@ -64,35 +69,64 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=12, help="timed steps per build (median shown)")
     ap.add_argument("--against", metavar="LIB", help="another build of the kernels to compare with")
+    ap.add_argument("--library", action="store_true", help="compare with the float32 GEMM library path")
     args = ap.parse_args()
-    libs = {"this build": native.kernels()}
-    if args.against:
-        libs["other"] = load_other(args.against, libs["this build"])
+    if args.against and args.library:
+        ap.error("--against and --library are two different comparisons: pick one")
+    this = native.kernels()
     rng = np.random.default_rng(0)
     weights = [(name, *shape, QuantWeight.from_raw("q4_1", random_blocks("q4_1", shape[0], shape[1], rng), shape[1]))
                for _ in range(args.layers) for name, shape in LAYER_SHAPES.items()]
     weights.append(("head", *HEAD_SHAPE, QuantWeight.from_raw("q8_0", random_blocks("q8_0", *HEAD_SHAPE[:2], rng),
                                                               HEAD_SHAPE[1])))
+    sides = {"this build": lambda xs, out: step(this, weights, xs, out)}
+    if args.against:
+        other = load_other(args.against, this)
+        sides["other"] = lambda xs, out: step(other, weights, xs, out)
+    if args.library:
+        lins, weights = library_linears(weights, max(args.rows))
+        sides["library"] = lambda xs, out: library_step(lins, xs, out)
     print(f"{args.layers} layers + LM head, {sum(w.packed.numel() for *_, w in weights) / 1e6:.0f} MB "
           f"of blocks, {torch.get_num_threads()} threads")
     for m in args.rows:
         xs = {k: torch.randn(m, k) for k in {w[2] for w in weights}}
-        outs = {label: [torch.empty(m, n) for _, n, _, _, _ in weights] for label in libs}
-        times: dict[str, list[float]] = {label: [] for label in libs}
+        outs = {label: [torch.empty(m, n) for _, n, _, _, _ in weights] for label in sides}
+        times: dict[str, list[float]] = {label: [] for label in sides}
         for i in range(args.rounds + 2):
-            order = list(libs) if i % 2 else list(libs)[::-1]
+            order = list(sides) if i % 2 else list(sides)[::-1]
             for label in order:
                 t = time.perf_counter()
-                step(libs[label], weights, xs, outs[label])
+                sides[label](xs, outs[label])
                 if i >= 2:  # the first two rounds warm up
                     times[label].append(time.perf_counter() - t)
         p50 = {label: sorted(ts)[len(ts) // 2] for label, ts in times.items()}
         line = f"{m:3d} rows: this build {p50['this build'] * 1e3:6.2f} ms ({p50['this build'] * 1e3 / m:.3f} a row)"
-        if args.against:
+        if len(sides) > 1:
+            label = list(sides)[1]
             same = all(torch.equal(a, b) for a, b in zip(*outs.values(), strict=True))
-            line += (f", other {p50['other'] * 1e3:6.2f} ms; ratio {p50['this build'] / p50['other']:.3f}, "
+            line += (f", {label} {p50[label] * 1e3:6.2f} ms; ratio {p50['this build'] / p50[label]:.3f}, "
                      f"{'same bits' if same else 'DIFFERENT BITS'}")
         print(line)
+
+
+def library_linears(weights: list, max_rows: int) -> tuple[list[InvariantLinear], list]:
+    """Each weight as the engine's InvariantLinear over its dequantized float32 values, and the
+    weights again with the block order each one probed (the engine's kc on this host)."""
+    lins, probed = [], []
+    for name, n, k, _, w in weights:
+        lin = InvariantLinear(w(torch.eye(k), kc=k).t().contiguous(), max_rows=max_rows, quant=w,
+                              quant_max_rows=max_rows)
+        found = lin.kc()
+        if found is None:
+            raise SystemExit(f"the kernel matches no block order of the library for {name} ({n} x {k})")
+        lins.append(lin)
+        probed.append((name, n, k, found, w))
+    return lins, probed
+
+
+def library_step(lins: list[InvariantLinear], xs: dict[int, torch.Tensor], out: list[torch.Tensor]) -> None:
+    for lin, y in zip(lins, out, strict=True):
+        y.copy_(lin._library(xs[lin.in_features]))
 
 
 if __name__ == "__main__":
