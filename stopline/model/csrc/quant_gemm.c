@@ -5,8 +5,9 @@
  *
  * Every output element is summed in exactly the order the GEMM library uses on the
  * dequantized float32 weights: the k range is cut into blocks of `kc`, each block is one
- * sequential FMA chain from zero, and the blocks' sums are added in order (MKL: kc = 288
- * for K = 576, 384 for K = 1536; oneDNN: kc = 512 / 1024). The caller finds kc by probing
+ * sequential FMA chain from zero, and the blocks' sums are added in order (MKL on an Intel
+ * Xeon: kc = 288 for K = 576, 384 for K = 1536; on a Zen 5 host 192 for both; oneDNN: kc =
+ * 512 / 1024). The order differs between hosts, so the caller finds kc by probing
  * and uses this kernel only where the bits match, so a row's result never depends on which
  * path ran it. Dequantization is exact: d * q is exact in float32 (11 + 4 bits), so
  * fma(d, q, m) equals gguf's (d * q) + m, and likewise d * q for Q8_0 (11 + 8 bits).
