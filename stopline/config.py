@@ -71,11 +71,12 @@ class EngineConfig:
     # GGUF weights in Q4_1/Q8_0 are also kept in their blocks, and a batch of up to this many
     # rows reads those (5-8.5 bits a weight instead of 32) through stopline's C kernel, which
     # gives the same bits as the float32 library path (0: always the library). Measured on
-    # SmolLM2, 2 cores (Zen 5), with the 12-row kernel: SmolLM2's 30 layers at 64 / 128 / 256 /
-    # 512 rows took 0.51 / 0.52 / 0.62 / 0.66x the library's time, and a 64-row decode step
-    # 54.5 against 90.0 ms (bench/step_time.py 64 --compare-quant 128). 512 is the default
-    # step budget, so every step of a default engine runs on the kernel. (On the Intel host
-    # before, the earlier tall kernel lost to the library from about 96 rows.)
+    # SmolLM2, 2 cores (Zen 5), with the 12-row kernel: its 30 layers and LM head at 64 / 128 /
+    # 256 / 512 rows took 0.56 / 0.65 / 0.64 / 0.71x the library's time (bench/quant_time.py
+    # --library), and a 64-row decode step 54.5 against 90.0 ms (bench/step_time.py 64
+    # --compare-quant 128). 512 is the default step budget, so every step of a default engine
+    # runs on the kernel. (On the Intel host before, the earlier tall kernel lost to the
+    # library from about 96 rows.)
     quant_max_rows: int = 512
     debug: bool = False  # audit after every step and poison freed blocks
     device: str = "cpu"
