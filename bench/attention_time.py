@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from stopline.model import native
-from stopline.model.paged_attention import PagedRows
+from stopline.model.kernels import native
+from stopline.model.kernels.paged_attention import PagedRows
 
 
 def call(lib: ctypes.CDLL, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: PagedRows,

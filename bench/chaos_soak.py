@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' storm machinery
 
-from stopline.model.loader import load_model  # noqa: E402
+from stopline.model.loaders.loader import load_model  # noqa: E402
 from tests.chaos_support import (  # noqa: E402
     check_storm,
     make_workload,

@@ -27,9 +27,9 @@ import time
 import numpy as np
 import torch
 
-from stopline.model import native
 from stopline.model.batch_invariant import InvariantLinear
-from stopline.model.quant_linear import BLOCK_BYTES, QuantWeight
+from stopline.model.kernels import native
+from stopline.model.kernels.quant_linear import BLOCK_BYTES, QuantWeight
 
 # name: (out_features, in_features, kc) for SmolLM2-135M
 LAYER_SHAPES = {"qkv": (960, 576, 288), "o": (576, 576, 288), "gate_up": (3072, 576, 512),

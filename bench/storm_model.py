@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.tiny_model
 from stopline.bench.stop import make_prompts  # noqa: E402
 from stopline.config import EngineConfig, PreemptionMode, VictimPolicy  # noqa: E402
 from stopline.engine.core import EngineCore  # noqa: E402
-from stopline.model.loader import LoadedModel, load_model  # noqa: E402
+from stopline.model.loaders.loader import LoadedModel, load_model  # noqa: E402
 from stopline.request import SamplingParams  # noqa: E402
 from tests.tiny_model import make_tiny_llama_dir  # noqa: E402
 

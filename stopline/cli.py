@@ -199,7 +199,7 @@ def bench_stop(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from stopline.bench import stop, stop_report
-    from stopline.model.loader import load_model
+    from stopline.model.loaders.loader import load_model
 
     loaded = load_model(args.model)
     combos = [tuple(c.split(":", 1)) for c in args.combos.split(",") if c]

@@ -24,7 +24,7 @@ class VictimPolicy(str, enum.Enum):
 
 # GEMM libraries a linear layer may use (see stopline/model/batch_invariant.py).
 LINEAR_BACKENDS = ("auto", "blas", "onednn")
-# Attention: stopline's C kernel reading the paged cache in place (model/paged_attention.py),
+# Attention: stopline's C kernel reading the paged cache in place (model/kernels/paged_attention.py),
 # or torch's ops over gathered or copied K/V (model/attention.py, kv/decode_rows.py).
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 

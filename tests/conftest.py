@@ -36,7 +36,7 @@ def stopline_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF; skips the test if the package is absent."""
-    from stopline.model.loader import ModelNotFoundError, default_model_path
+    from stopline.model.loaders.loader import ModelNotFoundError, default_model_path
 
     try:
         return default_model_path()
@@ -47,7 +47,7 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_gguf: Path, stopline_cache_dir: Path):
     """SmolLM2 loaded once per session (LoadedModel)."""
-    from stopline.model.loader import load_model
+    from stopline.model.loaders.loader import load_model
 
     return load_model(smollm2_gguf, progress=False, cache_dir=stopline_cache_dir)
 
@@ -55,6 +55,6 @@ def smollm2(smollm2_gguf: Path, stopline_cache_dir: Path):
 @pytest.fixture(scope="session")
 def smollm2_hf_dir(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2 exported as an HF transformers directory (the oracle path)."""
-    from stopline.model.loader import export_hf_dir
+    from stopline.model.loaders.loader import export_hf_dir
 
     return export_hf_dir(smollm2, tmp_path_factory.mktemp("smollm2_hf"))

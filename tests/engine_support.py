@@ -22,7 +22,7 @@ import torch
 from stopline.engine.core import EngineCore
 from stopline.engine.output import RequestOutput
 from stopline.request import FinishReason, SamplingParams, TokenLogprob, Usage
-from stopline.sched.scheduler import StepPlan
+from stopline.sched.plan import StepPlan
 from tests.tiny_model import make_tiny_llama_dir
 
 # At the default init_std=0.02 the tiny model's logits have std ~0.17 and the top-1/top-2 gap

@@ -33,7 +33,7 @@ def test_storms_pass_and_are_counted(soak, monkeypatch, capsys) -> None:
 
 
 def test_storms_run_on_the_attention_asked_for(soak, monkeypatch, capsys) -> None:
-    from stopline.model.native import try_kernels
+    from stopline.model.kernels.native import try_kernels
 
     if try_kernels() is None:
         pytest.skip("stopline's C kernels are not built here")
@@ -61,7 +61,7 @@ def test_bad_arguments_are_refused(soak, monkeypatch) -> None:
 
 
 def test_quant_storms_run_on_the_kernel_and_replay_with_the_flag(soak, monkeypatch, capsys) -> None:
-    from stopline.model.native import try_kernels
+    from stopline.model.kernels.native import try_kernels
 
     if try_kernels() is None:
         pytest.skip("stopline's C kernels are not built here")

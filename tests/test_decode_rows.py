@@ -16,7 +16,7 @@ from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
 from stopline.kv.decode_rows import DecodeRows, RowMismatch, RowPlan
 from stopline.kv.kv_cache import KVCache, gather_blocks
-from stopline.model.loader import load_model
+from stopline.model.loaders.loader import load_model
 from stopline.request import SamplingParams
 from tests.tiny_model import make_tiny_llama_dir
 

@@ -8,8 +8,8 @@ import pytest
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
 from stopline.model.decoder_native import DecoderLoop, StepInterrupt
-from stopline.model.loader import load_model
-from stopline.model.native import try_kernels
+from stopline.model.kernels.native import try_kernels
+from stopline.model.loaders.loader import load_model
 from stopline.request import FinishReason, SamplingParams
 from tests.tiny_model import make_tiny_gguf, make_tiny_llama_dir
 

@@ -16,7 +16,7 @@ import pytest
 from stopline import LLM, FinishReason
 from stopline.config import PreemptionMode, VictimPolicy
 from stopline.model.batch_invariant import onednn_available
-from stopline.model.loader import load_model
+from stopline.model.loaders.loader import load_model
 from tests.engine_support import (
     MIN_MARGIN_TINY,
     Reference,

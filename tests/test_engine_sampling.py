@@ -258,7 +258,7 @@ def test_sampling_params_survive_engine_core(model_dir: Path, prompts) -> None:
 def test_greedy_argmax_is_torchs_argmax(vocab):
     """The C argmax of greedy rows (sampler.argmax_rows) gives torch.argmax's index on ties,
     -inf rows, inf and NaN, for vocabularies with and without a 16-lane tail."""
-    from stopline.model.sampler import argmax_rows
+    from stopline.worker.sampler import argmax_rows
 
     gen = torch.Generator().manual_seed(vocab)
     x = torch.randn(12, vocab, generator=gen)
@@ -275,7 +275,7 @@ def test_greedy_argmax_is_torchs_argmax(vocab):
 
 
 def _keys(n: int, seed: int) -> list[tuple[int, int]]:
-    from stopline.model.sampler import mix_seed
+    from stopline.worker.sampler import mix_seed
 
     return [(z & 0xFFFFFFFF, z >> 32) for z in (mix_seed(seed, k) for k in range(n))]
 
@@ -285,8 +285,8 @@ def test_draw_follows_softmax_at_temperature(path):
     """The exponential race (sampler.draw_rows, and its torch twin) picks token v with
     probability softmax(x / T)_v: a chi-square test over 20,000 draws of one row, each with its
     own key, at two temperatures. A draw that ignored T, or favoured low indices, fails it."""
-    from stopline.model.native import try_kernels
-    from stopline.model.sampler import draw_rows, race_torch
+    from stopline.model.kernels.native import try_kernels
+    from stopline.worker.sampler import draw_rows, race_torch
 
     if path == "c" and try_kernels() is None:
         pytest.skip("the C kernels are off here")
@@ -311,8 +311,8 @@ def test_draw_follows_softmax_at_temperature(path):
 def test_draw_c_equals_torch_and_ignores_other_rows():
     """The C draw and the torch one give the same tokens, and a row's token does not depend on
     which other rows are drawn beside it (batch invariance of random sampling)."""
-    from stopline.model.native import try_kernels
-    from stopline.model.sampler import draw_rows, race_torch
+    from stopline.model.kernels.native import try_kernels
+    from stopline.worker.sampler import draw_rows, race_torch
 
     if try_kernels() is None:
         pytest.skip("the C kernels are off here")

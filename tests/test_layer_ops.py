@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stopline.model import native
 from stopline.model.batch_invariant import rms_norm
-from stopline.model.layer_ops import add_rms_norm, rope_store, silu_mul
+from stopline.model.kernels import native
+from stopline.model.kernels.layer_ops import add_rms_norm, rope_store, silu_mul
 
 pytestmark = pytest.mark.skipif(native.try_kernels() is None, reason="stopline's C kernels are not built here")
 

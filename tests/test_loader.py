@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from stopline.model import weights_cache
 from stopline.model.config import ModelConfig, UnsupportedModelError, expected_weight_shapes
-from stopline.model.gguf_loader import permute_qk, read_gguf, unpermute_qk
-from stopline.model.loader import (
+from stopline.model.loaders import weights_cache
+from stopline.model.loaders.gguf import permute_qk, read_gguf, unpermute_qk
+from stopline.model.loaders.loader import (
     INSTALL_HINT,
     LoadedModel,
     ModelNotFoundError,
@@ -343,7 +343,7 @@ def test_cache_dir_env_var_and_unwritable_dir(tiny_gguf_f32: Path, tmp_path: Pat
 # ---- default model --------------------------------------------------------------------------------
 
 def test_missing_default_model_says_how_to_install(monkeypatch) -> None:
-    import stopline.model.loader as loader
+    import stopline.model.loaders.loader as loader
 
     monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotFoundError) as exc:

@@ -1,4 +1,4 @@
-"""The C paged attention (model/paged_attention.py): right, row-invariant, NaN-faithful, and
+"""The C paged attention (model/kernels/paged_attention.py): right, row-invariant, NaN-faithful, and
 what the engine does with it."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
-from stopline.model import native
-from stopline.model.paged_attention import PagedRows, paged_attention
+from stopline.model.kernels import native
+from stopline.model.kernels.paged_attention import PagedRows, paged_attention
 from stopline.request import SamplingParams
 from tests.tiny_model import make_tiny_llama_dir
 
@@ -133,7 +133,7 @@ def test_bad_inputs_are_refused(bad) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from stopline.model.loader import load_model
+    from stopline.model.loaders.loader import load_model
 
     path = make_tiny_llama_dir(tmp_path_factory.mktemp("paged") / "tiny", seed=3, init_std=0.1, vocab_size=384)
     return load_model(str(path), progress=False)

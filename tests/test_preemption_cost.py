@@ -8,7 +8,7 @@ import pytest
 
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
-from stopline.model.loader import load_model
+from stopline.model.loaders.loader import load_model
 from stopline.request import Request, RequestStatus, SamplingParams
 from tests.tiny_model import make_tiny_llama_dir
 

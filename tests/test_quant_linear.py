@@ -10,9 +10,9 @@ import torch
 import stopline.model.batch_invariant as bi
 from stopline import LLM, SamplingParams
 from stopline.config import EngineConfig
-from stopline.model import native
 from stopline.model.batch_invariant import InvariantLinear
-from stopline.model.quant_linear import QuantWeight, can_pack
+from stopline.model.kernels import native
+from stopline.model.kernels.quant_linear import QuantWeight, can_pack
 from tests.tiny_model import make_tiny_gguf
 
 BACKENDS = ["blas"] + (["onednn"] if bi.onednn_available("cpu") else [])
@@ -128,7 +128,7 @@ def q4_gguf(tiny_model_dir, tmp_path_factory):
 
 
 def test_gguf_blocks_load_and_cache_in_hf_row_order(q4_gguf, tmp_path):
-    from stopline.model.loader import load_model
+    from stopline.model.loaders.loader import load_model
 
     first = load_model(q4_gguf, progress=False, cache_dir=tmp_path)
     again = load_model(q4_gguf, progress=False, cache_dir=tmp_path)
@@ -147,7 +147,7 @@ def test_gguf_blocks_load_and_cache_in_hf_row_order(q4_gguf, tmp_path):
 def test_engine_greedy_is_the_same_with_and_without_the_kernel(q4_gguf, stopline_cache_dir):
     prompts = ["the quick brown fox", "a", "one two three four five six seven", "zebra", "hello world"]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    from stopline.model.loader import load_model
+    from stopline.model.loaders.loader import load_model
 
     loaded = load_model(q4_gguf, progress=False, cache_dir=stopline_cache_dir)
     runs = {}

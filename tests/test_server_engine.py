@@ -138,7 +138,7 @@ def test_two_process_transport(tiny_model_dir):
 
 
 def test_early_abort_waits_for_its_add():
-    from stopline.engine.core_proc import EarlyAborts
+    from stopline.engine.proc.core_proc import EarlyAborts
 
     e = EarlyAborts(remember=2)
     e.on_abort(["a"], AbortSource.DISCONNECT, 1.0)  # overtook its add

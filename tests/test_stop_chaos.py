@@ -18,7 +18,7 @@ import pytest
 
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
-from stopline.model.loader import load_model
+from stopline.model.loaders.loader import load_model
 from tests.chaos_support import check_storm, make_workload, run_reference, run_storm, storm_config
 from tests.tiny_model import make_tiny_gguf, make_tiny_llama_dir
 
@@ -106,7 +106,7 @@ def test_storm_mixing_the_quantized_kernel_and_the_library(tiny_dir, tmp_path_fa
     steps of up to 8 rows and the float32 library the larger ones (recomputed prompts, the
     batched reference): a request decodes on one path and is re-prefilled or compared on the
     other, so any bit the two paths disagree on shows up as a mismatch."""
-    from stopline.model.native import try_kernels
+    from stopline.model.kernels.native import try_kernels
 
     if try_kernels() is None:
         pytest.skip("stopline's C kernels are not built here")

@@ -7,7 +7,7 @@ import torch
 
 from stopline.config import EngineConfig, VictimPolicy
 from stopline.engine.core import EngineCore
-from stopline.model.loader import load_model
+from stopline.model.loaders.loader import load_model
 from stopline.request import (
     FinishReason,
     InvalidRequest,

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from stopline.model.loader import export_hf_dir, load_model
-from stopline.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from stopline.model.loaders.loader import export_hf_dir, load_model
+from stopline.tokenizer.detokenizer import IncrementalDetokenizer
+from stopline.tokenizer.tokenizer import ChatTemplateError, Tokenizer
 from tests.tiny_model import make_tiny_llama_dir
 
 STRINGS = [
@@ -101,7 +102,7 @@ class ReferenceBPE:
 
 @pytest.fixture(scope="module")
 def reference_bpe(smollm2_gguf: Path) -> ReferenceBPE:
-    from stopline.model.gguf_loader import read_gguf
+    from stopline.model.loaders.gguf import read_gguf
 
     f = read_gguf(smollm2_gguf).fields
     assert f["tokenizer.ggml.pre"] == "smollm"

@@ -10,5 +10,5 @@ LLAMA_SERVER=$LLAMACPP_DIR/build/bin/llama-server
 mkdir -p "$PEERS_DIR"
 
 gguf_path() {
-    "$STOPLINE_PYTHON" -c 'from stopline.model.loader import default_model_path; print(default_model_path())'
+    "$STOPLINE_PYTHON" -c 'from stopline.model.loaders.loader import default_model_path; print(default_model_path())'
 }

@@ -8,7 +8,7 @@ VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 
 if [[ ! -f "$HF_DIR/model.safetensors" ]]; then
     echo "== exporting the HF directory to $HF_DIR"
-    "$STOPLINE_PYTHON" -c "import sys; from stopline.model.loader import export_hf_dir, load_model; export_hf_dir(load_model(None), sys.argv[1])" "$HF_DIR"
+    "$STOPLINE_PYTHON" -c "import sys; from stopline.model.loaders.loader import export_hf_dir, load_model; export_hf_dir(load_model(None), sys.argv[1])" "$HF_DIR"
 fi
 
 if [[ ! -x "$VLLM_VENV/bin/python" ]]; then

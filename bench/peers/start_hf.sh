@@ -4,6 +4,6 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 if [[ ! -f "$HF_DIR/model.safetensors" ]]; then
-    "$STOPLINE_PYTHON" -c "import sys; from stopline.model.loader import export_hf_dir, load_model; export_hf_dir(load_model(None), sys.argv[1])" "$HF_DIR"
+    "$STOPLINE_PYTHON" -c "import sys; from stopline.model.loaders.loader import export_hf_dir, load_model; export_hf_dir(load_model(None), sys.argv[1])" "$HF_DIR"
 fi
 exec "$STOPLINE_PYTHON" "$(dirname "$0")/hf_server.py" --model "$HF_DIR" "$@"

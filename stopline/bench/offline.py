@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from stopline.bench.machine import describe
 from stopline.config import EngineConfig
 from stopline.engine.llm import LLM
-from stopline.model.loader import LoadedModel, export_hf_dir, load_model
+from stopline.model.loaders.loader import LoadedModel, export_hf_dir, load_model
 from stopline.request import SamplingParams
 
 QUESTIONS = [

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from stopline.config import EngineConfig, PreemptionMode, VictimPolicy
 from stopline.engine.core import EngineCore
-from stopline.model.loader import LoadedModel
+from stopline.model.loaders.loader import LoadedModel
 from stopline.request import AbortSource, SamplingParams
 
 TOPICS = ["the ocean", "a lighthouse keeper", "prime numbers", "a city at night", "bread baking",

@@ -34,7 +34,7 @@ from stopline.request import AbortSource, FinishReason, InvalidRequest, Sampling
 
 if TYPE_CHECKING:
     from stopline.config import EngineConfig
-    from stopline.model.tokenizer import Tokenizer
+    from stopline.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("stopline.async_engine")
 
@@ -101,7 +101,7 @@ class AsyncEngine:
                       **kwargs: Any) -> AsyncEngine:
         """The core runs in its own process and talks ZMQ. core_threads: torch threads there
         (None: all CPUs but one when there are more than two)."""
-        from stopline.engine.transport import ProcCore
+        from stopline.engine.proc.transport import ProcCore
 
         return cls(ProcCore(model, config, progress=progress, threads=core_threads), **kwargs)
 

@@ -25,9 +25,7 @@ from stopline.kv.kv_cache import KVCache, SwapSpace
 from stopline.lifecycle import Lifecycle
 from stopline.model.decoder_native import StepInterrupt
 from stopline.model.llama import LlamaModel, StepInterrupted
-from stopline.model.loader import LoadedModel, load_model
-from stopline.model.runner import ModelRunner, StepResult
-from stopline.model.sampler import Sampled, SampleTask, sample
+from stopline.model.loaders.loader import LoadedModel, load_model
 from stopline.request import (
     AbortSource,
     Family,
@@ -37,7 +35,10 @@ from stopline.request import (
     RequestStatus,
     SamplingParams,
 )
-from stopline.sched.scheduler import Scheduler, StepPlan
+from stopline.sched.plan import StepPlan
+from stopline.sched.scheduler import Scheduler
+from stopline.worker.runner import ModelRunner, StepResult
+from stopline.worker.sampler import Sampled, SampleTask, sample
 
 log = logging.getLogger("stopline.engine")
 

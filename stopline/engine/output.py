@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stopline.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from stopline.request import FinishReason, Request, TokenLogprob, Usage
+from stopline.tokenizer.detokenizer import IncrementalDetokenizer
+from stopline.tokenizer.tokenizer import Tokenizer
 
 Stop = tuple[FinishReason, str]
 

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from stopline.config import LINEAR_BACKENDS
-from stopline.model.native import try_kernels
-from stopline.model.quant_linear import QuantWeight
+from stopline.model.kernels.native import try_kernels
+from stopline.model.kernels.quant_linear import QuantWeight
 
 # A tile costs its rows plus this many rows' worth of fixed overhead (call, weight reads).
 _TILE_OVERHEAD_ROWS = 8

@@ -9,10 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint is readable but describes a model stopline cannot run."""
-
+from stopline.errors import UnsupportedModelError
 
 # Architectures whose math is exactly the Llama block (RMSNorm, rotary with rotate_half, SwiGLU,
 # no biases). Anything else would load but compute the wrong thing, so it is refused up front.

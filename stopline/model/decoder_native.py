@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stopline.model.native import kernels
+from stopline.model.kernels.native import kernels
 
 if TYPE_CHECKING:
     from stopline.kv.kv_cache import KVCache

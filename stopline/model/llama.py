@@ -16,10 +16,10 @@ from stopline.model.attention import probe as attention_probe
 from stopline.model.batch_invariant import InvariantLinear, rms_norm
 from stopline.model.config import ModelConfig
 from stopline.model.decoder_native import DecoderLoop
-from stopline.model.layer_ops import add_rms_norm, rope_store, silu_mul
-from stopline.model.paged_attention import PagedRows, paged_attention
-from stopline.model.paged_attention import pick as pick_attention
-from stopline.model.quant_linear import Blocks, QuantWeight, from_raw_rows
+from stopline.model.kernels.layer_ops import add_rms_norm, rope_store, silu_mul
+from stopline.model.kernels.paged_attention import PagedRows, paged_attention
+from stopline.model.kernels.paged_attention import pick as pick_attention
+from stopline.model.kernels.quant_linear import Blocks, QuantWeight, from_raw_rows
 
 
 class StepInterrupted(Exception):

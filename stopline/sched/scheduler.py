@@ -10,38 +10,16 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from stopline.config import EngineConfig
 from stopline.kv.block_pool import BlockPool, extend_hashes
 from stopline.request import FinishReason, Request, RequestStatus
+from stopline.sched.plan import ScheduledChunk, StepPlan
 from stopline.sched.victims import pick_victim
 
 if TYPE_CHECKING:
     from stopline.lifecycle import Lifecycle
-
-
-@dataclass
-class ScheduledChunk:
-    req: Request
-    start: int  # first position computed in this step
-    num_tokens: int
-    sample: bool  # the chunk reaches the request's last token: a new token is sampled
-
-
-@dataclass
-class StepPlan:
-    step_id: int
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def requests(self) -> list[Request]:
-        return [c.req for c in self.chunks]
 
 
 class Scheduler:

@@ -17,7 +17,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from stopline.engine.streams import EngineDead, EngineOverloaded, EngineUnavailable, RequestStream
-from stopline.model.tokenizer import ChatTemplateError
 from stopline.request import AbortSource, InvalidRequest
 from stopline.server.disconnect import watch_disconnect
 from stopline.server.errors import ApiError, param_of
@@ -30,6 +29,7 @@ from stopline.server.protocol import (
     sampling_params,
 )
 from stopline.server.sse import SSEResponse
+from stopline.tokenizer.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
     from stopline.server.state import ServerState

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stopline.model.native import kernels
+from stopline.model.kernels.native import kernels
 
 GROUP = 32  # weights per GGML block (both formats)
 PANEL = 32  # output features per kernel panel

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from stopline.model.native import kernels
+from stopline.model.kernels.native import kernels
 
 
 def add_rms_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -43,7 +43,7 @@ from stopline.request import AbortSource, InvalidRequest
 
 if TYPE_CHECKING:
     from stopline.config import EngineConfig
-    from stopline.engine.transport import CoreAddresses
+    from stopline.engine.proc.transport import CoreAddresses
 
 log = logging.getLogger("stopline.core_proc")
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from stopline.model import weights_cache
 from stopline.model.config import ModelConfig, UnsupportedModelError, check_weights
-from stopline.model.quant_linear import Blocks
-from stopline.model.tokenizer import Tokenizer
+from stopline.model.kernels.quant_linear import Blocks
+from stopline.model.loaders import weights_cache
+from stopline.tokenizer.tokenizer import Tokenizer
 
 __all__ = [
     "DEFAULT_MODEL_FILE",
@@ -110,7 +110,7 @@ def load_model(
                 f"{path} is a directory without config.json; expected an HF model directory "
                 "(config.json + *.safetensors + tokenizer.json) or a .gguf file"
             )
-        from stopline.model.hf_loader import load_hf_dir
+        from stopline.model.loaders.hf import load_hf_dir
 
         config, weights, tokenizer = load_hf_dir(path, progress=progress)
         blocks: Blocks = {}
@@ -154,7 +154,7 @@ def _load_gguf_cached(
                     Tokenizer.from_state(extra["tokenizer"]), blocks, True)
         except (KeyError, TypeError, ValueError):
             pass  # metadata from an incompatible writer: fall through and rebuild
-    from stopline.model.gguf_loader import load_gguf
+    from stopline.model.loaders.gguf import load_gguf
 
     config, weights, tokenizer, blocks = load_gguf(path, progress=progress)
     stored = {**weights, **{f"{name}@{fmt}": raw for name, (fmt, raw) in blocks.items()}}

@@ -11,9 +11,9 @@ from stopline.config import EngineConfig
 from stopline.kv.decode_rows import DecodeRows
 from stopline.kv.kv_cache import KVCache
 from stopline.model.attention import KEY_TILE
+from stopline.model.kernels.paged_attention import PagedRows
 from stopline.model.llama import DecodeBatch, LlamaModel, PrefillSeq, StepInputs
-from stopline.model.paged_attention import PagedRows
-from stopline.sched.scheduler import ScheduledChunk, StepPlan
+from stopline.sched.plan import ScheduledChunk, StepPlan
 
 
 @dataclass

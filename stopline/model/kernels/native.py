@@ -1,4 +1,4 @@
-"""Build and load stopline's C kernels (`stopline/model/csrc/*.c`, one shared object) with the
+"""Build and load stopline's C kernels (`stopline/model/kernels/csrc/*.c`, one shared object) with the
 system C compiler.
 
 The kernels are optional: where there is no compiler, no AVX-512, or the build fails, the
@@ -125,7 +125,7 @@ def _load() -> ctypes.CDLL:
         raise NativeUnavailable(f"this CPU lacks {', '.join(missing)}")
     import torch  # noqa: F401  (its libgomp must be loaded first; see the module docstring)
 
-    from stopline.model.weights_cache import default_cache_dir
+    from stopline.model.loaders.weights_cache import default_cache_dir
 
     try:
         lib = ctypes.CDLL(str(_build(_compiler(), default_cache_dir() / "native")))

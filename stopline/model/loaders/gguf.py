@@ -18,9 +18,9 @@ import torch
 from tqdm import tqdm
 
 from stopline.model.config import SUPPORTED_GGUF_ARCHS, ModelConfig, UnsupportedModelError
-from stopline.model.quant_linear import BLOCK_BYTES, GGML_TYPES, GROUP, Blocks
-from stopline.model.tokenizer import Tokenizer
-from stopline.model.weights_cache import as_float32
+from stopline.model.kernels.quant_linear import BLOCK_BYTES, GGML_TYPES, GROUP, Blocks
+from stopline.model.loaders.weights_cache import as_float32
+from stopline.tokenizer.tokenizer import Tokenizer
 
 # GGUF tensor name -> HF Llama name; "{i}" is the layer index.
 _LAYER_MAP = {

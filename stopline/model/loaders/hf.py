@@ -12,7 +12,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from stopline.model.config import ModelConfig
-from stopline.model.tokenizer import Tokenizer
+from stopline.tokenizer.tokenizer import Tokenizer
 
 
 def _read_json(p: Path) -> dict[str, Any]:

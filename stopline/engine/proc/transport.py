@@ -52,7 +52,7 @@ from stopline.request import AbortSource, InvalidRequest, SamplingParams
 
 if TYPE_CHECKING:
     from stopline.config import EngineConfig
-    from stopline.model.tokenizer import Tokenizer
+    from stopline.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("stopline.transport")
 
@@ -88,8 +88,8 @@ class ProcCore:
     # ---- start ----------------------------------------------------------------------------
     async def start(self, on_batch: Callable[[Batch], None],
                     on_dead: Callable[[str], None]) -> CoreInfo:
-        from stopline.engine import core_proc
-        from stopline.model.tokenizer import Tokenizer
+        from stopline.engine.proc import core_proc
+        from stopline.tokenizer.tokenizer import Tokenizer
 
         self._aloop = aloop = asyncio.get_running_loop()
         self._on_batch, self._on_dead = on_batch, on_dead

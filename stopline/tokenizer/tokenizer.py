@@ -1,37 +1,32 @@
-"""Tokenizer (built from GGUF metadata or an HF `tokenizer.json`), chat templates, and
-incremental detokenization for streaming.
+"""Tokenizer, built from GGUF metadata or an HF `tokenizer.json`.
 
 The heavy lifting is done by the Rust `tokenizers` library; this module only assembles the
-right pipeline and adds the serving-side pieces HF keeps in Python (chat templates, BOS policy,
-stop-token list, streaming detokenizer).
+right pipeline and adds the serving-side pieces HF keeps in Python (BOS policy, stop-token
+list). Chat templates are in chat_template.py, streaming detokenization in detokenizer.py.
 """
 
 from __future__ import annotations
 
-import codecs
 import json
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
-import jinja2.utils
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from stopline.model.config import UnsupportedModelError
-
-
-class ChatTemplateError(ValueError):
-    """The model has no chat template, or rendering it failed (including `raise_exception`)."""
-
+from stopline.errors import UnsupportedModelError
+from stopline.tokenizer.chat_template import (
+    ChatTemplateError,
+    hf_chat_template,
+    jinja_env,
+    read_json,
+)
+from stopline.tokenizer.detokenizer import CHAR_TO_BYTE
 
 # GGUF token_type values (llama.cpp's llama_token_attr / gguf.TokenType).
 _TOKEN_TYPE_CONTROL = 3
@@ -154,7 +149,7 @@ class Tokenizer:
                 b = b""
             else:
                 try:
-                    b = bytes(_CHAR_TO_BYTE[c] for c in tok)
+                    b = bytes(CHAR_TO_BYTE[c] for c in tok)
                 except KeyError:
                     b = tok.encode("utf-8")
             self._bytes_cache[token_id] = b
@@ -206,7 +201,7 @@ class Tokenizer:
             raise ChatTemplateError("messages must be a list of dicts with 'role' and 'content'")
         if self._template is None:
             try:
-                self._template = _jinja_env().from_string(self.chat_template)
+                self._template = jinja_env().from_string(self.chat_template)
             except jinja2.TemplateError as e:
                 raise ChatTemplateError(f"the model's chat template does not compile: {e}") from e
         context = {
@@ -310,9 +305,9 @@ class Tokenizer:
                 "transformers' fast tokenizer to get tokenizer.json)" if (path / "tokenizer.model").exists() else ""
             raise FileNotFoundError(f"{tj} not found{hint}")
         backend = tokenizers.Tokenizer.from_file(str(tj))
-        tcfg = _read_json(path / "tokenizer_config.json")
-        gen = _read_json(path / "generation_config.json")
-        mcfg = _read_json(path / "config.json")
+        tcfg = read_json(path / "tokenizer_config.json")
+        gen = read_json(path / "generation_config.json")
+        mcfg = read_json(path / "config.json")
 
         def tok_str(v: Any) -> str | None:
             if isinstance(v, dict):  # older files store AddedToken dicts
@@ -341,7 +336,7 @@ class Tokenizer:
             backend,
             bos_token_id=None if bos_id is None else int(bos_id),
             eos_token_ids=eos_ids,
-            chat_template=_hf_chat_template(path, tcfg),
+            chat_template=hf_chat_template(path, tcfg),
             add_bos_token=bool(tcfg.get("add_bos_token", False)),
             bos_token=bos_token,
             eos_token=eos_token,
@@ -412,215 +407,4 @@ class Tokenizer:
         (out_dir / "special_tokens_map.json").write_text(json.dumps(stm, indent=2, ensure_ascii=False))
 
 
-def _read_json(p: Path) -> dict[str, Any]:
-    if not p.is_file():
-        return {}
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p} is not valid JSON: {e}") from e
-    return data if isinstance(data, dict) else {}
-
-
-def _hf_chat_template(path: Path, tcfg: Mapping[str, Any]) -> str | None:
-    """The default chat template, wherever this transformers version put it."""
-    jinja_file = path / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    tmpl: Any = tcfg.get("chat_template")
-    if tmpl is None:
-        tmpl = _read_json(path / "chat_template.json").get("chat_template")
-    if isinstance(tmpl, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
-        tmpl = named.get("default") or next(iter(named.values()), None)
-    return tmpl if isinstance(tmpl, str) else None
-
-
-# ---- jinja environment, matching transformers' chat template rendering --------------------------
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (HF's assistant-mask marker); renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(f"chat template raised: {message}")
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    # jinja's own tojson HTML-escapes, which would corrupt tool schemas in prompts.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """`namespace()` that refuses dunder/underscore attributes (sandbox hardening, like HF)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - same trick as jinja's Namespace
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set attribute {name!r}")
-
-
-_ENV: jinja2.sandbox.ImmutableSandboxedEnvironment | None = None
-
-
-def _jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    global _ENV
-    if _ENV is None:
-        # Chat templates ship with model files, i.e. untrusted code: sandboxed, immutable env.
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
-        env.globals["namespace"] = _TemplateNamespace
-        _ENV = env
-    return _ENV
-
-
-# ---- streaming detokenization -----------------------------------------------------------------
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte <-> printable-char alphabet used by byte-level BPE vocabularies."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-          *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
-
-
-_CHAR_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas, one request at a time.
-
-    Byte-level BPE tokens are byte strings that may cut a multi-byte character (emoji, CJK) at
-    any point, even several characters deep; decoding a token alone gives U+FFFD. For those
-    vocabularies we keep each token's raw bytes and feed them to an incremental UTF-8 decoder,
-    which holds back exactly the bytes of an unfinished character: O(1) per token and the same
-    text as a full decode (invalid bytes become U+FFFD the same way).
-
-    Other decoders (SentencePiece-style: "▁" spaces, <0xNN> byte fallback) go the vLLM way: two
-    offsets into the ids, decoding only a small window of recent tokens per push and holding
-    text back while it ends in U+FFFD. Byte-fallback tokens are single bytes, so an unfinished
-    character can hold back at most 3 tokens; after that a U+FFFD is real and is emitted.
-    """
-
-    _MAX_HELD = 4
-    _CONTEXT = 5  # prompt tokens kept as decode context (leading-space handling)
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        *,
-        skip_special_tokens: bool = True,
-        prompt_token_ids: Sequence[int] | None = None,
-    ) -> None:
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._pieces: list[str] = []
-        self._text_cache: str | None = ""
-        self.num_tokens = 0
-        self._utf8: codecs.IncrementalDecoder | None = None
-        if tokenizer.is_byte_level:
-            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            self._skip_ids = tokenizer.special_token_ids if skip_special_tokens else frozenset()
-        else:
-            self._ids: list[int] = list(prompt_token_ids[-self._CONTEXT:]) if prompt_token_ids else []
-            self._prefix = 0
-            self._read = len(self._ids)
-            self._prefix_text = self._decode(self._prefix, self._read)
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far (the concatenation of every returned delta)."""
-        if self._text_cache is None:
-            self._text_cache = "".join(self._pieces)
-        return self._text_cache
-
-    def push(self, token_id: int) -> str:
-        """Add one generated token; return the newly completed text ('' if held back)."""
-        self.num_tokens += 1
-        token_id = int(token_id)
-        if self._utf8 is not None:
-            if token_id in self._skip_ids:
-                return ""
-            return self._emit(self._utf8.decode(self._tok.token_bytes(token_id)))
-        return self._emit(self._push_window(token_id))
-
-    def extend(self, token_ids: Sequence[int]) -> str:
-        """Push several tokens; return the combined delta."""
-        return "".join(self.push(t) for t in token_ids)
-
-    def flush(self) -> str:
-        """At end of stream: emit whatever is held back (an unfinished char becomes U+FFFD)."""
-        if self._utf8 is not None:
-            return self._emit(self._utf8.decode(b"", final=True))
-        if self._read >= len(self._ids):
-            return ""
-        new_text = self._decode(self._prefix, len(self._ids))
-        delta = new_text[len(self._prefix_text):]
-        self._advance()
-        return self._emit(delta)
-
-    # -- window path --
-
-    def _decode(self, start: int, end: int) -> str:
-        return self._tok.decode(self._ids[start:end], self._skip) if end > start else ""
-
-    def _push_window(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        new_text = self._decode(self._prefix, len(self._ids))
-        held = len(self._ids) - self._read
-        if new_text.endswith("\ufffd") and held < self._MAX_HELD:
-            return ""
-        delta = new_text[len(self._prefix_text):] if len(new_text) > len(self._prefix_text) else ""
-        self._advance()
-        return delta
-
-    def _advance(self) -> None:
-        self._prefix = self._read
-        self._read = len(self._ids)
-        if self._prefix > 64:  # drop history before the window: memory and slices stay O(window)
-            del self._ids[:self._prefix]
-            self._read -= self._prefix
-            self._prefix = 0
-        self._prefix_text = self._decode(self._prefix, self._read)
-
-    def _emit(self, delta: str) -> str:
-        if delta:
-            self._pieces.append(delta)
-            self._text_cache = None
-        return delta
+__all__ = ["ChatTemplateError", "Tokenizer"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stopline.model.native import NativeUnavailable, kernels
+from stopline.model.kernels.native import NativeUnavailable, kernels
 
 log = logging.getLogger("stopline.attention")
 

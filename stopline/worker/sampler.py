@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stopline.model.native import try_kernels
+from stopline.model.kernels.native import try_kernels
 from stopline.request import Request, TokenLogprob
 
 _MASK64 = (1 << 64) - 1

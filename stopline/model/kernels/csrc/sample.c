@@ -10,7 +10,7 @@
  *
  * E_v = -log(u_v), u_v = (2k + 1) 2^-24 with k the top 23 bits of
  * triple32(triple32(v ^ key_lo) ^ key_hi) (Chris Wellons' 32-bit integer hash, 2 rounds).
- * stopline/model/sampler.py has the same draw in torch, for where these kernels are off.
+ * stopline/worker/sampler.py has the same draw in torch, for where these kernels are off.
  * Ties go to the first index. Tokens at -inf never win (w = 0); a row must have one finite. */
 #include <immintrin.h>
 #include <stdint.h>

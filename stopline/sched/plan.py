@@ -1,0 +1,35 @@
+"""The step plan: what the scheduler decided for one step, and all the model runner reads.
+
+The plan is the only thing that crosses from the scheduler to the forward pass. With async
+scheduling the forward runs on another thread while this one may end requests, so a chunk
+carries its own copies of what the runner reads (tokens and block table): a request that
+ends meanwhile can't change the step in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stopline.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    req: Request
+    start: int  # first position computed in this step
+    num_tokens: int
+    sample: bool  # the chunk reaches the request's last token: a new token is sampled
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def requests(self) -> list[Request]:
+        return [c.req for c in self.chunks]
