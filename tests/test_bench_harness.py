@@ -115,3 +115,36 @@ def test_engines_start_without_stoplines_openmp_spin(tmp_path, monkeypatch):
     eng.proc.wait(30)
     eng.stop()
     assert "spin=1000" in (tmp_path / "user.log").read_text()
+
+
+def test_report_states_the_latest_run_of_each_row(tmp_path: Path) -> None:
+    """A later run replaces an earlier one row by row; each row names the command that
+    reproduces it (without output options) and the machine it ran on, and no git revision."""
+    pytest.importorskip("matplotlib")
+    from stopline.bench.report import reproducible, write_report
+
+    assert reproducible("stopline bench serve --workloads invariance --results-dir /tmp/x "
+                        "--report '' --no-progress") == "stopline bench serve --workloads invariance"
+    assert reproducible("stopline bench stop --out=a.json --report b.md --requests 8") == \
+        "stopline bench stop --requests 8"
+
+    def results(name: str, command: str, machine: str, engines: dict) -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps({
+            "meta": {"command": command, "started": "now", "git": "abc1234",
+                     "machine": {"summary": machine}},
+            "config": {"hol_clients": 10},
+            "engines": {e: {"status": "ok", "workloads": {"invariance": {"differ": d, "compared": 8}},
+                            "launches": [{"startup_s": 1.0}]} for e, d in engines.items()}}))
+        return path
+
+    old = results("old.json", "stopline bench serve --peers vllm --report ''", "box A",
+                  {"stopline": 3, "vllm": 1})
+    new = results("new.json", "stopline bench serve --workloads invariance --results-dir /tmp/r",
+                  "box B", {"stopline": 0})
+    text = write_report([old, new], tmp_path / "benchmarks.md").read_text()
+    assert "| stopline | 0 / 8 |" in text and "| stopline | 3 / 8 |" not in text
+    assert "| vllm | 1 / 8 |" in text
+    assert "- stopline: `stopline bench serve --workloads invariance` on box B" in text
+    assert "- vllm: `stopline bench serve --peers vllm` on box A" in text
+    assert "abc1234" not in text and "/tmp/r" not in text

