@@ -361,7 +361,7 @@ def _caption(res: dict[str, Any], workload: str) -> str:
     runs = [f"{', '.join(engines)}: {reproducible(res['metas'][run]['command'])}  "
             f"({res['metas'][run]['machine']['summary']})"
             for run, engines in _runs_of(res, workload).items()]
-    return "\n".join(line for r in runs for line in textwrap.wrap(r, 170, subsequent_indent="    "))
+    return "\n".join(line for r in runs for line in textwrap.wrap(r, 125, subsequent_indent="    "))
 
 
 def _plots(res: dict[str, Any], img_dir: Path) -> dict[str, Path]:
