@@ -56,6 +56,7 @@ class AbortSource(str, enum.Enum):
     DISCONNECT = "disconnect"  # the client went away
     SHUTDOWN = "shutdown"  # the engine is stopping
     DEADLINE = "deadline"  # queue timeout or total deadline passed
+    STALLED = "stalled"  # the client read nothing for the stall timeout
 
 
 class InvalidRequest(ValueError):
@@ -169,6 +170,9 @@ class Request:
     index: int = 0  # sample index within its family
     family: Family | None = None
     internal_id: int = field(default_factory=lambda: next(_internal_ids))
+    # Unique per admission (shared by a family's samples): aborts and outputs name it, so a
+    # late abort can never reach a newer request that reuses request_id.
+    incarnation: str = ""
 
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -190,6 +194,9 @@ class Request:
     inflight_samples: int = 0  # tokens the step in flight will sample for this request
     inflight_tokens: int = 0  # tokens the step in flight computes for it (already in num_computed)
     num_preemptions: int = 0
+    epoch: int = 0  # bumped by every preemption: a step result for an older epoch is void
+    aborted_at: float | None = None  # time.monotonic() of the accepted abort
+    paused: bool = False  # its client's stream is full: it takes no step until read
     num_recomputed: int = 0
     undelivered: int = 0
     seed: int = 0  # resolved at admission so that sampling is reproducible after preemption
@@ -252,6 +259,7 @@ class Family:
 
     request_id: str
     members: list[Request]
+    incarnation: str = ""
 
     def live(self) -> list[Request]:
         return [r for r in self.members if not r.status.is_finished]

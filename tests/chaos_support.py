@@ -88,19 +88,20 @@ def run_storm(loaded, work, config: EngineConfig, seed: int):
     n_of = {rid: params.n for rid, _, params, _ in work}
     age = defaultdict(int)
     live: set[str] = set()
+    incs: dict[str, str] = {}
     steps = 0
     while pending or eng.has_unfinished():
         for _ in range(rng.randrange(0, 12)):
             if pending:
                 rid, prompt, params, _ = pending.pop(0)
-                eng.add_request(rid, prompt, params)
+                incs[rid] = eng.add_request(rid, prompt, params)
                 live.add(rid)
         # Abort requests whose target state is reached (or whose patience ran out).
         for rid in list(live):
             plan = plans[rid]
             if plan is None or rid in aborted_at:
                 continue
-            fam = eng.families.get(rid)
+            fam = eng.families.get(incs[rid])
             state = state_name(fam.members[0]) if fam is not None else "waiting"
             target, patience = plan
             if state != "waiting" or target == "waiting":
@@ -108,9 +109,9 @@ def run_storm(loaded, work, config: EngineConfig, seed: int):
             if state == target or target == "any" and age[rid] > patience or age[rid] > 3 * patience + 30:
                 states_hit[state] += 1
                 aborted_at[rid] = {i: len(got[rid][i]) for i in range(8)}
-                eng.abort(rid, AbortSource.CANCEL)
+                eng.abort(incs[rid], AbortSource.CANCEL)
                 if rng.random() < 0.2:
-                    eng.abort(rid, AbortSource.CANCEL)  # twice is the same as once
+                    eng.abort(incs[rid], AbortSource.CANCEL)  # twice is the same as once
         for out in eng.step():
             got[out.request_id][out.index] += delivered(out)
             if out.request_id in aborted_at and out.new_token_ids:

@@ -165,9 +165,8 @@ def assert_idle(engine: EngineCore) -> None:
     engine.audit()
     assert not engine.families, f"finished engine still tracks {list(engine.families)}"
     assert engine.pool.num_used == 0, f"{engine.pool.num_used} blocks still owned"
-    assert not engine.lifecycle.deferred, "blocks still wait behind the fence"
-    engine.scheduler.compact()
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine.kv_manager.deferred, "blocks still wait behind the fence"
+    assert not engine.queues.running and not engine.queues.waiting
 
 
 def record_plans(engine: EngineCore) -> list[list[tuple[str, int, int, bool]]]:

@@ -11,7 +11,7 @@ import pytest
 from stopline.bench import stop
 from stopline.bench.stop_report import render
 from stopline.config import EngineConfig
-from stopline.model.loader import load_model
+from stopline.model.loaders.loader import load_model
 
 
 def test_stop_benchmark_runs_and_reports(tiny_model_dir: Path, tmp_path: Path,

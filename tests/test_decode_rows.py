@@ -270,13 +270,13 @@ def test_an_aborted_decode_loses_its_row_and_the_others_are_undisturbed(tiny) ->
                                             debug=True, target_step_ms=None, decode_rows=decode_rows,
                                             attention_backend="torch"))
         params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-        for i, n in enumerate((7, 12, 20)):
-            eng.add_request(f"r{i}", list(range(5, 5 + n)), params)
+        incs = [eng.add_request(f"r{i}", list(range(5, 5 + n)), params)
+                for i, n in enumerate((7, 12, 20))]
         out: dict = {}
         for step in range(200):
             if step == 6:
-                victim = eng.families["r1"].members[0]
-                eng.abort("r1")
+                victim = eng.families.get(incs[1]).members[0]
+                eng.abort(incs[1])
             for o in eng.step():
                 out.setdefault(o.request_id, []).extend(o.new_token_ids)
             if step == 6 and decode_rows:

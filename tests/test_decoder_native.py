@@ -78,13 +78,13 @@ def test_abort_of_every_request_stops_the_c_loop(q4):
     """An abort that empties the step in flight sets the interrupt the C loop reads before
     each layer; the step ends there and the next request is unaffected."""
     eng = engine(q4)
-    eng.add_request("x", PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
-    eng.add_request("y", PROMPT[:5], SamplingParams(temperature=0.0, max_tokens=8))
+    xi = eng.add_request("x", PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
+    yi = eng.add_request("y", PROMPT[:5], SamplingParams(temperature=0.0, max_tokens=8))
     eng.step()  # the prompts (7 + 5 rows, in C too)
     run = eng.model.decoder.run
 
     def abort_then_run(x, inp, kv, interrupt):
-        eng.abort(["x", "y"])  # arrives while the step is in flight
+        eng.abort([xi, yi])  # arrives while the step is in flight
         assert isinstance(interrupt, StepInterrupt) and interrupt.flag.item() == 1
         return run(x, inp, kv, interrupt)
 

@@ -164,7 +164,7 @@ def test_a_read_of_poisoned_kv_is_an_error_not_a_token(model_dir: Path) -> None:
     e.add_request("victim", random_prompts(1, [10], seed=2)[0], greedy(20))
     e.add_request("bystander", other, greedy(20))
     e.step()
-    victim = e.families["victim"].members[0]
+    victim = e.families.find("victim").members[0]
     e.kv.poison([victim.block_ids[0]])
     results = drive(e)
     assert results[("victim", 0)].finish_reason is FinishReason.ERROR

@@ -125,11 +125,12 @@ def test_one_bad_request_in_a_batch_queues_none(llm: LLM, good, expected) -> Non
     _assert_still_serves(llm, good, expected)
 
 
-def test_duplicate_request_id(llm: LLM, good, expected) -> None:
+def test_duplicate_incarnation(llm: LLM, good, expected) -> None:
+    """Caller ids may repeat (incarnations tell requests apart); an incarnation may not."""
     e = llm.engine
-    e.add_request("dup", good, greedy(8))
+    inc = e.add_request("dup", good, greedy(8))
     with pytest.raises(InvalidRequest, match="already in use"):
-        e.add_request("dup", good, greedy(8))
+        e.add_request("dup", good, greedy(8), incarnation=inc)
     outs = []
     while e.has_unfinished():
         outs += e.step()

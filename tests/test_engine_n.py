@@ -34,7 +34,7 @@ def test_family_shares_prompt_blocks(model_dir: Path, prompt_len: int) -> None:
     seen: dict[str, object] = {}
 
     def inspect(e, step: int) -> None:
-        fam = e.families.get("f")
+        fam = e.families.find("f")
         if fam is None or "tables" in seen or any(m.fork_leader is not None for m in fam.members):
             return
         # First step after the fork: every sample has its own table.

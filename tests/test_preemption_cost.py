@@ -83,7 +83,7 @@ def test_resumed_request_finds_its_generated_blocks_in_the_prefix_cache(tiny):
     while eng.has_unfinished():
         for o in eng.step():
             got += o.new_token_ids
-        req = req or eng.families["r"].members[0]
+        req = req or eng.families.find("r").members[0]
         if len(got) == 10 and req.status is RequestStatus.RUNNING:
             eng.lifecycle.preempt(req)  # between steps: nothing in flight
             assert req.status is RequestStatus.PREEMPTED
@@ -122,7 +122,7 @@ def auto_engine(tiny, **costs) -> EngineCore:
 def victim(eng: EngineCore, tokens: int) -> Request:
     eng.add_request("v", list(range(3, 3 + tokens)), SamplingParams(temperature=0.0, max_tokens=5))
     eng.step()
-    req = eng.families["v"].members[0]
+    req = eng.families.find("v").members[0]
     assert req.status is RequestStatus.RUNNING and req.num_computed == tokens
     return req
 

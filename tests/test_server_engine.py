@@ -38,7 +38,7 @@ def test_cancel_fence_and_confirmed_abort(tiny_model_dir, async_scheduling):
         await engine.start()
         prompt = engine.tokenizer.encode("hello there")
         try:
-            stream = await engine.add("a", prompt, long_params())
+            stream = await engine.add("a", prompt, long_params(), incarnation="a")
             got = 0
             outs = []
             async for out in stream:
@@ -52,7 +52,8 @@ def test_cancel_fence_and_confirmed_abort(tiny_model_dir, async_scheduling):
             assert outs[-1].usage.completion_tokens == got == stream.delivered[0]
             assert engine.status("a") == ["abort"]
 
-            streams = [await engine.add(f"b{i}", prompt, long_params(n=2 if i % 2 else 1))
+            streams = [await engine.add(f"b{i}", prompt, long_params(n=2 if i % 2 else 1),
+                                        incarnation=f"b{i}")
                        for i in range(6)]
             await wait_until(lambda: engine.snapshot.running > 0)
             ended = await engine.abort_and_wait(None, AbortSource.SHUTDOWN)
@@ -74,7 +75,7 @@ def test_generate_leaving_early_aborts(tiny_model_dir):
         engine = AsyncEngine.in_process(str(tiny_model_dir), EngineConfig(**CFG), progress=False)
         await engine.start()
         try:
-            gen = engine.generate("g", engine.tokenizer.encode("x"), long_params())
+            gen = engine.generate("g", engine.tokenizer.encode("x"), long_params(), incarnation="g")
             async for _ in gen:
                 break
             await gen.aclose()
@@ -100,7 +101,7 @@ def test_two_process_transport(tiny_model_dir):
 
             # An abort sent before the core acknowledged the add goes out at once on the
             # priority socket; if it overtakes its add, the core keeps it until the add comes.
-            adding = asyncio.create_task(engine.add("early", prompt, long_params()))
+            adding = asyncio.create_task(engine.add("early", prompt, long_params(), incarnation="early"))
             await asyncio.sleep(0)  # the add is on its way, its acknowledgement is not back
             assert "early" in engine.backend._acks
             engine.abort("early", AbortSource.DISCONNECT)
@@ -109,9 +110,9 @@ def test_two_process_transport(tiny_model_dir):
             assert outs[-1].finish_reason is FinishReason.ABORT and not any(o.new_token_ids for o in outs)
 
             # Many adds, then one abort: it is accepted long before the adds are through.
-            flood = [asyncio.create_task(engine.add(f"f{i}", prompt, SamplingParams(max_tokens=2)))
+            flood = [asyncio.create_task(engine.add(f"f{i}", prompt, SamplingParams(max_tokens=2), incarnation=f"f{i}"))
                      for i in range(200)]
-            victim = await engine.add("victim", prompt, long_params())
+            victim = await engine.add("victim", prompt, long_params(), incarnation="victim")
             engine.abort("victim", AbortSource.CANCEL)
             await asyncio.wait_for(victim.done, 10)
             assert victim.finish_reasons == [FinishReason.ABORT]
@@ -120,7 +121,7 @@ def test_two_process_transport(tiny_model_dir):
                 await asyncio.wait_for(s.done, 60)
 
             # The core dies: open streams end with EngineDead at once, new adds are refused.
-            stream = await engine.add("doomed", prompt, long_params())
+            stream = await engine.add("doomed", prompt, long_params(), incarnation="doomed")
             await wait_until(lambda: stream.started)
             t0 = time.monotonic()
             engine.backend.proc.kill()
@@ -130,21 +131,8 @@ def test_two_process_transport(tiny_model_dir):
             assert time.monotonic() - t0 < 1.0
             assert engine.state == "dead" and "exited" in engine.dead_reason
             with pytest.raises(EngineUnavailable):
-                await engine.add("after", prompt, SamplingParams())
+                await engine.add("after", prompt, SamplingParams(), incarnation="after")
         finally:
             await engine.close()
 
     asyncio.run(run())
-
-
-def test_early_abort_waits_for_its_add():
-    from stopline.engine.proc.core_proc import EarlyAborts
-
-    e = EarlyAborts(remember=2)
-    e.on_abort(["a"], AbortSource.DISCONNECT, 1.0)  # overtook its add
-    assert e.on_add("b") is None
-    assert e.on_add("a") == (AbortSource.DISCONNECT, 1.0)
-    e.on_abort(["a", "b"], AbortSource.CANCEL, 2.0)  # both seen: nothing kept
-    assert e.early == {}
-    e.on_add("c")  # bounded: the oldest ("b") is forgotten
-    assert list(e.added) == ["a", "c"]

@@ -66,14 +66,14 @@ def solo(tiny, prompt, params, **kw):
 PROMPT = [5, 17, 99, 23, 42, 7, 300, 12, 9, 81]
 
 
-def abort_during_forward(eng: EngineCore, rid: str, on_step: int) -> None:
-    """Make engine.abort(rid) arrive while step `on_step`'s forward is running."""
+def abort_during_forward(eng: EngineCore, inc: str, on_step: int) -> None:
+    """Make engine.abort(inc) arrive while step `on_step`'s forward is running."""
     execute = eng.runner.execute
 
     def hooked(plan, interrupt=None):
         result = execute(plan, interrupt)
         if plan.step_id == on_step:
-            eng.abort(rid)
+            eng.abort(inc)
         return result
 
     eng.runner.execute = hooked
@@ -82,8 +82,8 @@ def abort_during_forward(eng: EngineCore, rid: str, on_step: int) -> None:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_abort_on_last_step_is_abort_not_length(tiny, async_scheduling):
     eng = engine(tiny, async_scheduling=async_scheduling)
-    eng.add_request("a", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True, **GREEDY))
-    abort_during_forward(eng, "a", on_step=2)  # step 0 prefill, 1 and 2 decode: 2 is the last
+    a = eng.add_request("a", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True, **GREEDY))
+    abort_during_forward(eng, a, on_step=2)  # step 0 prefill, 1 and 2 decode: 2 is the last
     res = drain(eng)[("a", 0)]
     (term,) = res["terminal"]
     assert term.finish_reason is FinishReason.ABORT
@@ -99,43 +99,43 @@ def test_abort_on_last_step_is_abort_not_length(tiny, async_scheduling):
 
 def test_abort_between_forward_and_processing_releases_through_fence(tiny):
     eng = engine(tiny)
-    eng.add_request("a", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True, **GREEDY))
+    a = eng.add_request("a", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True, **GREEDY))
     eng.add_request("b", PROMPT[:4], SamplingParams(max_tokens=5, ignore_eos=True, **GREEDY))
-    abort_during_forward(eng, "a", on_step=3)
+    abort_during_forward(eng, a, on_step=3)
     res = drain(eng)
     assert res[("a", 0)]["terminal"][0].finish_reason is FinishReason.ABORT
     assert eng.lifecycle.stats.aborts[("cancel", "running")] == 1  # a decode, not a prefill
     assert len(res[("a", 0)]["tokens"]) == 3
     # reclaimed when the step that could write its blocks was processed: the same step
-    assert eng.lifecycle.stats.abort_to_reclaim_steps == [1]
-    assert eng.lifecycle.stats.abort_to_quiet_steps == [1]
+    assert eng.lifecycle.stats.abort_to_reclaim_steps.counts[:3] == [0, 1, 0]  # 1 step, once
+    assert eng.lifecycle.stats.abort_to_quiet_steps.counts[:3] == [0, 1, 0]
     assert res[("b", 0)]["tokens"] == solo(tiny, PROMPT[:4], SamplingParams(max_tokens=5, ignore_eos=True, **GREEDY))
 
 
 def test_abort_waiting_unknown_twice(tiny):
     eng = engine(tiny)
-    eng.add_request("w", PROMPT, SamplingParams(max_tokens=4, **GREEDY))
-    eng.abort("w")
-    eng.abort("w")
+    w = eng.add_request("w", PROMPT, SamplingParams(max_tokens=4, **GREEDY))
+    eng.abort(w)
+    eng.abort(w)
     eng.abort("nobody")
     outs = eng.step()
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("w", True, FinishReason.ABORT)]
     assert outs[0].new_token_ids == [] and outs[0].usage.completion_tokens == 0
     assert eng.steps == 1 and not eng.has_unfinished()
     assert eng.lifecycle.stats.aborts[("cancel", "waiting")] == 1
-    assert eng.lifecycle.stats.abort_to_quiet_steps == [0]
-    eng.abort("w")  # already finished: no-op, no second terminal output
+    assert eng.lifecycle.stats.abort_to_quiet_steps.counts[:2] == [1, 0]  # 0 steps, once
+    eng.abort(w)  # already finished: no-op, no second terminal output
     assert eng.step() == []
 
 
 def test_abort_mid_chunked_prefill_stops_at_chunk_boundary(tiny):
     eng = engine(tiny, max_num_batched_tokens=8)
     long_prompt = list(range(3, 3 + 60))
-    eng.add_request("long", long_prompt, SamplingParams(max_tokens=4, **GREEDY))
+    inc = eng.add_request("long", long_prompt, SamplingParams(max_tokens=4, **GREEDY))
     eng.step()
-    req = eng.families["long"].members[0]
+    req = eng.families.get(inc).members[0]
     assert 0 < req.num_computed < len(long_prompt)  # mid-prefill
-    eng.abort("long")
+    eng.abort(inc)
     outs = eng.step()
     assert outs[0].finish_reason is FinishReason.ABORT
     assert eng.lifecycle.stats.aborts[("cancel", "prefilling")] == 1
@@ -146,17 +146,17 @@ def test_abort_mid_chunked_prefill_stops_at_chunk_boundary(tiny):
 
 def test_cancelled_prefix_not_kept_when_disabled(tiny):
     eng = engine(tiny, max_num_batched_tokens=8, keep_aborted_prefix=False)
-    eng.add_request("long", list(range(3, 63)), SamplingParams(max_tokens=4, **GREEDY))
+    inc = eng.add_request("long", list(range(3, 63)), SamplingParams(max_tokens=4, **GREEDY))
     eng.step()
-    eng.abort("long")
+    eng.abort(inc)
     eng.step()
     assert eng.pool.num_cached == 0 and eng.pool.num_used == 0
 
 
 def test_layer_boundary_interrupt_and_next_step_unaffected(tiny):
     eng = engine(tiny, max_num_batched_tokens=256)
-    eng.add_request("x", PROMPT * 3, SamplingParams(max_tokens=8, **GREEDY))
-    eng.add_request("y", PROMPT[:5], SamplingParams(max_tokens=8, **GREEDY))
+    x = eng.add_request("x", PROMPT * 3, SamplingParams(max_tokens=8, **GREEDY))
+    y = eng.add_request("y", PROMPT[:5], SamplingParams(max_tokens=8, **GREEDY))
     calls = {"n": 0}
     projections = [layer["o"] for layer in eng.model.layers]
 
@@ -164,7 +164,7 @@ def test_layer_boundary_interrupt_and_next_step_unaffected(tiny):
         def run(*args):
             calls["n"] += 1
             if calls["n"] == 1:
-                eng.abort(["x", "y"])  # every request of the step in flight: stop at next layer
+                eng.abort([x, y])  # every request of the step in flight: stop at next layer
             return proj(*args)
         return run
 
@@ -188,32 +188,32 @@ def test_layer_boundary_interrupt_and_next_step_unaffected(tiny):
 def test_family_abort_and_id_reuse(tiny):
     eng = engine(tiny)
     params = SamplingParams(n=3, max_tokens=30, ignore_eos=True, temperature=1.0, seed=1)
-    eng.add_request("fam", PROMPT, params)
+    fam = eng.add_request("fam", PROMPT, params)
     with pytest.raises(InvalidRequest, match="already in use"):
-        eng.add_request("fam", PROMPT, params)
+        eng.add_request("fam", PROMPT, params, incarnation=fam)  # an incarnation is unique
     res = {}
     for _ in range(4):
         collect(eng.step(), res)
-    members = eng.families["fam"].members
+    members = eng.families.get(fam).members
     shared = set(members[0].block_ids[: len(PROMPT) // 4])
     assert all(shared <= set(m.block_ids) for m in members)  # prompt blocks shared
     assert all(eng.pool.refcount[b] == 3 for b in shared)
-    eng.abort("fam")
+    eng.abort(fam)
     collect(eng.step(), res)
     assert sorted(k[1] for k in res) == [0, 1, 2]
     assert all(len(v["terminal"]) == 1 and v["terminal"][0].finish_reason is FinishReason.ABORT
                for v in res.values())
-    assert "fam" not in eng.families and eng.pool.num_used == 0
+    assert eng.families.find("fam") is None and eng.pool.num_used == 0
     eng.add_request("fam", PROMPT, SamplingParams(max_tokens=2, **GREEDY))  # id reusable
     assert drain(eng)[("fam", 0)]["terminal"][0].finish_reason is FinishReason.LENGTH
 
 
 def test_family_abort_before_fork(tiny):
     eng = engine(tiny, max_num_batched_tokens=4)
-    eng.add_request("fam", list(range(3, 23)), SamplingParams(n=2, max_tokens=5, **GREEDY))
+    fam = eng.add_request("fam", list(range(3, 23)), SamplingParams(n=2, max_tokens=5, **GREEDY))
     eng.step()
-    assert eng.families["fam"].members[1].fork_leader is not None
-    eng.abort("fam")
+    assert eng.families.get(fam).members[1].fork_leader is not None
+    eng.abort(fam)
     res = drain(eng)
     assert len(res) == 2 and all(v["terminal"][0].finish_reason is FinishReason.ABORT for v in res.values())
 
@@ -230,14 +230,14 @@ def test_abort_while_swapped_frees_swap_space(tiny):
         if swapped:
             break
     assert swapped is not None, "the pool never forced a swap"
-    assert eng.lifecycle.swap.num_used > 0
-    eng.abort(swapped.request_id)
+    assert eng.kv_manager.swap.num_used > 0
+    eng.abort(swapped.incarnation)
     collect(eng.step(), res)
     assert swapped.status is RequestStatus.FINISHED
     assert eng.lifecycle.stats.aborts[("cancel", "swapped")] == 1
     res = collect([], res)
     drain(eng)
-    assert eng.lifecycle.swap.num_used == 0
+    assert eng.kv_manager.swap.num_used == 0
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -391,14 +391,14 @@ def test_prefill_budget_shrinks_beside_decodes(tiny):
     """Interruptible steps, lever 1: with decodes running, a long prompt's chunk is capped so the
     decodes' step time stays short; alone, it gets the whole budget."""
     eng = engine(tiny, max_num_batched_tokens=64)
-    eng.add_request("short", PROMPT[:3], SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY))
+    short = eng.add_request("short", PROMPT[:3], SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY))
     eng.step()  # "short" is decoding from now on
     eng.scheduler.prefill_cap = 8
     eng.add_request("long", list(range(3, 63)), SamplingParams(max_tokens=2, **GREEDY))
     eng.step()
-    long_req = eng.families["long"].members[0]
+    long_req = eng.families.find("long").members[0]
     assert long_req.num_computed == 8
-    eng.abort("short")
+    eng.abort(short)
     eng.step()  # the abort frees the step of decodes: the cap no longer applies
     assert long_req.num_computed == 8 + 52
     drain(eng)

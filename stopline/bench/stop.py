@@ -32,6 +32,7 @@ from stopline.config import EngineConfig, PreemptionMode, VictimPolicy
 from stopline.engine.core import EngineCore
 from stopline.model.loaders.loader import LoadedModel
 from stopline.request import AbortSource, SamplingParams
+from stopline.stats import SECONDS_BOUNDS, Histogram
 
 TOPICS = ["the ocean", "a lighthouse keeper", "prime numbers", "a city at night", "bread baking",
           "the moon landing", "a lost cat", "volcanoes", "chess openings", "a rainy morning"]
@@ -54,8 +55,8 @@ class RunResult:
     tokens_out: int
     aborted: int = 0
     tokens_after_abort: int = 0
-    reclaim_steps: list[int] = field(default_factory=list)
-    reclaim_ms: list[float] = field(default_factory=list)
+    reclaim_steps_max: int = 0
+    reclaim_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BOUNDS))
     delivered_at_abort: dict[str, int] = field(default_factory=dict)
     preemptions: dict[str, int] = field(default_factory=dict)
     recomputed_tokens: int = 0
@@ -84,12 +85,15 @@ def _fresh_engines(loaded: LoadedModel, cfgs: list[EngineConfig]) -> list[Engine
     return [EngineCore(loaded, c) for c in cfgs]
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
 def run_jobs(loaded: LoadedModel, cfg: EngineConfig, jobs: list[Job], desc: str) -> RunResult:
     (eng,) = _fresh_engines(loaded, [cfg])
     t0 = time.perf_counter()
-    for j in jobs:
-        eng.add_request(j.rid, j.prompt, SamplingParams(temperature=0.0, max_tokens=j.max_tokens,
-                                                        ignore_eos=True))
+    inc = {j.rid: eng.add_request(j.rid, j.prompt, SamplingParams(
+        temperature=0.0, max_tokens=j.max_tokens, ignore_eos=True)) for j in jobs}
     delivered = {j.rid: 0 for j in jobs}
     pending_abort = {j.rid: j for j in jobs if j.abort_kind}
     survivors = {j.rid for j in jobs if not j.abort_kind}
@@ -98,14 +102,14 @@ def run_jobs(loaded: LoadedModel, cfg: EngineConfig, jobs: list[Job], desc: str)
     bar = tqdm(total=len(jobs), desc=desc, unit="req", leave=False)
     while eng.has_unfinished():
         for rid, j in list(pending_abort.items()):
-            fam = eng.families.get(rid)
+            fam = eng.families.get(inc[rid])
             req = fam.members[0] if fam else None
             due = (j.abort_kind == "waiting"
                    or j.abort_kind == "prefill" and req is not None and 0 < req.num_computed < req.prompt_len
                    or j.abort_kind == "decode" and delivered[rid] >= j.abort_after)
             if due:
                 res.delivered_at_abort[rid] = delivered[rid]
-                eng.abort(rid, AbortSource.CANCEL)
+                eng.abort(inc[rid], AbortSource.CANCEL)
                 del pending_abort[rid]
         for out in eng.step():
             delivered[out.request_id] += len(out.new_token_ids)
@@ -124,8 +128,8 @@ def run_jobs(loaded: LoadedModel, cfg: EngineConfig, jobs: list[Job], desc: str)
     res.steps = eng.steps
     res.aborted = sum(st.aborts.values())
     res.tokens_after_abort = st.tokens_after_abort
-    res.reclaim_steps = list(st.abort_to_reclaim_steps)
-    res.reclaim_ms = [s * 1000 for s in st.reclaim_seconds]
+    res.reclaim_steps_max = int(st.abort_to_reclaim_steps.max)
+    res.reclaim_seconds = st.reclaim_seconds
     res.preemptions = dict(st.preemptions)
     res.recomputed_tokens = st.recomputed_tokens
     return res
@@ -192,7 +196,10 @@ def cancel_storm(loaded: LoadedModel, cfg: EngineConfig, n: int, max_tokens: int
     abort_s = [aborted.survivors_seconds, again.survivors_seconds]
     both = (aborted, again)  # the stop-path counters hold in every run with aborts, not just one
     n_aborted = max(1, sum(r.aborted for r in both))
-    reclaim_ms = aborted.reclaim_ms + again.reclaim_ms
+    reclaim = Histogram(SECONDS_BOUNDS)  # both runs' (fixed buckets: quantiles are bucket bounds)
+    for r in both:
+        reclaim.counts = [a + b for a, b in zip(reclaim.counts, r.reclaim_seconds.counts, strict=True)]
+        reclaim.max = max(reclaim.max, r.reclaim_seconds.max)
     return {
         "requests": n, "aborted": aborted.aborted, "max_tokens": max_tokens,
         "abort_kinds": {k: sum(1 for j in jobs if j.abort_kind == k) for k in ("waiting", "prefill", "decode")},
@@ -201,8 +208,8 @@ def cancel_storm(loaded: LoadedModel, cfg: EngineConfig, n: int, max_tokens: int
         "survivors_s_runs": {"aborts": abort_s, "twins": twin_s},
         "ratio_twins_over_aborts": sum(twin_s) / sum(abort_s),
         "tokens_after_abort_per_abort": sum(r.tokens_after_abort for r in both) / n_aborted,
-        "abort_to_reclaim_steps_max": max(aborted.reclaim_steps + again.reclaim_steps, default=0),
-        "reclaim_ms_p50": _pct(reclaim_ms, 50), "reclaim_ms_p99": _pct(reclaim_ms, 99),
+        "abort_to_reclaim_steps_max": max(r.reclaim_steps_max for r in both),
+        "reclaim_ms_p50": _ms(reclaim.quantile(0.5)), "reclaim_ms_p99": _ms(reclaim.quantile(0.99)),
         "preemptions": dict(Counter(aborted.preemptions) + Counter(again.preemptions)),
     }
 

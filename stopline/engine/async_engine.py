@@ -6,13 +6,22 @@ streams: outputs of each step are dispatched to them on the event loop, every ad
 request gets exactly one terminal output per sample, and if the core dies every open stream
 ends with `EngineDead` at once.
 
-`abort()` is immediate (it returns after handing the abort to the core, without waiting);
-`abort_and_wait()` is the confirmed form: it returns when every request it aborted has ended.
+Every admitted request has an incarnation (`RequestStream.incarnation`, unique: minted here
+unless the caller gives one); aborts and outputs name incarnations, so a late abort can
+never reach a newer request that reuses a caller's id. `abort()` is immediate (it returns
+after handing the abort to the core, without waiting); `abort_and_wait()` is the confirmed
+form: it returns when every request it aborted has ended.
+
+Backpressure: a stream whose consumer does not read buffers at most `max_buffered` outputs;
+then its request is paused in the core (it keeps its place and takes no step) until the
+consumer has read half of them. A consumer that reads nothing for `stall_timeout` seconds
+while its stream is full is treated as gone: its request is aborted with source `stalled`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -50,10 +59,12 @@ class CoreBackend(Protocol):
     async def start(self, on_batch: Callable[[Batch], None],
                     on_dead: Callable[[str], None]) -> CoreInfo: ...
 
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  arrival: float) -> None: ...  # raises InvalidRequest if the core refuses
+    async def add(self, request_id: str, incarnation: str, prompt_token_ids: list[int],
+                  params: SamplingParams, arrival: float) -> None: ...  # InvalidRequest if refused
 
-    def abort(self, request_ids: list[str], source: AbortSource, t0: float) -> None: ...
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None: ...
+
+    def pause(self, incarnations: list[str], paused: bool) -> None: ...
 
     async def utility(self, method: str) -> Any: ...
 
@@ -72,9 +83,16 @@ class EngineObserver:
 
 class AsyncEngine:
     def __init__(self, backend: CoreBackend, *, max_waiting: int | None = None,
-                 observer: EngineObserver | None = None, remember_finished: int = 10_000) -> None:
+                 observer: EngineObserver | None = None, remember_finished: int = 10_000,
+                 max_buffered: int = 64, stall_timeout: float = 60.0) -> None:
+        if max_buffered < 2:
+            raise ValueError(f"max_buffered must be >= 2, got {max_buffered}")
+        if not stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
         self.backend = backend
         self.max_waiting = max_waiting
+        self.max_buffered = max_buffered
+        self.stall_timeout = stall_timeout
         self.observer = observer or EngineObserver()
         self.state = "starting"  # starting | ready | draining | dead | closed
         self.dead_reason: str | None = None
@@ -83,10 +101,11 @@ class AsyncEngine:
         self.snapshot = Snapshot()
         self.on_dead: list[Callable[[str], None]] = []
         self._streams: dict[str, RequestStream] = {}
-        # Recently ended ids -> finish reasons, so that cancelling one answers "finished"
-        # instead of "unknown" (bounded: an old id eventually becomes unknown).
+        # Open streams and recently ended incarnations -> finish reasons, so that cancelling
+        # one answers "finished" instead of "unknown" (bounded: an old one becomes unknown).
         self._finished: OrderedDict[str, list[str | None]] = OrderedDict()
         self._remember = remember_finished
+        self._incarnations = itertools.count()
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -134,75 +153,81 @@ class AsyncEngine:
         return sum(1 for s in self._streams.values() if not s.started)
 
     def open_ids(self) -> list[str]:
+        """Incarnations of the open streams."""
         return list(self._streams)
 
-    def status(self, request_id: str) -> str | list[str | None] | None:
+    def status(self, incarnation: str) -> str | list[str | None] | None:
         """'open', the finish reasons of a recently ended request, or None if unknown."""
-        if request_id in self._streams:
+        if incarnation in self._streams:
             return "open"
-        return self._finished.get(request_id)
+        return self._finished.get(incarnation)
 
     # ---- requests -------------------------------------------------------------------------
     async def add(self, request_id: str, prompt_token_ids: Sequence[int],
-                  params: SamplingParams | None = None, *, arrival: float | None = None) -> RequestStream:
-        """Admit a request and return its stream. Raises InvalidRequest (400),
-        EngineOverloaded (429) or EngineUnavailable (503); nothing is queued then."""
+                  params: SamplingParams | None = None, *, arrival: float | None = None,
+                  incarnation: str | None = None) -> RequestStream:
+        """Admit a request and return its stream (`stream.incarnation` names it from now on).
+        Raises InvalidRequest (400), EngineOverloaded (429) or EngineUnavailable (503);
+        nothing is queued then."""
         if self.state != "ready":
             raise EngineUnavailable(self.unavailable_why())
         params = params or SamplingParams()
         params.validate()
-        if request_id in self._streams:
-            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        inc = incarnation if incarnation is not None else f"{request_id}#{next(self._incarnations)}"
+        if inc in self._streams:
+            raise InvalidRequest(f"incarnation {inc!r} is already in use")
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
             raise EngineOverloaded(f"{self.num_waiting} requests are waiting for their first step "
                                    f"(limit {self.max_waiting})")
         arrival = time.monotonic() if arrival is None else arrival
         prompt = list(prompt_token_ids)
-        stream = RequestStream(request_id, params.n, len(prompt), arrival)
+        stream = RequestStream(request_id, params.n, len(prompt), arrival, incarnation=inc,
+                               max_buffered=self.max_buffered, on_full=self._on_full)
         # Registered before the core sees it: its outputs can't arrive before its stream exists.
-        self._streams[request_id] = stream
+        self._streams[inc] = stream
         try:
-            await self.backend.add(request_id, prompt, params, arrival)
+            await self.backend.add(request_id, inc, prompt, params, arrival)
         except BaseException:
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
+            if self._streams.get(inc) is stream:
+                del self._streams[inc]
             if not stream.done.done():
                 stream.done.set_result(None)
             raise
         return stream
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams | None = None, *,
+                       incarnation: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; leaving the loop early aborts it."""
-        stream = await self.add(request_id, prompt_token_ids, params)
+        stream = await self.add(request_id, prompt_token_ids, params, incarnation=incarnation)
         try:
             async for out in stream:
                 yield out
         finally:
             if not stream.finished:
-                self.abort(request_id, AbortSource.CANCEL)
+                self.abort(stream.incarnation, AbortSource.CANCEL)
 
-    def abort(self, request_ids: str | Iterable[str], source: AbortSource = AbortSource.CANCEL,
+    def abort(self, incarnations: str | Iterable[str], source: AbortSource = AbortSource.CANCEL,
               t0: float | None = None) -> list[str]:
-        """Abort now, without waiting; returns the ids that were open. From this call on, the
-        streams hand out no token; each still gets its terminal output."""
+        """Abort now, without waiting; returns the incarnations that were open. From this
+        call on, the streams hand out no token; each still gets its terminal output."""
         t0 = time.monotonic() if t0 is None else t0
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        open_ids = [rid for rid in dict.fromkeys(ids) if rid in self._streams]
-        for rid in open_ids:
-            self._streams[rid].cancel(source)
-        if open_ids and self.state not in ("dead", "closed"):
-            self.backend.abort(open_ids, source, t0)
-        return open_ids
+        incs = [incarnations] if isinstance(incarnations, str) else list(incarnations)
+        open_incs = [i for i in dict.fromkeys(incs) if i in self._streams]
+        for inc in open_incs:
+            self._streams[inc].cancel(source)
+        if open_incs and self.state not in ("dead", "closed"):
+            self.backend.abort(open_incs, source, t0)
+        return open_incs
 
-    async def abort_and_wait(self, request_ids: Iterable[str] | None = None,
+    async def abort_and_wait(self, incarnations: Iterable[str] | None = None,
                              source: AbortSource = AbortSource.CANCEL,
                              timeout: float | None = 30.0) -> dict[str, list[str | None]]:
         """Abort the given requests (all open ones if None) and return when every one of them
-        has ended: id -> finish reason per sample ('abort', or what it ended with first)."""
+        has ended: incarnation -> finish reason per sample ('abort', or what it ended with)."""
         t0 = time.monotonic()
-        ids = list(self._streams) if request_ids is None else list(request_ids)
-        streams = {rid: self._streams[rid] for rid in dict.fromkeys(ids) if rid in self._streams}
+        incs = list(self._streams) if incarnations is None else list(incarnations)
+        streams = {i: self._streams[i] for i in dict.fromkeys(incs) if i in self._streams}
         self.abort(list(streams), source, t0)
         if streams:
             waits = [asyncio.shield(s.done) for s in streams.values()]
@@ -259,7 +284,7 @@ class AsyncEngine:
         now = time.monotonic()
         obs = self.observer
         for out in batch.outputs:
-            s = self._streams.get(out.request_id)
+            s = self._streams.get(out.incarnation)
             if s is None:
                 continue  # its stream already ended (engine declared dead meanwhile)
             if out.new_token_ids:
@@ -278,12 +303,33 @@ class AsyncEngine:
             obs.on_abort_timing(timing)
 
     def _ended(self, s: RequestStream) -> None:
-        if self._streams.get(s.request_id) is s:
-            del self._streams[s.request_id]
-        self._finished[s.request_id] = [r.value if r else None for r in s.finish_reasons]
+        if self._streams.get(s.incarnation) is s:
+            del self._streams[s.incarnation]
+        self._finished[s.incarnation] = [r.value if r else None for r in s.finish_reasons]
         while len(self._finished) > self._remember:
             self._finished.popitem(last=False)
         self.observer.on_request_end(s.prompt_tokens)
+
+    def _on_full(self, s: RequestStream, full: bool) -> None:
+        """A stream filled up (pause its request, start the stall clock) or drained."""
+        if self._streams.get(s.incarnation) is not s or self.state in ("dead", "closed"):
+            return
+        try:
+            self.backend.pause([s.incarnation], full)
+        except EngineDead:
+            return
+        if full:
+            asyncio.get_running_loop().call_later(self.stall_timeout, self._check_stall, s)
+
+    def _check_stall(self, s: RequestStream) -> None:
+        if self._streams.get(s.incarnation) is not s or not s.full:
+            return
+        idle = time.monotonic() - s.last_read
+        if idle >= self.stall_timeout:
+            log.info("request %s: its client read nothing for %.0f s; aborting", s.incarnation, idle)
+            self.abort(s.incarnation, AbortSource.STALLED)
+        else:
+            asyncio.get_running_loop().call_later(self.stall_timeout - idle, self._check_stall, s)
 
     def _fail(self, s: RequestStream, exc: BaseException) -> None:
         for i in sorted(s.open_samples):
@@ -347,14 +393,18 @@ class LocalCore:
             except RuntimeError:
                 pass
 
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  arrival: float) -> None:
-        assert self.loop is not None
-        self.loop.add(request_id, prompt_token_ids, params, arrival)
+    async def add(self, request_id: str, incarnation: str, prompt_token_ids: list[int],
+                  params: SamplingParams, arrival: float) -> None:
+        assert self.loop is not None  # start() ran: the engine admits only once ready
+        self.loop.add(request_id, prompt_token_ids, params, arrival, incarnation=incarnation)
 
-    def abort(self, request_ids: list[str], source: AbortSource, t0: float) -> None:
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
         assert self.loop is not None
-        self.loop.abort(request_ids, source, t0)
+        self.loop.abort(incarnations, source, t0)
+
+    def pause(self, incarnations: list[str], paused: bool) -> None:
+        assert self.loop is not None
+        self.loop.pause(incarnations, paused)
 
     async def utility(self, method: str) -> Any:
         assert self.loop is not None

@@ -1,28 +1,37 @@
 """The engine core: admit, schedule, run, sample, stop — one step at a time.
 
-Threading: `add_request` and `abort` may be called from any thread; they only record the
-wish. Everything else runs on the thread that calls `step()`, which applies aborts before
-adds at every step boundary (and again right after the forward pass, so a token computed
-for a request whose abort arrived mid-step is never delivered). If every request of the
-step in flight is aborted, the forward stops at the next layer boundary.
+Threading: `add_request`, `abort` and `pause` may be called from any thread; they only record
+the wish (inbox.py). Everything else runs on the thread that calls `step()`, which applies the
+inbox at every step boundary (and aborts again right after the forward pass, so a token
+computed for a request whose abort arrived mid-step is never delivered). If every request of
+the step in flight is aborted, the forward stops at the next layer boundary.
+
+Per-request state lives in the holders declared here, in release order (lifecycle.py):
+queues, outputs (detokenizer), decode rows, the family table, swap slots, and the KV manager
+last.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Protocol
 
 import torch
 
 from stopline.config import EngineConfig, PreemptionMode
+from stopline.engine.families import FamilyTable
+from stopline.engine.inbox import Inbox
 from stopline.engine.output import OutputProcessor, RequestOutput, Stop
 from stopline.kv.block_pool import BlockPool, LedgerError
+from stopline.kv.decode_rows import DecodeRows
 from stopline.kv.kv_cache import KVCache, SwapSpace
-from stopline.lifecycle import Lifecycle
+from stopline.kv.manager import KVManager
+from stopline.lifecycle import Holder, Lifecycle
 from stopline.model.decoder_native import StepInterrupt
 from stopline.model.llama import LlamaModel, StepInterrupted
 from stopline.model.loaders.loader import LoadedModel, load_model
@@ -36,24 +45,37 @@ from stopline.request import (
     SamplingParams,
 )
 from stopline.sched.plan import StepPlan
+from stopline.sched.queues import Queues
 from stopline.sched.scheduler import Scheduler
+from stopline.stats import StopStats
 from stopline.worker.runner import ModelRunner, StepResult
 from stopline.worker.sampler import Sampled, SampleTask, sample
 
 log = logging.getLogger("stopline.engine")
 
+_incarnations = itertools.count()
+
+
+class StepRunner(Protocol):
+    """What runs a step's forward pass: the model runner, or a test's scripted stand-in."""
+
+    rows: DecodeRows | None
+
+    def execute(self, plan: StepPlan, interrupt: StepInterrupt | None = None) -> StepResult: ...
+
 
 class EngineCore:
     def __init__(self, model: LoadedModel | str | None = None, config: EngineConfig | None = None,
-                 *, progress: bool = True) -> None:
-        self.config = config or EngineConfig()
+                 *, progress: bool = True, runner: StepRunner | None = None) -> None:
+        """runner: run steps with this instead of the model (tests drive the stop path with
+        hand-built step results); the model then only gives its config and tokenizer."""
+        self.config = cfg = config or EngineConfig()
         # Denormal activations make CPU matmuls several times slower; they carry no signal.
         torch.set_flush_denormal(True)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, progress=progress)
         self.loaded = loaded
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
-        cfg = self.config
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
         per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         num_blocks = cfg.num_blocks or max(1, int(cfg.kv_cache_memory_gb * 2**30) // per_block)
@@ -65,31 +87,42 @@ class EngineCore:
         swap = None
         if cfg.preemption_mode is not PreemptionMode.RECOMPUTE:
             swap = SwapSpace(cfg.swap_space_blocks or num_blocks)
-        self.model = LlamaModel(mc, loaded.weights, max_rows=cfg.max_num_batched_tokens,
-                                max_logit_rows=cfg.max_num_seqs, device=cfg.device,
-                                linear_backend=cfg.linear_backend, blocks=loaded.blocks,
-                                quant_max_rows=cfg.quant_max_rows, attention=cfg.attention_backend)
-        self.model.calibrate()
-        if self.model.attention == "torch":
+        self.model: LlamaModel | None = None
+        if runner is None:
+            self.model = LlamaModel(mc, loaded.weights, max_rows=cfg.max_num_batched_tokens,
+                                    max_logit_rows=cfg.max_num_seqs, device=cfg.device,
+                                    linear_backend=cfg.linear_backend, blocks=loaded.blocks,
+                                    quant_max_rows=cfg.quant_max_rows, attention=cfg.attention_backend)
+            self.model.calibrate()
+            runner = ModelRunner(self.model, self.kv, cfg)
+        if self.model is None or self.model.attention == "torch":
             # Torch attention multiplies whole blocks by masked weights: unwritten slots must
             # hold zeros, not a freed block's NaN. The C kernel reads written slots only.
             self.pool.on_allocate = self.kv.zero
-        self.runner = ModelRunner(self.model, self.kv, cfg)
-        self.scheduler = Scheduler(cfg, self.pool, self.max_model_len)
+        self.runner: StepRunner = runner
+        self.stats = StopStats()
+        self.kv_manager = KVManager(self.pool, self.kv, swap, self.stats,
+                                    prefix_caching=cfg.enable_prefix_caching,
+                                    keep_aborted_prefix=cfg.keep_aborted_prefix)
+        self.queues = Queues()
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
-        self.lifecycle = Lifecycle(cfg, self.pool, self.scheduler, self.kv, swap, self._on_terminal)
-        self.scheduler.lifecycle = self.lifecycle
+        self.families = FamilyTable()
+        # THE release order (lifecycle.py): auxiliary state first, KV blocks last.
+        holders: list[Holder] = [self.queues, self.outputs]
+        if runner.rows is not None:
+            holders.append(runner.rows)
+        holders.append(self.families)
+        if swap is not None:
+            holders.append(swap)
+        holders.append(self.kv_manager)
+        self.lifecycle = Lifecycle(cfg, self.kv_manager, holders, self.stats)
+        self.scheduler = Scheduler(cfg, self.kv_manager, self.queues, self.lifecycle)
         if cfg.preemption_mode is PreemptionMode.AUTO:
             self.lifecycle.calibrate_swap()
-        self.families: dict[str, Family] = {}  # live requests by the caller's id
         self._rng = random.Random(cfg.seed)
-        self._lock = threading.Lock()
-        self._inbox_adds: list[Family] = []
-        self._inbox_aborts: list[tuple[str, AbortSource]] = []
+        self.inbox = Inbox()
         self._to_schedule: list[Family] = []
-        self._inflight: StepPlan | None = None
         self._inflight_ids: set[str] = set()
-        self._aborting: set[str] = set()
         self._interrupt = StepInterrupt()  # an Event the C decoder loop can read too
         self.steps = 0
         self.interrupted_steps = 0
@@ -105,11 +138,17 @@ class EngineCore:
 
     # ---- entry points (any thread) ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams | None = None, arrival: float | None = None) -> None:
-        """Validate and queue a request. Raises InvalidRequest (nothing is queued) if it can't
-        be served: empty or over-long prompt, bad parameters, an id already in use."""
+                    params: SamplingParams | None = None, arrival: float | None = None,
+                    incarnation: str | None = None) -> str:
+        """Validate and queue a request; returns its incarnation (minted unless given), the
+        name every later abort or pause of it uses. Raises InvalidRequest (nothing is queued)
+        if it can't be served: empty or over-long prompt, bad parameters, an incarnation in
+        use."""
         params = params or SamplingParams()
         params.validate()
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequest(f"n: {params.n} samples; the engine runs at most "
+                                 f"{self.config.max_num_seqs} sequences at once (max_num_seqs)")
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise InvalidRequest("prompt: must contain at least one token")
@@ -123,38 +162,45 @@ class EngineCore:
         need = -(-(len(prompt) + 1) // self.pool.block_size) + (params.n - 1)
         if need > self.pool.num_blocks:
             raise InvalidRequest(f"prompt: needs {need} KV blocks; the pool has {self.pool.num_blocks}")
+        inc = incarnation if incarnation is not None else f"{request_id}#{next(_incarnations)}"
         arrival = time.monotonic() if arrival is None else arrival
-        members = [Request(request_id, prompt, params, arrival=arrival, index=i) for i in range(params.n)]
-        family = Family(request_id, members)
+        members = [Request(request_id, prompt, params, arrival=arrival, index=i, incarnation=inc)
+                   for i in range(params.n)]
+        family = Family(request_id, members, inc)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        leader = members[0]
         for i, m in enumerate(members):
             m.family = family
             m.seed = base_seed + i
-        leader = members[0]
-        for m in members[1:]:
-            m.fork_leader = leader
+            if i:
+                m.fork_leader = leader
         leader.forks_pending = members[1:]
-        with self._lock:
-            if request_id in self.families or any(f.request_id == request_id for f in self._inbox_adds):
-                raise InvalidRequest(f"request id {request_id!r} is already in use")
-            self._inbox_adds.append(family)
+        if not self.inbox.add(family, self.families.by_incarnation):
+            raise InvalidRequest(f"incarnation {inc!r} is already in use")
+        return inc
 
-    def abort(self, request_ids: str | Iterable[str], source: AbortSource = AbortSource.CANCEL) -> None:
-        """Ask for requests to end with finish_reason 'abort'. Unknown or finished ids are
-        ignored; asking twice is the same as once."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        with self._lock:
-            for rid in ids:
-                self._inbox_aborts.append((rid, source))
-                self._aborting.add(rid)
-            if self._inflight_ids and self._inflight_ids <= self._aborting:
+    def abort(self, incarnations: str | Iterable[str], source: AbortSource = AbortSource.CANCEL) -> None:
+        """Ask for requests to end with finish_reason 'abort'. An incarnation that ended is
+        ignored; one not added yet is aborted when it is; asking twice is the same as once."""
+        incs = [incarnations] if isinstance(incarnations, str) else list(incarnations)
+        self.inbox.abort(incs, source)
+        with self.inbox.lock:
+            if self._inflight_ids and self._inflight_ids <= self.inbox.aborting:
                 self._interrupt.set()
+
+    def pause(self, incarnations: str | Iterable[str], paused: bool = True) -> None:
+        """A paused request keeps its place but takes no step (its client's stream is full)."""
+        self.inbox.pause([incarnations] if isinstance(incarnations, str) else list(incarnations), paused)
 
     # ---- the step -----------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        with self._lock:
-            return (bool(self.families) or bool(self._inbox_adds) or bool(self._inbox_aborts)
-                    or bool(self._text_pending))
+        return bool(self.families) or self.inbox.has_any() or bool(self._text_pending)
+
+    def all_paused(self) -> bool:
+        """Work exists but none can run: every live request is paused, nothing else pending."""
+        live = self.families.live_requests()
+        return (bool(live) and all(r.paused for r in live) and not self.inbox.has_any()
+                and not self._text_pending)
 
     def step(self) -> list[RequestOutput]:
         self._apply_inbox()
@@ -175,11 +221,10 @@ class EngineCore:
         return self.outputs.collect()
 
     def _run(self, plan: StepPlan) -> None:
-        with self._lock:
-            self._inflight = plan
-            self._inflight_ids = {c.req.request_id for c in plan.chunks}
+        with self.inbox.lock:
+            self._inflight_ids = {c.req.incarnation for c in plan.chunks}
             self._interrupt.clear()
-            if self._inflight_ids <= self._aborting:
+            if self._inflight_ids <= self.inbox.aborting:
                 self._interrupt.set()
         t0 = time.perf_counter()
         result: StepResult | None = None
@@ -187,8 +232,11 @@ class EngineCore:
         try:
             if self._worker is not None:
                 # Overlap: the text phase of the previous step runs while this forward does.
-                future = self._worker.submit(self._forward_and_sample, plan)
-                self._text_phase()
+                future: Future = self._worker.submit(self._forward_and_sample, plan)
+                try:
+                    self._text_phase()
+                finally:
+                    wait([future])  # the forward writes KV blocks: nothing is freed before it ends
                 result, sampled = future.result()
             else:
                 result = self.runner.execute(plan, self._interrupt)
@@ -196,13 +244,11 @@ class EngineCore:
             self.interrupted_steps += 1
         except Exception as exc:  # engine-wide: every request ends with an error, none hangs
             log.exception("step %d failed", plan.step_id)
-            self._apply_inbox(adds=False)
-            for fam in list(self.families.values()):
-                for r in fam.live():
-                    self.lifecycle.fail(r, FinishReason.ERROR, f"engine step failed: {exc!r}")
+            self._apply_aborts()
+            for r in self.families.live_requests():
+                self.lifecycle.fail(r, FinishReason.ERROR, f"engine step failed: {exc!r}")
         finally:
-            with self._lock:
-                self._inflight = None
+            with self.inbox.lock:
                 self._inflight_ids = set()
         elapsed_ms = (time.perf_counter() - t0) * 1000
         n_prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
@@ -215,19 +261,17 @@ class EngineCore:
             prev = self._ms_per_prefill_token
             self._ms_per_prefill_token = per_tok if prev is None else 0.7 * prev + 0.3 * per_tok
             self.lifecycle.ms_per_recomputed_token = self._ms_per_prefill_token
-        self._apply_inbox(adds=False)  # aborts that arrived during the forward win
+        self._apply_aborts()  # aborts that arrived during the forward win
         if result is not None:
             self._process(result, sampled)
-        self.lifecycle.step_processed(plan.step_id)
+        self.kv_manager.step_processed(plan.step_id)
 
     def _forward_and_sample(self, plan: StepPlan) -> tuple[StepResult, dict[tuple[int, int], Sampled]]:
         """The worker thread's part of an async step: the forward, then the sampling of every
         row that may need it (a request that ends meanwhile just wastes its sample). Keeping
         every parallel torch op on one thread matters: once two threads had each run OpenMP
         regions, libgomp counted more threads than cores and stopped spinning for all of
-        them, and both modes ran at about half speed (measured: 18.7 -> 9.5 tok/s at one
-        stream, 206 -> 121 at 32, for a synchronous engine in a process where an async one
-        had run)."""
+        them, and both modes ran at about half speed."""
         result = self.runner.execute(plan, self._interrupt)
         result.bad_rows = bad_rows = self._bad_rows(result)
         tasks = [SampleTask(result.logit_index[ci], m)
@@ -246,8 +290,7 @@ class EngineCore:
             return result.bad_rows
         if not result.logits.numel():
             return set()
-        # max propagates NaN and is +inf / -inf in the other cases: one cheap reduction
-        # (isnan().any() cost ~10x more at 32 rows).
+        # max propagates NaN and is +inf / -inf in the other cases: one cheap reduction.
         finite = torch.isfinite(result.logits.amax(dim=-1)).tolist()
         return {i for i, ok in enumerate(finite) if not ok}
 
@@ -259,9 +302,9 @@ class EngineCore:
         for ci, ch in enumerate(plan.chunks):
             req = ch.req
             req.inflight_samples = req.inflight_tokens = 0
-            if req.status is not RequestStatus.RUNNING:
-                continue  # ended while the step ran; the lifecycle counted what it wasted
-            self._register_prefix(req)
+            if req.status is not RequestStatus.RUNNING or req.epoch != ch.epoch:
+                continue  # ended or preempted while the step ran: its result is void
+            self.kv_manager.register(req)
             if not ch.sample:
                 continue
             row = result.logit_index[ci]
@@ -306,92 +349,96 @@ class EngineCore:
     def _text_phase(self) -> None:
         pending, self._text_pending = self._text_pending, []
         for req in pending:
-            if req.status is RequestStatus.RUNNING:  # not aborted meanwhile
+            # Not aborted meanwhile. A request preempted since its token was sampled still
+            # gets its stop check and output now, as it would have without preemption.
+            if not req.status.is_finished:
                 self._text(req, None)
         if pending and self.output_sink is not None:
             self.output_sink(self.outputs.collect())
 
-    def _fork(self, member: Request) -> None:
-        """A family sample takes its own copy of the leader's last, partial prompt block."""
-        leader = member.fork_leader
-        assert leader is not None
-        bs = self.pool.block_size
-        if member.prompt_len % bs:
-            last = member.prompt_len // bs
-            self.kv.copy_block(leader.block_ids[last], member.block_ids[last])
-        member.num_computed = member.prompt_len
-        member.num_cached = leader.num_cached
-        member.last_scheduled_step = leader.last_scheduled_step
-        member.fork_leader = None
-        leader.forks_pending.remove(member)
+    def _fork(self, sample: Request) -> None:
+        leader = sample.fork_leader
+        assert leader is not None  # _process forks only samples that wait for a leader
+        self.kv_manager.fork(sample, leader)
+        sample.num_computed = sample.prompt_len
+        sample.num_cached = leader.num_cached
+        sample.last_scheduled_step = leader.last_scheduled_step
+        sample.fork_leader = None
+        leader.forks_pending.remove(sample)
 
-    def _register_prefix(self, req: Request) -> None:
-        if not self.config.enable_prefix_caching:
-            return
-        # Generated blocks too: a preempted request finds them again when it resumes (its
-        # recompute shrinks to what was evicted meanwhile), as does any request that shares
-        # the whole prefix.
-        n_full = req.num_computed // self.pool.block_size
-        if n_full <= req.num_hashed_blocks:
-            return
-        hashes = self.scheduler.block_hashes(req, n_full)
-        for i in range(req.num_hashed_blocks, n_full):
-            self.pool.register(req.block_ids[i], hashes[i])
-        req.num_hashed_blocks = n_full
-
-    # ---- inbox, deadlines, terminal outputs --------------------------------------------
-    def _apply_inbox(self, adds: bool = True) -> None:
-        """Register new families, apply aborts, then (at a step boundary) queue the adds.
-        A request aborted before it was ever scheduled still gets its terminal output."""
-        with self._lock:
-            aborts, self._inbox_aborts = self._inbox_aborts, []
-            new, self._inbox_adds = self._inbox_adds, []
-            self._aborting.clear()
-        for fam in new:
-            self.families[fam.request_id] = fam
+    # ---- inbox, deadlines ----------------------------------------------------------------
+    def _apply_inbox(self) -> None:
+        """Register new families, apply aborts and pauses, then queue the adds. A request
+        aborted before it was ever scheduled still gets its terminal output."""
+        taken = self.inbox.take()
+        for fam in taken.adds:
+            self.families.add(fam)
             for m in fam.members:
                 self.outputs.start(m)
             self._to_schedule.append(fam)
-        for rid, source in aborts:
-            fam = self.families.get(rid)
-            for m in fam.live() if fam is not None else ():
-                self.lifecycle.abort(m, source)
-        if adds:
-            for fam in self._to_schedule:
-                if not fam.members[0].status.is_finished:
-                    self.scheduler.add(fam.members[0])
-            self._to_schedule = []
+        self._abort_all(taken.aborts)
+        self.inbox.expire()
+        for fam in taken.adds:
+            source = self.inbox.early_abort(fam.incarnation)
+            if source is not None:
+                self._abort_family(fam, source)
+        for inc, paused in taken.pauses:
+            fam = self.families.get(inc)
+            for m in fam.members if fam is not None else ():
+                m.paused = paused
+        for fam in self._to_schedule:
+            if not fam.members[0].status.is_finished:
+                self.scheduler.add(fam.members[0])
+        self._to_schedule = []
+
+    def _apply_aborts(self) -> None:
+        """Aborts only (mid-step): adds wait for the next step boundary."""
+        taken = self.inbox.take(adds=False)
+        self._abort_all(taken.aborts)
+        for inc, paused in taken.pauses:
+            fam = self.families.get(inc)
+            for m in fam.members if fam is not None else ():
+                m.paused = paused
+
+    def _abort_all(self, aborts: list[tuple[str, AbortSource]]) -> None:
+        for inc, source in aborts:
+            fam = self.families.get(inc)
+            if fam is None:
+                self.inbox.keep_early(inc, source)
+            else:
+                self._abort_family(fam, source)
+
+    def _abort_family(self, fam: Family, source: AbortSource) -> None:
+        for m in fam.live():
+            self.lifecycle.abort(m, source)
 
     def _check_deadlines(self) -> None:
+        """Deadlines and queue timeouts apply to a family as a whole: its samples share a
+        prompt, an arrival and (until the fork) the leader's steps."""
         now = time.monotonic()
-        for fam in list(self.families.values()):
-            for r in fam.live():
-                p = r.params
-                late = p.deadline is not None and now - r.arrival > p.deadline
-                if (p.queue_timeout is not None and r.first_scheduled is None
-                        and now - r.arrival > p.queue_timeout):
-                    late = True
-                if late:
-                    self.lifecycle.abort(r, AbortSource.DEADLINE)
-
-    def _on_terminal(self, req: Request) -> None:
-        self.outputs.terminal(req)
-        fam = req.family
-        if fam is not None and not fam.live() and self.families.get(fam.request_id) is fam:
-            del self.families[fam.request_id]  # the id may be reused from now on
+        for fam in list(self.families):
+            first = fam.members[0]
+            p = first.params
+            late = p.deadline is not None and now - first.arrival > p.deadline
+            if (p.queue_timeout is not None and first.first_scheduled is None
+                    and now - first.arrival > p.queue_timeout):
+                late = True
+            if late:
+                self._abort_family(fam, AbortSource.DEADLINE)
 
     # ---- checks -------------------------------------------------------------------------
     def live_requests(self) -> list[Request]:
-        return [r for fam in self.families.values() for r in fam.live()]
+        return self.families.live_requests()
 
     def audit(self) -> None:
-        """The ledger contract: raises LedgerError on any leak or double count."""
-        self.pool.audit(self.lifecycle.held_tables(self.live_requests()))
+        """The ledger contract: raises LedgerError on any leak, double count, or holder still
+        holding a finished request."""
+        self.lifecycle.audit(self.live_requests())
         if not self.families and self.pool.num_used != 0:
             raise LedgerError(f"idle engine holds {self.pool.num_used} blocks")
-        # Decode rows are freed by the forward's thread when a request is absent from the
-        # next decode set (with async scheduling the release may run while a forward uses
-        # them), so a stopped request's row may outlive it by a step, but never the engine's
-        # going idle.
-        if not self.families and self.runner.rows is not None and self.runner.rows.k:
+        # Decode rows are dropped by the forward's thread at its next step (with async
+        # scheduling the release may run while a forward uses them), so a stopped request's
+        # row may outlive it by a step, but never the engine's going idle.
+        rows = self.runner.rows
+        if not self.families and rows is not None and rows.k:
             raise LedgerError("idle engine still holds decode rows")

@@ -53,7 +53,7 @@ class CoreLoop:
         self._pending: dict[str, _AbortClock] = {}  # accepted, not yet seen to end
         self._reclaiming: dict[str, _AbortClock] = {}  # ended, blocks maybe behind the fence
         self._calls: list[tuple[str, Future]] = []
-        self._ended: dict[str, float] = {}  # aborted request id -> when its terminal came out
+        self._ended: dict[str, float] = {}  # aborted incarnation -> when its terminal came out
         # Called before each step on the stepping thread (the core process lets its input
         # thread in here: see core_proc.Doorbell).
         self.before_step: Callable[[], None] | None = None
@@ -63,20 +63,27 @@ class CoreLoop:
 
     # ---- any thread -----------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-            arrival: float | None = None) -> None:
-        """Raises InvalidRequest (nothing queued) if the core refuses the request."""
-        self.core.add_request(request_id, prompt_token_ids, params, arrival=arrival)
+            arrival: float | None = None, incarnation: str | None = None) -> str:
+        """Returns the incarnation. Raises InvalidRequest (nothing queued) if the core
+        refuses the request."""
+        inc = self.core.add_request(request_id, prompt_token_ids, params, arrival=arrival,
+                                    incarnation=incarnation)
         self._work.set()
+        return inc
 
-    def abort(self, request_ids: Iterable[str], source: AbortSource, t0: float | None = None) -> None:
-        ids = list(request_ids)
+    def abort(self, incarnations: Iterable[str], source: AbortSource, t0: float | None = None) -> None:
+        incs = list(incarnations)
         now = time.monotonic()
         with self._lock:
-            for rid in ids:
-                if rid not in self._pending:
-                    self._pending[rid] = _AbortClock(source.value, now if t0 is None else t0, now,
+            for inc in incs:
+                if inc not in self._pending:
+                    self._pending[inc] = _AbortClock(source.value, now if t0 is None else t0, now,
                                                      self._step_no)
-            self.core.abort(ids, source)
+            self.core.abort(incs, source)
+        self._work.set()
+
+    def pause(self, incarnations: Iterable[str], paused: bool) -> None:
+        self.core.pause(list(incarnations), paused)
         self._work.set()
 
     def call(self, method: str) -> Future:
@@ -114,6 +121,13 @@ class CoreLoop:
                 self._work.wait()
                 self._work.clear()
                 continue
+            if core.all_paused():
+                # Every request waits for its client to read: no step to take. Wake for a
+                # resume or abort, or after a second for deadlines.
+                self._work.wait(1.0)
+                self._work.clear()
+                if core.all_paused() and not self._deadline_passed():
+                    continue
             if self.before_step is not None:
                 self.before_step()
             with self._lock:
@@ -122,6 +136,11 @@ class CoreLoop:
             self._note_ended(outputs)
             self.emit(Batch(outputs, self._timings(), take_snapshot(core)))
         self._run_calls()
+
+    def _deadline_passed(self) -> bool:
+        now = time.monotonic()
+        return any(r.params.deadline is not None and now - r.arrival > r.params.deadline
+                   for r in self.core.live_requests())
 
     def _run_calls(self) -> None:
         with self._lock:
@@ -151,7 +170,7 @@ class CoreLoop:
         now = time.monotonic()
         for o in outputs:
             if o.finished and o.finish_reason is FinishReason.ABORT:
-                self._ended.setdefault(o.request_id, now)
+                self._ended.setdefault(o.incarnation, now)
 
     def _timings(self) -> list[AbortTiming]:
         """Close the clocks of aborts that ended a request in this step. An abort accepted
@@ -160,16 +179,16 @@ class CoreLoop:
         now = time.monotonic()
         ended, self._ended = self._ended, {}
         with self._lock:
-            for rid in list(self._pending):
-                clock = self._pending[rid]
-                if rid in ended:
-                    clock.quiet = ended[rid]
-                    self._reclaiming[rid] = self._pending.pop(rid)
+            for inc in list(self._pending):
+                clock = self._pending[inc]
+                if inc in ended:
+                    clock.quiet = ended[inc]
+                    self._reclaiming[inc] = self._pending.pop(inc)
                 elif clock.step_at_accept < self._step_no:
-                    del self._pending[rid]
-        if not self._reclaiming or self.core.lifecycle.deferred:
+                    del self._pending[inc]
+        if not self._reclaiming or self.core.kv_manager.deferred:
             return []  # blocks still behind the fence: measured at a later boundary
-        done = [AbortTiming(rid, c.source, c.accepted - c.t0, c.quiet - c.t0, now - c.t0)
-                for rid, c in self._reclaiming.items()]
+        done = [AbortTiming(inc, c.source, c.accepted - c.t0, c.quiet - c.t0, now - c.t0)
+                for inc, c in self._reclaiming.items()]
         self._reclaiming.clear()
         return done

@@ -79,14 +79,14 @@ class LLM:
             if not ids:
                 raise InvalidRequest(f"prompt {i}: empty prompt")
             p.validate()
-        results: dict[str, GenerationResult] = {}
+        results: dict[str, GenerationResult] = {}  # by incarnation
         order = []
         try:
             for prompt, ids, p in zip(prompts, encoded, plist, strict=True):
                 rid = f"gen-{next(self._ids)}"
-                self.engine.add_request(rid, ids, p)
-                order.append(rid)
-                results[rid] = GenerationResult(rid, prompt if isinstance(prompt, str) else None, ids,
+                inc = self.engine.add_request(rid, ids, p)
+                order.append(inc)
+                results[inc] = GenerationResult(rid, prompt if isinstance(prompt, str) else None, ids,
                                                 [Completion(i) for i in range(p.n)])
         except InvalidRequest:
             self.engine.abort(order)  # nothing of a rejected batch stays queued
@@ -97,7 +97,7 @@ class LLM:
                    desc="generating", unit="seq")
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                res = results.get(out.request_id)
+                res = results.get(out.incarnation)
                 if res is None:
                     continue
                 c = res.outputs[out.index]

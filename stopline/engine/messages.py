@@ -20,7 +20,7 @@ from stopline.request import AbortSource, SamplingParams
 class AbortTiming(msgspec.Struct, frozen=True):
     """How long one abort took, each measured from `t0` (the disconnect or the cancel call)."""
 
-    request_id: str
+    incarnation: str
     source: str
     accept_s: float  # -> the engine core recorded the abort
     quiet_s: float  # -> its terminal output left the core: it computes nothing more
@@ -42,15 +42,23 @@ class CoreInfo(msgspec.Struct, frozen=True):
 # ---- frontend -> core -------------------------------------------------------------------
 class AddMsg(msgspec.Struct, tag="add"):
     request_id: str
+    incarnation: str  # minted by the frontend: aborts may name it before the add arrives
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: float  # time.monotonic() of the frontend (the clock is shared by processes)
 
 
 class AbortMsg(msgspec.Struct, tag="abort"):
-    request_ids: list[str]
+    incarnations: list[str]
     source: AbortSource
     t0: float  # time.monotonic() of the disconnect or cancel call
+
+
+class PauseMsg(msgspec.Struct, tag="pause"):
+    """The frontend's stream of these requests is full (paused) or drained again."""
+
+    incarnations: list[str]
+    paused: bool
 
 
 class UtilityMsg(msgspec.Struct, tag="utility"):
@@ -62,7 +70,7 @@ class ShutdownMsg(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToCore = AddMsg | AbortMsg | UtilityMsg | ShutdownMsg
+ToCore = AddMsg | AbortMsg | PauseMsg | UtilityMsg | ShutdownMsg
 
 
 # ---- core -> frontend -------------------------------------------------------------------
@@ -71,7 +79,7 @@ class ReadyMsg(msgspec.Struct, tag="ready"):
 
 
 class AddReply(msgspec.Struct, tag="add_reply"):
-    request_id: str
+    incarnation: str
     error: str | None = None  # the InvalidRequest message when the core refused it
 
 

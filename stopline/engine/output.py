@@ -21,6 +21,7 @@ class RequestOutput:
 
     request_id: str
     index: int
+    incarnation: str = ""  # the admission this output belongs to (see Request.incarnation)
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -31,6 +32,11 @@ class RequestOutput:
 
 
 class OutputProcessor:
+    """Also a holder of the one release (lifecycle.py): a request's detokenizer lives here
+    from its admission to its terminal output."""
+
+    name = "outputs"
+
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
@@ -89,7 +95,8 @@ class OutputProcessor:
     def delta(self, req: Request, final: bool) -> RequestOutput:
         """Everything of req not yet sent; text that could still be the start of a stop
         string is held back until the request ends."""
-        out = self.pending.pop(req.internal_id, None) or RequestOutput(req.request_id, req.index)
+        out = self.pending.pop(req.internal_id, None) or RequestOutput(req.request_id, req.index,
+                                                                       req.incarnation)
         visible = len(req.text)
         if not final and req.params.stop:
             visible = max(req.sent_text_len, visible - (max(len(s) for s in req.params.stop) - 1))
@@ -105,8 +112,20 @@ class OutputProcessor:
         if out.new_token_ids or out.new_text:
             self.pending[req.internal_id] = out
 
+    # ---- holder -------------------------------------------------------------------------
+    def release(self, req: Request) -> None:
+        """The request ended: its one terminal output, then its detokenizer goes."""
+        if req.internal_id in self.detok:
+            self.terminal(req)
+
+    def preempt(self, req: Request) -> None:
+        """Nothing: a preempted request keeps its text and stream offsets."""
+
+    def holds(self, req: Request) -> bool:
+        return req.internal_id in self.detok
+
     def terminal(self, req: Request) -> None:
-        """The one terminal output of a request (called by the lifecycle)."""
+        """The one terminal output of a request."""
         detok = self.detok.get(req.internal_id)
         aborted = req.finish_reason in (FinishReason.ABORT, FinishReason.TIMEOUT)
         cut_by_stop_string = req.finish_reason is FinishReason.STOP and req.stop_detail in req.params.stop

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
+from collections.abc import Callable
 
 from stopline.engine.output import RequestOutput
 from stopline.request import AbortSource, FinishReason, Usage
@@ -31,8 +33,13 @@ _DETACHED = object()  # the consumer left: end the iteration without a terminal
 
 
 class RequestStream:
-    def __init__(self, request_id: str, n: int, prompt_tokens: int, arrival: float) -> None:
+    def __init__(self, request_id: str, n: int, prompt_tokens: int, arrival: float, *,
+                 incarnation: str = "", max_buffered: int = 64,
+                 on_full: Callable[[RequestStream, bool], None] | None = None) -> None:
+        """on_full(stream, True) when `max_buffered` outputs wait unread (the frontend pauses
+        the request), on_full(stream, False) once the consumer has read half of them."""
         self.request_id = request_id
+        self.incarnation = incarnation or request_id
         self.n = n
         self.prompt_tokens = prompt_tokens
         self.arrival = arrival
@@ -45,6 +52,10 @@ class RequestStream:
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._consumer_open = 0  # samples still open from the consumer's view
+        self.max_buffered = max_buffered
+        self.on_full = on_full
+        self.full = False
+        self.last_read = time.monotonic()
 
     @property
     def finished(self) -> bool:
@@ -56,6 +67,9 @@ class RequestStream:
         self.started = True
         self._queue.put_nowait(out)
         if not out.finished:
+            if not self.full and self._queue.qsize() >= self.max_buffered and self.on_full:
+                self.full = True
+                self.on_full(self, True)
             return False
         self.finish_reasons[out.index] = out.finish_reason
         self.open_samples.discard(out.index)
@@ -89,6 +103,10 @@ class RequestStream:
             if self._consumer_open <= 0:
                 raise StopAsyncIteration
             item = await self._queue.get()
+            self.last_read = time.monotonic()
+            if self.full and self._queue.qsize() <= self.max_buffered // 2 and self.on_full:
+                self.full = False
+                self.on_full(self, False)
             if item is _DETACHED:
                 raise StopAsyncIteration
             if isinstance(item, BaseException):
@@ -116,7 +134,7 @@ class RequestStream:
             # whatever the engine decided in the meantime.
             reason = FinishReason.ABORT
         return RequestOutput(
-            out.request_id, out.index, finished=True, finish_reason=reason,
+            out.request_id, out.index, out.incarnation, finished=True, finish_reason=reason,
             stop_detail=out.stop_detail if reason is out.finish_reason else self.cancelled.value,
             usage=dataclasses.replace(engine_usage, completion_tokens=got, undelivered_tokens=withheld),
         )

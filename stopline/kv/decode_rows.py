@@ -27,10 +27,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from stopline.kv.kv_cache import gather_blocks
+
+if TYPE_CHECKING:
+    from stopline.request import Request
 
 # The next unit of columns is backed over this many steps (a unit is 64 or more steps).
 _PRETOUCH_STEPS = 32
@@ -79,6 +83,10 @@ class DecodeRows:
         # at 64 streams made a 1-2 s step.) Elsewhere memory is not lazy: exact sizes.
         self._reserve = torch.device(device).type == "cpu"
         self.owner: dict[int, int] = {}  # sequence key -> row
+        # Keys of ended or preempted requests. Their rows are dropped by the first plan()
+        # they are not in: plan() runs on the forward's thread, which may be using (or about
+        # to fill) a row while the engine's thread ends its request.
+        self.released: set[int] = set()
         self.length: dict[int, int] = {}  # sequence key -> tokens in its row after this step
         self.relayouts = 0
         self.compactions = 0
@@ -92,6 +100,19 @@ class DecodeRows:
         self._touched = (0, 0)
         self.owner.clear()
         self.length.clear()
+        self.released.clear()
+
+    # ---- holder (lifecycle.py) ------------------------------------------------------------
+    name = "decode rows"
+
+    def release(self, req: Request) -> None:
+        self.released.add(req.internal_id)
+
+    def preempt(self, req: Request) -> None:
+        self.release(req)  # it rejoins with a fresh copy when it decodes again
+
+    def holds(self, req: Request) -> bool:
+        return req.internal_id in self.owner and req.internal_id not in self.released
 
     def _bytes(self, rows: int, width: int) -> int:
         return 2 * self.num_layers * self.hk * rows * width * self.d * 4
@@ -107,6 +128,11 @@ class DecodeRows:
         if self._bytes(need_rows, width) > self.max_bytes:
             self.reset()
             return None
+        for key in list(self.released):
+            if key not in seqs:
+                self.owner.pop(key, None)
+                self.length.pop(key, None)
+                self.released.discard(key)
         for key in [k for k in self.owner if k not in seqs]:  # left the decode set
             del self.owner[key]
             del self.length[key]

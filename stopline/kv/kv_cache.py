@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from stopline.request import Request
 
 
 class KVCache:
@@ -81,32 +85,46 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 class SwapSpace:
-    """Host memory for swapped-out blocks, with its own block accounting."""
+    """Host memory for swapped-out blocks, with its own block accounting. A holder of the one
+    release (lifecycle.py): a request's swap slots go back when it ends."""
+
+    name = "swap"
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.free_slots: list[int] = list(range(num_blocks - 1, -1, -1))
         self.data: dict[int, list[torch.Tensor]] = {}  # first slot of a request -> tensors
 
     def can_hold(self, n: int) -> bool:
-        return n <= len(self.free)
+        return n <= len(self.free_slots)
 
     def store(self, tensors: list[torch.Tensor], n: int) -> list[int]:
         """Keep `tensors` (fresh copies, as read_blocks gives them) in host memory: on the CPU
         as they are, from a GPU copied to the host."""
-        slots = [self.free.pop() for _ in range(n)]
+        slots = [self.free_slots.pop() for _ in range(n)]
         self.data[slots[0]] = [t.to("cpu") for t in tensors]
         return slots
 
     def load(self, slots: Sequence[int]) -> list[torch.Tensor]:
         return self.data[slots[0]]
 
-    def release(self, slots: Sequence[int]) -> None:
+    def free(self, slots: Sequence[int]) -> None:
         if not slots:
             return
         self.data.pop(slots[0], None)
-        self.free.extend(slots)
+        self.free_slots.extend(slots)
+
+    # ---- holder -------------------------------------------------------------------------
+    def release(self, req: Request) -> None:
+        self.free(req.swap_slots)
+        req.swap_slots = []
+
+    def preempt(self, req: Request) -> None:
+        """Nothing: the KV manager stores a preempted request's blocks here."""
+
+    def holds(self, req: Request) -> bool:
+        return bool(req.swap_slots)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - len(self.free_slots)

@@ -19,6 +19,9 @@ class ScheduledChunk:
     start: int  # first position computed in this step
     num_tokens: int
     sample: bool  # the chunk reaches the request's last token: a new token is sampled
+    token_ids: list[int] = field(default_factory=list)  # the tokens at [start, start + num_tokens)
+    block_ids: list[int] = field(default_factory=list)  # the table covering them (a copy)
+    epoch: int = 0  # the request's epoch when scheduled: a result for an older one is void
 
 
 @dataclass

@@ -75,7 +75,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
     prompt = await _prompt_ids(req, engine.tokenizer)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
-        stream = await engine.add(rid, prompt, params, arrival=arrival)
+        stream = await engine.add(rid, prompt, params, arrival=arrival, incarnation=rid)
     except InvalidRequest as exc:
         msg = str(exc)
         param = param_of(msg)

@@ -63,14 +63,15 @@ class ModelRunner:
         bs = self.bs
         r = _Rows()
         for ci, ch in enumerate(plan.chunks):
-            req = ch.req
+            # Only the chunk's own copies: with async scheduling the request may end (and its
+            # tables empty) while this runs on the worker thread.
             end = ch.start + ch.num_tokens
             r.starts.append(len(r.tokens))
-            all_ids = req.prompt_token_ids if end <= req.prompt_len else req.all_token_ids
-            r.tokens += all_ids[ch.start:end]
+            r.tokens += ch.token_ids
             span = range(ch.start, end)
             r.positions += span
-            r.slots += [req.block_ids[pos // bs] * bs + pos % bs for pos in span]
+            table = ch.block_ids
+            r.slots += [table[pos // bs] * bs + pos % bs for pos in span]
             if ch.sample:
                 r.logit_index[ci] = len(r.logit_rows)
                 r.logit_rows.append(len(r.tokens) - 1)
@@ -109,7 +110,7 @@ class ModelRunner:
         table_at: list[int] = []
         for ch in chunks:
             table_at += [len(tables)] * ch.num_tokens
-            tables += ch.req.block_ids[: (ch.start + ch.num_tokens + self.bs - 1) // self.bs]
+            tables += ch.block_ids[: (ch.start + ch.num_tokens + self.bs - 1) // self.bs]
         if tables and not 0 <= min(tables) <= max(tables) < self.kv.num_blocks:
             # The kernel reads where the tables point: a bad entry would read out of bounds.
             raise RuntimeError(f"a block table points outside the KV pool of {self.kv.num_blocks} blocks")
@@ -126,17 +127,16 @@ class ModelRunner:
         dec_lens: list[int] = []
         dec_keys: list[int] = []
         for ch, row0 in zip(chunks, r.starts, strict=True):
-            req = ch.req
             end = ch.start + ch.num_tokens
             if ch.num_tokens == 1:
                 dec_rows.append(row0)
-                dec_tables.append(req.block_ids[: (end + bs - 1) // bs])
+                dec_tables.append(ch.block_ids[: (end + bs - 1) // bs])
                 dec_lens.append(end)
-                dec_keys.append(req.internal_id)
+                dec_keys.append(ch.req.internal_id)
             else:
                 nb = (end + bs - 1) // bs
                 width = self._width(nb)
-                table = torch.tensor(req.block_ids[:nb] + [self.kv.null_block] * (width - nb), dtype=torch.long)
+                table = torch.tensor(ch.block_ids[:nb] + [self.kv.null_block] * (width - nb), dtype=torch.long)
                 row_pos = torch.arange(ch.start, end)
                 masked = torch.arange(width * bs)[None, :] > row_pos[:, None]  # causal
                 prefills.append(PrefillSeq(row0, row0 + ch.num_tokens, table.to(self.device),

@@ -19,7 +19,6 @@ import signal
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -33,13 +32,14 @@ from stopline.engine.messages import (
     AddMsg,
     AddReply,
     FatalMsg,
+    PauseMsg,
     ReadyMsg,
     ShutdownMsg,
     ToCore,
     UtilityMsg,
     UtilityReply,
 )
-from stopline.request import AbortSource, InvalidRequest
+from stopline.request import InvalidRequest
 
 if TYPE_CHECKING:
     from stopline.config import EngineConfig
@@ -170,38 +170,9 @@ class Doorbell:
         self.answered.set()
 
 
-class EarlyAborts:
-    """Aborts that overtook their add. The two sockets don't order messages between them, and
-    the frontend sends an abort without waiting for its add to be acknowledged; so an abort
-    for an id this process has not seen added is kept, and applied the moment the add comes.
-    Kept ones expire: an id that never comes was unknown or long finished."""
-
-    def __init__(self, remember: int = 100_000, ttl: float = 30.0) -> None:
-        self.added: OrderedDict[str, None] = OrderedDict()  # ids seen added (most recent)
-        self.early: dict[str, tuple[AbortSource, float, float]] = {}  # id -> (source, t0, kept at)
-        self.remember = remember
-        self.ttl = ttl
-
-    def on_abort(self, request_ids: list[str], source: AbortSource, t0: float) -> None:
-        now = time.monotonic()
-        for rid in request_ids:
-            if rid not in self.added:
-                self.early.setdefault(rid, (source, t0, now))
-        if len(self.early) > 64:
-            self.early = {k: v for k, v in self.early.items() if now - v[2] < self.ttl}
-
-    def on_add(self, request_id: str) -> tuple[AbortSource, float] | None:
-        self.added[request_id] = None
-        if len(self.added) > self.remember:
-            self.added.popitem(last=False)
-        kept = self.early.pop(request_id, None)
-        return None if kept is None else (kept[0], kept[1])
-
-
 def _serve_input(inp: zmq.Socket, abort: zmq.Socket, loop: CoreLoop,
                  send: Callable[[msgspec.Struct], None], bell: Doorbell) -> None:
     dec = msgspec.msgpack.Decoder(ToCore)
-    early = EarlyAborts()
     poller = zmq.Poller()
     poller.register(abort, zmq.POLLIN)
     poller.register(inp, zmq.POLLIN)
@@ -209,7 +180,7 @@ def _serve_input(inp: zmq.Socket, abort: zmq.Socket, loop: CoreLoop,
     while True:
         poller.poll()
         bell.silence()
-        _drain_aborts(abort, loop, dec, early)
+        _drain_aborts(abort, loop, dec)
         bell.answer()
         try:
             data = inp.recv(zmq.NOBLOCK)
@@ -217,18 +188,20 @@ def _serve_input(inp: zmq.Socket, abort: zmq.Socket, loop: CoreLoop,
             continue
         msg = dec.decode(data)
         if isinstance(msg, AddMsg):
+            # An abort that overtook this add (it travels on the other socket) waits in the
+            # core for this incarnation: see engine/inbox.py.
             try:
-                loop.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival)
+                loop.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival,
+                         incarnation=msg.incarnation)
             except InvalidRequest as exc:
-                send(AddReply(msg.request_id, str(exc)))
+                send(AddReply(msg.incarnation, str(exc)))
             except Exception as exc:  # refuse this request, keep serving the others
                 log.exception("add_request failed")
-                send(AddReply(msg.request_id, f"internal error: {exc!r}"))
+                send(AddReply(msg.incarnation, f"internal error: {exc!r}"))
             else:
-                send(AddReply(msg.request_id))
-                kept = early.on_add(msg.request_id)
-                if kept is not None:
-                    loop.abort([msg.request_id], *kept)
+                send(AddReply(msg.incarnation))
+        elif isinstance(msg, PauseMsg):
+            loop.pause(msg.incarnations, msg.paused)
         elif isinstance(msg, UtilityMsg):
             loop.call(msg.method).add_done_callback(_reply(msg.call_id, send))
         elif isinstance(msg, ShutdownMsg):
@@ -236,8 +209,7 @@ def _serve_input(inp: zmq.Socket, abort: zmq.Socket, loop: CoreLoop,
             return
 
 
-def _drain_aborts(abort: zmq.Socket, loop: CoreLoop, dec: msgspec.msgpack.Decoder,
-                  early: EarlyAborts) -> None:
+def _drain_aborts(abort: zmq.Socket, loop: CoreLoop, dec: msgspec.msgpack.Decoder) -> None:
     while True:
         try:
             data = abort.recv(zmq.NOBLOCK)
@@ -245,8 +217,7 @@ def _drain_aborts(abort: zmq.Socket, loop: CoreLoop, dec: msgspec.msgpack.Decode
             return
         msg = dec.decode(data)
         if isinstance(msg, AbortMsg):
-            loop.abort(msg.request_ids, msg.source, msg.t0)
-            early.on_abort(msg.request_ids, msg.source, msg.t0)
+            loop.abort(msg.incarnations, msg.source, msg.t0)
 
 
 def _reply(call_id: int, send: Callable[[msgspec.Struct], None]) -> Callable[[Future], None]:

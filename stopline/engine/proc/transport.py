@@ -10,7 +10,7 @@ deadlock against a core that is busy sending outputs.
 
 Adds are acknowledged by the core (it validates them, so a bad request is a 400 here exactly
 as in-process). Aborts never wait for that acknowledgement: one that overtakes its add on the
-priority socket is kept by the core until the add arrives (core_proc.EarlyAborts). Core
+priority socket is kept by the core until the add arrives (engine/inbox.py). Core
 death is noticed by waiting on the process sentinel (no polling).
 """
 
@@ -41,6 +41,7 @@ from stopline.engine.messages import (
     CoreInfo,
     FatalMsg,
     FromCore,
+    PauseMsg,
     ReadyMsg,
     ShutdownMsg,
     UtilityMsg,
@@ -141,31 +142,34 @@ class ProcCore:
             pass  # the event loop is gone: so is everyone who cared
 
     # ---- requests (event loop thread) -------------------------------------------------------
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  arrival: float) -> None:
+    async def add(self, request_id: str, incarnation: str, prompt_token_ids: list[int],
+                  params: SamplingParams, arrival: float) -> None:
         fut = self._aloop.create_future()
-        self._acks[request_id] = fut
+        self._acks[incarnation] = fut
         try:
-            self._send(self._in, AddMsg(request_id, prompt_token_ids, params, arrival))
+            self._send(self._in, AddMsg(request_id, incarnation, prompt_token_ids, params, arrival))
             await fut
         except asyncio.CancelledError:
             # Our caller left before the core answered: whatever the answer, nobody listens.
-            self._acks.pop(request_id, None)
+            self._acks.pop(incarnation, None)
             try:
-                self._send(self._abort, AbortMsg([request_id], AbortSource.CANCEL, time.monotonic()))
+                self._send(self._abort, AbortMsg([incarnation], AbortSource.CANCEL, time.monotonic()))
             except EngineDead:
                 pass
             raise
         except BaseException:
-            self._acks.pop(request_id, None)
+            self._acks.pop(incarnation, None)
             raise
 
-    def abort(self, request_ids: list[str], source: AbortSource, t0: float) -> None:
-        self._send(self._abort, AbortMsg(list(request_ids), source, t0))
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
+        self._send(self._abort, AbortMsg(list(incarnations), source, t0))
         try:
             os.write(self._bell, b"!")
         except BlockingIOError:
             pass  # the FIFO is full of rings already: the core will look
+
+    def pause(self, incarnations: list[str], paused: bool) -> None:
+        self._send(self._in, PauseMsg(list(incarnations), paused))
 
     async def utility(self, method: str) -> Any:
         call_id = next(self._call_ids)
@@ -218,7 +222,7 @@ class ProcCore:
             self._fatal = msg.message
 
     def _on_add_reply(self, msg: AddReply) -> None:
-        fut = self._acks.pop(msg.request_id, None)
+        fut = self._acks.pop(msg.incarnation, None)
         if fut is None or fut.done():
             return
         if msg.error is not None:

@@ -1,0 +1,65 @@
+"""The family table: every admitted request by its incarnation, as a family of its n samples.
+
+A holder of the one release (lifecycle.py): a sample that ends leaves its family's links (a
+leader's list of samples waiting to fork, a sample's leader), and the family leaves the table
+with its last live sample, so that its caller's id may be reused from then on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from stopline.request import Family, Request
+
+
+class FamilyTable:
+    name = "families"
+
+    def __init__(self) -> None:
+        self.by_incarnation: dict[str, Family] = {}
+
+    def add(self, fam: Family) -> None:
+        self.by_incarnation[fam.incarnation] = fam
+
+    def get(self, incarnation: str) -> Family | None:
+        return self.by_incarnation.get(incarnation)
+
+    def find(self, request_id: str) -> Family | None:
+        """The newest live family with this caller's id (for inspection: callers' ids may
+        repeat, incarnations never do)."""
+        found = None
+        for fam in self.by_incarnation.values():
+            if fam.request_id == request_id:
+                found = fam
+        return found
+
+    def __contains__(self, incarnation: str) -> bool:
+        return incarnation in self.by_incarnation
+
+    def __len__(self) -> int:
+        return len(self.by_incarnation)
+
+    def __iter__(self) -> Iterator[Family]:
+        return iter(self.by_incarnation.values())
+
+    def live_requests(self) -> list[Request]:
+        return [r for fam in self.by_incarnation.values() for r in fam.live()]
+
+    # ---- holder -------------------------------------------------------------------------
+    def release(self, req: Request) -> None:
+        leader = req.fork_leader
+        if leader is not None and req in leader.forks_pending:
+            leader.forks_pending.remove(req)
+        req.fork_leader = None
+        fam = req.family
+        if fam is not None and not fam.live() and self.by_incarnation.get(fam.incarnation) is fam:
+            del self.by_incarnation[fam.incarnation]
+
+    def preempt(self, req: Request) -> None:
+        """Nothing: a preempted sample stays in its family."""
+
+    def holds(self, req: Request) -> bool:
+        fam = req.family
+        in_table = fam is not None and self.by_incarnation.get(fam.incarnation) is fam
+        return (req.fork_leader is not None or bool(req.forks_pending)
+                or (in_table and not fam.live()))

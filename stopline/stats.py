@@ -1,0 +1,70 @@
+"""Fixed-size statistics: counters and fixed-bucket histograms.
+
+A long-running server records something for every request; anything kept per request (a
+list entry per abort) grows its memory forever. Everything here has a size fixed at
+construction.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Histogram:
+    """Counts of observations per bucket; `bounds` are the buckets' inclusive upper ends
+    (the last bucket, past the largest bound, is unbounded)."""
+
+    bounds: Sequence[float]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    max: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.max = max(self.max, value)
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def quantile(self, q: float) -> float | None:
+        """Upper bound of the bucket holding the q-quantile (the max for the last bucket)."""
+        n = self.count
+        if not n:
+            return None
+        rank = q * n
+        seen = 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if seen >= rank and c:
+                return self.bounds[i] if i < len(self.bounds) else self.max
+        return self.max
+
+
+# Steps from an abort to its request being quiet / its blocks reclaimed: 0, 1, or more.
+STEP_BOUNDS = (0, 1, 2, 4, 8)
+# Seconds from an abort to its blocks' reclaim.
+SECONDS_BOUNDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass
+class StopStats:
+    """Counters of the stop path, read by the metrics endpoint and the benchmarks."""
+
+    finished: Counter = field(default_factory=Counter)  # finish reason -> count
+    aborts: Counter = field(default_factory=Counter)  # (source, state) -> count
+    preemptions: Counter = field(default_factory=Counter)  # mode -> count
+    recomputed_tokens: int = 0
+    swapped_blocks: int = 0
+    tokens_after_abort: int = 0  # computed by a step in flight when the abort was accepted
+    abort_to_quiet_steps: Histogram = field(default_factory=lambda: Histogram(STEP_BOUNDS))
+    abort_to_reclaim_steps: Histogram = field(default_factory=lambda: Histogram(STEP_BOUNDS))
+    reclaim_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BOUNDS))
