@@ -7,6 +7,13 @@ import os
 from dataclasses import dataclass
 
 
+class Choice(str, enum.Enum):
+    """A setting's named choice: compares equal to its string, prints as it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class PreemptionMode(str, enum.Enum):
     RECOMPUTE = "recompute"
     SWAP = "swap"
@@ -22,11 +29,25 @@ class VictimPolicy(str, enum.Enum):
     COST = "cost"  # frees the needed blocks for the least wasted work
 
 
-# GEMM libraries a linear layer may use (see stopline/model/batch_invariant.py).
-LINEAR_BACKENDS = ("auto", "blas", "onednn")
-# Attention: stopline's C kernel reading the paged cache in place (model/kernels/paged_attention.py),
-# or torch's ops over gathered or copied K/V (model/attention.py, kv/decode_rows.py).
-ATTENTION_BACKENDS = ("auto", "native", "torch")
+class LinearBackend(Choice):
+    """GEMM libraries a linear layer may use (see stopline/model/batch_invariant.py)."""
+
+    AUTO = "auto"
+    BLAS = "blas"
+    ONEDNN = "onednn"
+
+
+class AttentionBackend(Choice):
+    """stopline's C kernel reading the paged cache in place (model/kernels/paged_attention.py),
+    or torch's ops over gathered or copied K/V (model/attention.py, kv/decode_rows.py)."""
+
+    AUTO = "auto"
+    NATIVE = "native"
+    TORCH = "torch"
+
+
+LINEAR_BACKENDS = tuple(b.value for b in LinearBackend)
+ATTENTION_BACKENDS = tuple(b.value for b in AttentionBackend)
 
 
 @dataclass
@@ -59,7 +80,7 @@ class EngineConfig:
     # "auto": the C kernel where it runs (CPU, AVX-512, a C compiler, head_dim 16 to 128),
     # else torch; "native" fails at start where it can't run; "torch" always torch. The two
     # give a position different bits, so an engine uses one for every step.
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackend = AttentionBackend.AUTO
     # With torch attention: decoding sequences keep a contiguous copy of their K/V (up to
     # twice the pool's memory; past that a step gathers), so a decode step reads it in place
     # instead of gathering their blocks from the pool every layer.
@@ -67,7 +88,7 @@ class EngineConfig:
     # GEMM library of the linear layers: "auto" (on CPU, oneDNN for the large weights and
     # BLAS for the small ones; BLAS elsewhere), "blas" or "onednn". Each weight keeps one
     # library for every batch size, so a row's bits never depend on its batch.
-    linear_backend: str = "auto"
+    linear_backend: LinearBackend = LinearBackend.AUTO
     # GGUF weights in Q4_1/Q8_0 are also kept in their blocks, and a batch of up to this many
     # rows reads those (5-8.5 bits a weight instead of 32) through stopline's C kernel, which
     # gives the same bits as the float32 library path (0: always the library). Measured on
@@ -102,6 +123,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineConfig.attention_backend must be one of "
                              f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        self.linear_backend = LinearBackend(self.linear_backend)
+        self.attention_backend = AttentionBackend(self.attention_backend)
         if not 0 <= self.admission_headroom < 1:
             raise ValueError("EngineConfig.admission_headroom must be in [0, 1)")
         if self.admission_lookahead < 0:

@@ -29,8 +29,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from stopline.config import Choice
 from stopline.engine.core_loop import CoreLoop
-from stopline.engine.messages import AbortTiming, Batch, CoreInfo
+from stopline.engine.messages import AbortTiming, Batch, CoreInfo, Utility
 from stopline.engine.output import RequestOutput
 from stopline.engine.snapshot import Snapshot
 from stopline.engine.streams import (
@@ -47,8 +48,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stopline.async_engine")
 
-__all__ = ["AsyncEngine", "CoreBackend", "EngineDead", "EngineObserver", "EngineOverloaded",
+__all__ = ["AsyncEngine", "CoreBackend", "EngineDead", "EngineState", "EngineObserver", "EngineOverloaded",
            "EngineUnavailable", "LocalCore", "RequestStream"]
+
+
+class EngineState(Choice):
+    STARTING = "starting"  # the model is loading
+    READY = "ready"
+    DRAINING = "draining"  # shutting down: no new requests, open ones may finish
+    DEAD = "dead"  # the core died; every stream ended with EngineDead
+    CLOSED = "closed"
 
 
 class CoreBackend(Protocol):
@@ -66,7 +75,7 @@ class CoreBackend(Protocol):
 
     def pause(self, incarnations: list[str], paused: bool) -> None: ...
 
-    async def utility(self, method: str) -> Any: ...
+    async def utility(self, method: Utility) -> Any: ...
 
     async def close(self) -> None: ...
 
@@ -94,7 +103,7 @@ class AsyncEngine:
         self.max_buffered = max_buffered
         self.stall_timeout = stall_timeout
         self.observer = observer or EngineObserver()
-        self.state = "starting"  # starting | ready | draining | dead | closed
+        self.state = EngineState.STARTING
         self.dead_reason: str | None = None
         self.info: CoreInfo | None = None
         self.tokenizer: Tokenizer | None = None
@@ -129,18 +138,18 @@ class AsyncEngine:
         try:
             self.info = await self.backend.start(self._on_batch, self._on_dead)
         except BaseException as exc:
-            if self.state == "starting":
+            if self.state is EngineState.STARTING:
                 self._on_dead(f"engine core failed to start: {exc}")
             raise
         self.tokenizer = self.backend.tokenizer
-        if self.state == "starting":
-            self.state = "ready"
+        if self.state is EngineState.STARTING:
+            self.state = EngineState.READY
         return self.info
 
     # ---- state ----------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self.state == "ready"
+        return self.state is EngineState.READY
 
     @property
     def num_open(self) -> int:
@@ -169,7 +178,7 @@ class AsyncEngine:
         """Admit a request and return its stream (`stream.incarnation` names it from now on).
         Raises InvalidRequest (400), EngineOverloaded (429) or EngineUnavailable (503);
         nothing is queued then."""
-        if self.state != "ready":
+        if self.state is not EngineState.READY:
             raise EngineUnavailable(self.unavailable_why())
         params = params or SamplingParams()
         params.validate()
@@ -216,7 +225,7 @@ class AsyncEngine:
         open_incs = [i for i in dict.fromkeys(incs) if i in self._streams]
         for inc in open_incs:
             self._streams[inc].cancel(source)
-        if open_incs and self.state not in ("dead", "closed"):
+        if open_incs and self.state not in (EngineState.DEAD, EngineState.CLOSED):
             self.backend.abort(open_incs, source, t0)
         return open_incs
 
@@ -234,9 +243,10 @@ class AsyncEngine:
             await asyncio.wait_for(asyncio.gather(*waits), timeout)
         return {rid: [r.value if r else None for r in s.finish_reasons] for rid, s in streams.items()}
 
-    async def utility(self, method: str) -> Any:
-        """Run a core utility ('snapshot', 'audit', 'reset_prefix_cache') between steps."""
-        if self.state in ("starting", "dead", "closed"):
+    async def utility(self, method: Utility | str) -> Any:
+        """Run a core utility (snapshot, audit, reset_prefix_cache) between steps."""
+        method = Utility(method)
+        if self.state in (EngineState.STARTING, EngineState.DEAD, EngineState.CLOSED):
             raise EngineUnavailable(self.unavailable_why())
         return await self.backend.utility(method)
 
@@ -245,13 +255,13 @@ class AsyncEngine:
         """Stop admitting, let open requests finish for up to `timeout` seconds, then abort the
         rest (source: shutdown) and wait for their terminal outputs. Returns how many were
         aborted."""
-        if self.state in ("starting", "ready"):
-            self.state = "draining"
+        if self.state in (EngineState.STARTING, EngineState.READY):
+            self.state = EngineState.DRAINING
         pending = [s.done for s in self._streams.values()]
         if pending and timeout > 0:
             await asyncio.wait(pending, timeout=timeout)
         left = list(self._streams)
-        if left and self.state not in ("dead", "closed"):
+        if left and self.state not in (EngineState.DEAD, EngineState.CLOSED):
             log.info("drain timeout: aborting %d open requests", len(left))
             try:
                 await self.abort_and_wait(left, AbortSource.SHUTDOWN, timeout=10.0)
@@ -261,19 +271,19 @@ class AsyncEngine:
 
     async def close(self) -> None:
         """Stop the core. Streams still open end with EngineDead."""
-        if self.state == "closed":
+        if self.state is EngineState.CLOSED:
             return
-        self.state = "closed"
+        self.state = EngineState.CLOSED
         for s in list(self._streams.values()):
             self._fail(s, EngineDead("the engine was shut down"))
         await self.backend.close()  # also after a death: sockets and threads must go
 
     def unavailable_why(self) -> str:
-        if self.state == "starting":
+        if self.state is EngineState.STARTING:
             return "the model is still loading"
-        if self.state == "draining":
+        if self.state is EngineState.DRAINING:
             return "the server is shutting down"
-        if self.state == "dead":
+        if self.state is EngineState.DEAD:
             return f"the engine core is dead: {self.dead_reason}"
         return "the engine is closed"
 
@@ -312,7 +322,7 @@ class AsyncEngine:
 
     def _on_full(self, s: RequestStream, full: bool) -> None:
         """A stream filled up (pause its request, start the stall clock) or drained."""
-        if self._streams.get(s.incarnation) is not s or self.state in ("dead", "closed"):
+        if self._streams.get(s.incarnation) is not s or self.state in (EngineState.DEAD, EngineState.CLOSED):
             return
         try:
             self.backend.pause([s.incarnation], full)
@@ -339,10 +349,10 @@ class AsyncEngine:
         self._ended(s)
 
     def _on_dead(self, reason: str) -> None:
-        if self.state in ("dead", "closed"):
+        if self.state in (EngineState.DEAD, EngineState.CLOSED):
             return
         log.error("engine core died: %s", reason)
-        self.state = "dead"
+        self.state = EngineState.DEAD
         self.dead_reason = reason
         for s in list(self._streams.values()):
             self._fail(s, EngineDead(reason))
@@ -406,7 +416,7 @@ class LocalCore:
         assert self.loop is not None
         self.loop.pause(incarnations, paused)
 
-    async def utility(self, method: str) -> Any:
+    async def utility(self, method: Utility) -> Any:
         assert self.loop is not None
         return await asyncio.wrap_future(self.loop.call(method))
 

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from stopline.engine.messages import AbortTiming, Batch, CoreInfo
+from stopline.engine.messages import AbortTiming, Batch, CoreInfo, Utility
 from stopline.engine.output import RequestOutput
 from stopline.engine.snapshot import take_snapshot
 from stopline.request import AbortSource, FinishReason, SamplingParams
@@ -40,8 +40,8 @@ class _AbortClock:
 
 
 class CoreLoop:
-    # Utility calls run on the stepping thread between steps, where the core is consistent.
-    UTILITIES = ("snapshot", "audit", "reset_prefix_cache")
+    # Utility calls (messages.Utility) run on the stepping thread between steps, where the
+    # core is consistent.
 
     def __init__(self, core: EngineCore, emit: Callable[[Batch], None]) -> None:
         self.core = core
@@ -86,10 +86,12 @@ class CoreLoop:
         self.core.pause(list(incarnations), paused)
         self._work.set()
 
-    def call(self, method: str) -> Future:
+    def call(self, method: Utility | str) -> Future:
         """Run a utility method between steps; the future gets its result."""
         fut: Future = Future()
-        if method not in self.UTILITIES:
+        try:
+            method = Utility(method)
+        except ValueError:
             fut.set_exception(ValueError(f"unknown utility method {method!r}"))
             return fut
         with self._lock:
@@ -151,15 +153,13 @@ class CoreLoop:
             except Exception as exc:  # a failing utility call fails only its caller
                 fut.set_exception(exc)
 
-    def _utility(self, method: str) -> Any:
-        if method == "snapshot":
+    def _utility(self, method: Utility) -> Any:
+        if method is Utility.SNAPSHOT:
             return take_snapshot(self.core)
-        if method == "audit":
+        if method is Utility.AUDIT:
             self.core.audit()
             return None
-        if method == "reset_prefix_cache":
-            return self.core.pool.reset_prefix_cache()
-        raise ValueError(f"unknown utility method {method!r}")
+        return self.core.pool.reset_prefix_cache()  # Utility.RESET_PREFIX_CACHE
 
     def _sink(self, outputs: list[RequestOutput]) -> None:
         if outputs:

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from stopline.config import Choice
 from stopline.engine.output import RequestOutput
 from stopline.engine.snapshot import Snapshot
 from stopline.request import AbortSource, SamplingParams
@@ -61,9 +62,17 @@ class PauseMsg(msgspec.Struct, tag="pause"):
     paused: bool
 
 
+class Utility(Choice):
+    """Calls the frontend may make into the core, run between steps."""
+
+    SNAPSHOT = "snapshot"
+    AUDIT = "audit"
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
+
+
 class UtilityMsg(msgspec.Struct, tag="utility"):
     call_id: int
-    method: str  # see CoreLoop.UTILITIES
+    method: Utility
 
 
 class ShutdownMsg(msgspec.Struct, tag="shutdown"):

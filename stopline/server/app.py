@@ -39,7 +39,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def health() -> Response:
         if engine.ready:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": engine.state, "detail": engine.unavailable_why()},
+        return JSONResponse({"status": engine.state.value, "detail": engine.unavailable_why()},
                             status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/metrics")

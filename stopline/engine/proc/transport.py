@@ -44,6 +44,7 @@ from stopline.engine.messages import (
     PauseMsg,
     ReadyMsg,
     ShutdownMsg,
+    Utility,
     UtilityMsg,
     UtilityReply,
 )
@@ -171,7 +172,7 @@ class ProcCore:
     def pause(self, incarnations: list[str], paused: bool) -> None:
         self._send(self._in, PauseMsg(list(incarnations), paused))
 
-    async def utility(self, method: str) -> Any:
+    async def utility(self, method: Utility) -> Any:
         call_id = next(self._call_ids)
         fut = self._aloop.create_future()
         self._calls[call_id] = fut
@@ -180,7 +181,7 @@ class ProcCore:
             result = await fut
         finally:
             self._calls.pop(call_id, None)
-        return msgspec.convert(result, Snapshot) if method == "snapshot" else result
+        return msgspec.convert(result, Snapshot) if method is Utility.SNAPSHOT else result
 
     def _send(self, sock: zmq.Socket, msg: msgspec.Struct) -> None:
         if self._dead is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stopline.config import AttentionBackend
 from stopline.model.kernels.native import NativeUnavailable, kernels
 
 log = logging.getLogger("stopline.attention")
@@ -56,17 +57,17 @@ def supports(head_dim: int, device: str | torch.device) -> str | None:
     return None
 
 
-def pick(backend: str, head_dim: int, device: str | torch.device) -> str:
-    """"native" or "torch" for EngineConfig.attention_backend; "native" where it can't run is
-    an error naming the reason."""
-    why = None if backend == "torch" else supports(head_dim, device)
-    if backend == "native" and why is not None:
+def pick(backend: str, head_dim: int, device: str | torch.device) -> AttentionBackend:
+    """NATIVE or TORCH for EngineConfig.attention_backend; NATIVE where it can't run is an
+    error naming the reason."""
+    why = None if backend == AttentionBackend.TORCH else supports(head_dim, device)
+    if backend == AttentionBackend.NATIVE and why is not None:
         raise ValueError(f"attention_backend 'native' can't run here: {why}")
-    if backend == "torch" or why is not None:
+    if backend == AttentionBackend.TORCH or why is not None:
         if why is not None:
             log.info("attention runs in torch: %s", why)
-        return "torch"
-    return "native"
+        return AttentionBackend.TORCH
+    return AttentionBackend.NATIVE
 
 
 def paged_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: PagedRows,
