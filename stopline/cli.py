@@ -143,6 +143,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="answer 429 while this many requests wait for their first step (default: no limit)")
     g.add_argument("--queue-timeout", type=float, default=None,
                    help="seconds a request may wait before its first step, else 503 (default: no limit)")
+    g.add_argument("--stall-timeout", type=float, default=60.0,
+                   help="seconds a streaming client may read nothing while its stream is full "
+                        "before its request is aborted (source 'stalled')")
+    g.add_argument("--max-buffered", type=int, default=64,
+                   help="outputs a stream holds unread before its request is paused")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds open requests may run before they are aborted")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
@@ -174,7 +179,8 @@ def serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout)
     return run_server(args.model, engine_config(args), settings, host=args.host, port=args.port,
                       in_process=args.in_process, max_waiting=args.max_waiting,
-                      core_threads=args.core_threads, log_level=args.log_level,
+                      core_threads=args.core_threads, stall_timeout=args.stall_timeout,
+                      max_buffered=args.max_buffered, log_level=args.log_level,
                       access_log=args.access_log)
 
 

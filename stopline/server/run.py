@@ -61,15 +61,17 @@ class _Server(uvicorn.Server):
 def serve(model: str | None, config: EngineConfig, settings: ServerSettings, *,
           host: str = "127.0.0.1", port: int = 8000, in_process: bool = False,
           max_waiting: int | None = None, core_threads: int | None = None,
+          stall_timeout: float = 60.0, max_buffered: int = 64,
           log_level: str = "info", access_log: bool = True) -> int:
     """Serve until stopped; returns the process exit status."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    streams = dict(max_waiting=max_waiting, stall_timeout=stall_timeout, max_buffered=max_buffered)
     if in_process:
-        engine = AsyncEngine.in_process(model, config, progress=True, max_waiting=max_waiting)
+        engine = AsyncEngine.in_process(model, config, progress=True, **streams)
     else:
-        engine = AsyncEngine.in_subprocess(model, config, progress=True, max_waiting=max_waiting,
-                                           core_threads=core_threads)
+        engine = AsyncEngine.in_subprocess(model, config, progress=True, core_threads=core_threads,
+                                           **streams)
     state = ServerState(engine, settings)
     app = build_app(state)
     uconfig = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
