@@ -1,4 +1,4 @@
-"""The block ledger (DESIGN.md contract 1) holds after every step of a busy engine, and the
+"""The block ledger (docs/design.md, contract 1) holds after every step of a busy engine, and the
 audit really catches the leaks and double counts it exists for."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One test per state and race of the stop path (DESIGN.md contracts 2-8), on a tiny model."""
+"""One test per state and race of the stop path (docs/design.md, contracts 2-8), on a tiny model."""
 
 from __future__ import annotations
 

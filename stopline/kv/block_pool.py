@@ -1,6 +1,6 @@
 """The KV block pool: reference counts, a free queue in eviction order, prefix hashes, audit.
 
-Every block is in exactly one of three states (the ledger contract of DESIGN.md):
+Every block is in exactly one of three states (the ledger contract of docs/stop-path.md):
   free    refcount 0, no hash, in the free queue (handed out first)
   cached  refcount 0, hashed, in the free queue behind the free ones (LRU: evicted first
           is least recently released), and findable by its hash for prefix hits
