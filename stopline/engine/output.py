@@ -7,12 +7,18 @@ token, stop string, max_tokens, context limit); it hands the decision to the lif
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from stopline.request import FinishReason, Request, TokenLogprob, Usage
 from stopline.tokenizer.detokenizer import IncrementalDetokenizer
 from stopline.tokenizer.tokenizer import Tokenizer
 
-Stop = tuple[FinishReason, str]
+
+class Stop(NamedTuple):
+    """A request's own output ended it."""
+
+    reason: FinishReason
+    detail: str  # "eos", "stop_token_id:N", "max_tokens", "max_model_len", or the stop string
 
 
 @dataclass
@@ -58,13 +64,13 @@ class OutputProcessor:
         n_out = len(req.output_token_ids)
         if n_out >= p.min_tokens:
             if token in self.eos and not p.ignore_eos:
-                return FinishReason.STOP, "eos"
+                return Stop(FinishReason.STOP, "eos")
             if token in p.stop_token_ids:
-                return FinishReason.STOP, f"stop_token_id:{token}"
+                return Stop(FinishReason.STOP, f"stop_token_id:{token}")
         if n_out >= req.max_tokens:
-            return FinishReason.LENGTH, "max_tokens"
+            return Stop(FinishReason.LENGTH, "max_tokens")
         if req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH, "max_model_len"
+            return Stop(FinishReason.LENGTH, "max_model_len")
         return None
 
     def catch_up(self, req: Request, check: bool = True) -> Stop | None:
@@ -89,7 +95,7 @@ class OutputProcessor:
                 if hits:
                     idx, s = min(hits)
                     req.text = req.text[:idx]
-                    return FinishReason.STOP, s
+                    return Stop(FinishReason.STOP, s)
         return None
 
     def delta(self, req: Request, final: bool) -> RequestOutput:
