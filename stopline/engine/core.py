@@ -434,6 +434,9 @@ class EngineCore:
         """The ledger contract: raises LedgerError on any leak, double count, or holder still
         holding a finished request."""
         self.lifecycle.audit(self.live_requests())
+        for fam in self.families:  # the family table: live families only, each under its own name
+            if not fam.live() or self.families.get(fam.incarnation) is not fam:
+                raise LedgerError(f"family {fam.incarnation!r} is in the table with no live sample")
         if not self.families and self.pool.num_used != 0:
             raise LedgerError(f"idle engine holds {self.pool.num_used} blocks")
         # Decode rows are dropped by the forward's thread at its next step (with async
