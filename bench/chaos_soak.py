@@ -31,6 +31,7 @@ from stopline.model.loaders.loader import load_model  # noqa: E402
 from tests.chaos_support import (  # noqa: E402
     check_storm,
     make_workload,
+    run_async_storm,
     run_reference,
     run_storm,
     storm_config,
@@ -58,15 +59,20 @@ def main() -> int:
                     help="the model as a Q4_1 GGUF: steps of up to 8 rows on the quantized kernel, "
                          "larger ones on the float32 library, every output compared with its "
                          "logprobs")
+    ap.add_argument("--zmq", action="store_true",
+                    help="through the async engine and the core process over ZMQ: aborts land on "
+                         "the wall clock, mid-forward included")
     args = ap.parse_args()
     if args.count < 1 or args.minutes <= 0 or (args.storms is not None and args.storms < 1):
         ap.error("--count, --minutes and --storms must be positive")
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_llama_dir(Path(tmp) / "tiny", seed=7, init_std=0.1, vocab_size=384, layers=2)
-        if args.quant:
-            model_dir = make_tiny_gguf(model_dir, Path(tmp) / "tiny-q4_1.gguf", qtype="Q4_1")
-        loaded = load_model(str(model_dir), progress=False, cache_dir=tmp)
+    # Kept until exit (the finalizer removes it): --zmq's core process loads the model from it.
+    tmpdir = tempfile.TemporaryDirectory()
+    tmp = tmpdir.name
+    model_dir = make_tiny_llama_dir(Path(tmp) / "tiny", seed=7, init_std=0.1, vocab_size=384, layers=2)
+    if args.quant:
+        model_dir = make_tiny_gguf(model_dir, Path(tmp) / "tiny-q4_1.gguf", qtype="Q4_1")
+    loaded = load_model(str(model_dir), progress=False, cache_dir=tmp)
     if args.quant and not loaded.blocks:
         ap.error("--quant: the GGUF has no quantized blocks")
     attention = args.attention or ("torch" if args.wide else "auto")
@@ -77,23 +83,31 @@ def main() -> int:
         work = make_workload(seed=seed, count=args.count, vocab=loaded.config.vocab_size)
         config = storm_config(mode, asy, wide=args.wide, attention=attention)
         if args.quant:
-            work = [(rid, prompt, dataclasses.replace(params, logprobs=0), abort)
-                    for rid, prompt, params, abort in work]
+            for job in work:
+                job.params = dataclasses.replace(job.params, logprobs=0)
             config = dataclasses.replace(config, quant_max_rows=8)
         t = time.monotonic()
         try:
             ref = run_reference(loaded, work, attention)
-            got, terminals, aborted_at, _states, eng = run_storm(loaded, work, config, seed=seed + 1)
-            if args.quant and not eng.model.one_row_ok:
-                raise RuntimeError("the quantized kernel is not in use (see the warning above)")
-            aborted = check_storm(work, ref, got, terminals, aborted_at)
-            stats = eng.lifecycle.stats
-            rows = eng.runner.rows
-            print(f"seed {seed} {mode}{' async' if asy else ''} ({eng.model.attention} attention): ok, "
-                  f"{len(work)} requests, "
-                  f"{aborted} aborted samples, {sum(stats.preemptions.values())} preemptions, "
-                  f"{rows.compactions if rows else 0} compactions, {time.monotonic() - t:.1f} s",
-                  flush=True)
+            if args.zmq:
+                work = [j for j in work if not (j.race or j.resubmit)]
+                res = run_async_storm(str(model_dir), work, config, seed=seed + 1)
+                aborted = check_storm(work, ref, res)
+                print(f"seed {seed} {mode}{' async' if asy else ''} (zmq): ok, {len(work)} requests, "
+                      f"{aborted} aborted samples, {time.monotonic() - t:.1f} s", flush=True)
+            else:
+                res = run_storm(loaded, work, config, seed=seed + 1)
+                eng = res.engine
+                if args.quant and not eng.model.one_row_ok:
+                    raise RuntimeError("the quantized kernel is not in use (see the warning above)")
+                aborted = check_storm(work, ref, res)
+                stats = eng.lifecycle.stats
+                rows = eng.runner.rows
+                print(f"seed {seed} {mode}{' async' if asy else ''} ({eng.model.attention} attention): "
+                      f"ok, {len(work)} requests, "
+                      f"{aborted} aborted samples, {sum(stats.preemptions.values())} preemptions, "
+                      f"{rows.compactions if rows else 0} compactions, {time.monotonic() - t:.1f} s",
+                      flush=True)
         except Exception:  # a failed check or a crash: report, keep soaking
             failed += 1
             traceback.print_exc()
@@ -101,6 +115,7 @@ def main() -> int:
             print(f"seed {seed} {mode}{' async' if asy else ''}: FAILED; replay with: python "
                   f"bench/chaos_soak.py --seed {seed} --storms 1 --count {args.count} "
                   f"--mode {mode_arg}{' --wide' if args.wide else ''}{' --quant' if args.quant else ''}"
+                  f"{' --zmq' if args.zmq else ''}"
                   f" --attention {attention}",
                   flush=True)
         done += 1

@@ -1,17 +1,25 @@
 """The chaos storm's machinery, shared by the CI test (tests/test_stop_chaos.py) and the
 soak that runs it over fresh seeds for as long as asked (bench/chaos_soak.py).
 
-A workload is many requests of mixed lengths (half share one of a few prefixes), some with
-n > 1, 45% with an abort aimed at a state. The storm feeds them into an engine a few a step,
-aborts each when its target state is reached, and collects every output; `check_storm`
-holds the result to the DESIGN.md contracts against a reference run of the same requests
-with no aborts and an ample pool.
+A workload is many jobs that draw every feature the engine has: mixed lengths (half share
+one of a few prefixes), n from 1 to 4, greedy and seeded temperature sampling with top-k /
+top-p and penalties, logprobs, stop strings and min_tokens, deadlines and queue timeouts,
+caller ids reused by later jobs, and aborts aimed at every state, some of them racing the
+request's natural finish and followed by a resubmit under the same caller id. The storm
+feeds the jobs into an engine a few a step, aborts each when its target state is reached,
+and collects every output by incarnation; `check_storm` holds the result to the stop-path
+contracts (docs/stop-path.md) against a reference run of the same jobs with no aborts and
+an ample pool. `run_async_storm` does the same through the async engine and the core
+process over ZMQ, with aborts landing whenever the wall clock says, mid-forward included.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import random
 from collections import defaultdict
+from dataclasses import dataclass
 
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
@@ -19,6 +27,23 @@ from stopline.lifecycle import state_name
 from stopline.request import AbortSource, FinishReason, SamplingParams
 
 TARGET_STATES = ["waiting", "prefilling", "running", "preempted", "swapped", "any"]
+STOPS = ["e", "th", " a", "o", "in", "\n"]
+_PREEMPTED = ("preempted", "swapped")  # either mode's victims: aimed at, either will do
+
+
+@dataclass
+class Job:
+    key: str  # unique within the workload: results are compared by it
+    caller_id: str  # the request_id the engine is given; later jobs may reuse it
+    prompt: list[int]
+    params: SamplingParams
+    abort: tuple[str, int] | None = None  # (target state, patience in steps)
+    race: bool = False  # cancelled as it finishes, then resubmitted (the next job, `resubmit`)
+    resubmit: bool = False  # held back until the job before it ends, then sent at once
+
+    @property
+    def timed(self) -> bool:
+        return self.params.deadline is not None or self.params.queue_timeout is not None
 
 
 def storm_config(mode: str, async_scheduling: bool, wide: bool = False,
@@ -37,20 +62,50 @@ def storm_config(mode: str, async_scheduling: bool, wide: bool = False,
                         attention_backend=attention, admission_lookahead=lookahead, **size)
 
 
-def make_workload(seed: int, count: int, vocab: int):
+def _params(rng: random.Random) -> SamplingParams:
+    kw: dict = dict(n=rng.choices([1, 2, 3, 4], [80, 10, 6, 4])[0], max_tokens=rng.randrange(1, 20))
+    if rng.random() < 0.5:
+        kw["temperature"] = 0.0
+    else:
+        kw.update(temperature=rng.uniform(0.6, 1.3), seed=rng.randrange(1 << 30))
+        if rng.random() < 0.3:
+            kw["top_k"] = rng.choice([5, 40])
+        if rng.random() < 0.3:
+            kw["top_p"] = rng.choice([0.8, 0.95])
+    if rng.random() < 0.25:
+        kw.update(presence_penalty=rng.uniform(-1, 1), frequency_penalty=rng.uniform(0, 1),
+                  repetition_penalty=rng.choice([1.0, 1.2]))
+    if rng.random() < 0.2:
+        kw["logprobs"] = rng.choice([0, 2])
+    if rng.random() < 0.2:
+        kw["stop"] = rng.sample(STOPS, rng.randrange(1, 3))
+        kw["min_tokens"] = rng.choice([0, 0, 2])
+        kw["min_tokens"] = min(kw["min_tokens"], kw["max_tokens"])
+    if rng.random() < 0.04:
+        kw["deadline"] = rng.uniform(0.02, 0.5)
+    elif rng.random() < 0.03:
+        kw["queue_timeout"] = rng.uniform(0.01, 0.3)
+    return SamplingParams(**kw)
+
+
+def make_workload(seed: int, count: int, vocab: int) -> list[Job]:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 20))] for _ in range(8)]
-    work = []
+    jobs: list[Job] = []
     for i in range(count):
         base = list(rng.choice(prefixes)) if rng.random() < 0.5 else []
         prompt = base + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 24))]
-        n = 1 if rng.random() < 0.9 else rng.choice([2, 3])
-        params = SamplingParams(n=n, temperature=0.0, max_tokens=rng.randrange(1, 20))
-        abort = None
+        caller = f"r{i}" if not jobs or rng.random() > 0.15 else rng.choice(jobs).caller_id
+        job = Job(f"k{i}", caller, prompt, _params(rng))
         if rng.random() < 0.45:
-            abort = (rng.choice(TARGET_STATES), rng.randrange(0, 12))
-        work.append((f"r{i}", prompt, params, abort))
-    return work
+            job.abort = (rng.choice(TARGET_STATES), rng.randrange(0, 12))
+        elif rng.random() < 0.06:
+            job.race = True
+        jobs.append(job)
+        if job.race:
+            again = dataclasses.replace(job, key=f"k{i}+", race=False, resubmit=True)
+            jobs.append(again)
+    return jobs
 
 
 def delivered(out) -> list:
@@ -61,93 +116,180 @@ def delivered(out) -> list:
     return [(t, lp.logprob) for t, lp in zip(out.new_token_ids, out.new_logprobs, strict=True)]
 
 
-def run_reference(loaded, work, attention: str = "auto"):
-    """Each request's output with no aborts and an ample pool (batch invariance makes this
-    the same as running it alone; test_solo_matches_reference checks that on a sample).
-    attention: as the storm's (the backends give a position different bits)."""
+def untimed(params: SamplingParams) -> SamplingParams:
+    return dataclasses.replace(params, deadline=None, queue_timeout=None)
+
+
+def run_reference(loaded, work: list[Job], attention: str = "auto"):
+    """Each job's output with no aborts, no deadlines and an ample pool (batch invariance
+    makes this the same as running it alone; test_solo_matches_reference checks that on a
+    sample). attention: as the storm's (the backends give a position different bits)."""
     eng = EngineCore(loaded, EngineConfig(num_blocks=4096, block_size=4, max_num_seqs=256,
                                           max_num_batched_tokens=4096, attention_backend=attention))
     ref = defaultdict(lambda: defaultdict(list))
-    for rid, prompt, params, _ in work:
-        eng.add_request(rid, prompt, params)
+    key_of = {}
+    for job in work:
+        key_of[eng.add_request(job.caller_id, job.prompt, untimed(job.params))] = job.key
     while eng.has_unfinished():
         for out in eng.step():
-            ref[out.request_id][out.index] += delivered(out)
+            ref[key_of[out.incarnation]][out.index] += delivered(out)
     return ref
 
 
-def run_storm(loaded, work, config: EngineConfig, seed: int):
+@dataclass
+class StormResult:
+    got: dict  # key -> index -> delivered
+    terminals: dict  # (key, index) -> [terminal outputs]
+    aborted_at: dict  # key -> index -> tokens delivered when the abort was sent
+    states_hit: dict  # state -> aborts sent there
+    engine: EngineCore | None = None
+
+
+def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int) -> StormResult:
     rng = random.Random(seed)
     eng = EngineCore(loaded, config)
-    got = defaultdict(lambda: defaultdict(list))
-    terminals = defaultdict(list)
-    aborted_at: dict[str, dict[int, int]] = {}  # id -> index -> tokens delivered at the abort
-    states_hit = defaultdict(int)
-    pending = list(work)
-    plans = {rid: abort for rid, _, _, abort in work}
-    n_of = {rid: params.n for rid, _, params, _ in work}
-    age = defaultdict(int)
+    res = StormResult(defaultdict(lambda: defaultdict(list)), defaultdict(list), {},
+                      defaultdict(int), eng)
+    pending = [j for j in work if not j.resubmit]
+    held = {work[i - 1].key: j for i, j in enumerate(work) if j.resubmit}  # race job -> resubmit
+    inc_of: dict[str, str] = {}
+    job_of: dict[str, Job] = {}  # incarnation -> job
+    age: dict[str, int] = defaultdict(int)
     live: set[str] = set()
-    incs: dict[str, str] = {}
     steps = 0
-    while pending or eng.has_unfinished():
+
+    def send(job: Job) -> None:
+        inc = eng.add_request(job.caller_id, job.prompt, job.params)
+        inc_of[job.key], job_of[inc] = inc, job
+        live.add(job.key)
+
+    while pending or held or eng.has_unfinished():
         for _ in range(rng.randrange(0, 12)):
             if pending:
-                rid, prompt, params, _ = pending.pop(0)
-                incs[rid] = eng.add_request(rid, prompt, params)
-                live.add(rid)
-        # Abort requests whose target state is reached (or whose patience ran out).
-        for rid in list(live):
-            plan = plans[rid]
-            if plan is None or rid in aborted_at:
+                send(pending.pop(0))
+        for key in list(live):
+            job = job_of[inc_of[key]]
+            if job.abort is None or key in res.aborted_at:
                 continue
-            fam = eng.families.get(incs[rid])
+            fam = eng.families.get(inc_of[key])
             state = state_name(fam.members[0]) if fam is not None else "waiting"
-            target, patience = plan
+            target, patience = job.abort
             if state != "waiting" or target == "waiting":
-                age[rid] += 1  # patience runs from admission, or the backlog would decide
-            if state == target or target == "any" and age[rid] > patience or age[rid] > 3 * patience + 30:
-                states_hit[state] += 1
-                aborted_at[rid] = {i: len(got[rid][i]) for i in range(8)}
-                eng.abort(incs[rid], AbortSource.CANCEL)
+                age[key] += 1  # patience runs from admission, or the backlog would decide
+            hit = state == target or (target in _PREEMPTED and state in _PREEMPTED)
+            if hit or target == "any" and age[key] > patience or age[key] > 3 * patience + 30:
+                res.states_hit[state] += 1
+                res.aborted_at[key] = {i: len(res.got[key][i]) for i in range(4)}
+                eng.abort(inc_of[key], AbortSource.CANCEL)
                 if rng.random() < 0.2:
-                    eng.abort(incs[rid], AbortSource.CANCEL)  # twice is the same as once
+                    eng.abort(inc_of[key], AbortSource.CANCEL)  # twice is the same as once
         for out in eng.step():
-            got[out.request_id][out.index] += delivered(out)
-            if out.request_id in aborted_at and out.new_token_ids:
-                raise AssertionError(f"{out.request_id}: tokens delivered after its abort")
-            if out.finished:
-                terminals[(out.request_id, out.index)].append(out)
-                if all((out.request_id, i) in terminals for i in range(n_of[out.request_id])):
-                    live.discard(out.request_id)
+            key = job_of[out.incarnation].key
+            res.got[key][out.index] += delivered(out)
+            if key in res.aborted_at and out.new_token_ids:
+                raise AssertionError(f"{key}: tokens delivered after its abort")
+            if not out.finished:
+                continue
+            res.terminals[(key, out.index)].append(out)
+            job = job_of[out.incarnation]
+            if all((key, i) in res.terminals for i in range(job.params.n)):
+                live.discard(key)
+                again = held.pop(key, None)
+                if again is not None:
+                    # The client's cancel raced the natural finish; it resubmits at once
+                    # under the same caller id, and the late abort must not touch it.
+                    eng.abort(inc_of[key], AbortSource.CANCEL)
+                    send(again)
         steps += 1
         assert steps < 100_000, "the engine stopped making progress"
-    eng.abort("never-existed")  # unknown id: a no-op
+    eng.abort("never-existed")  # unknown incarnation: a no-op
     eng.step()
     eng.audit()
     assert eng.pool.num_used == 0, "blocks still owned after every request ended"
-    return got, terminals, aborted_at, states_hit, eng
+    return res
 
 
-def check_storm(work, ref, got, terminals, aborted_at) -> int:
-    """Exactly one terminal output per request and sample; a survivor's tokens equal its
-    reference; an aborted one's are a prefix of it, no longer than what it had at the abort.
-    Returns the number of aborted samples."""
+def check_storm(work: list[Job], ref, res: StormResult) -> int:
+    """Exactly one terminal output per job and sample, never `error`; a survivor's tokens
+    equal its reference; an aborted or timed-out one's are a prefix of it (an aborted one no
+    longer than what it had at the abort). Returns the number of aborted samples."""
     n_abort = 0
-    for rid, _prompt, params, _ in work:
-        for i in range(params.n):
-            outs = terminals[(rid, i)]
-            assert len(outs) == 1, f"{rid}[{i}]: {len(outs)} terminal outputs"
+    for job in work:
+        for i in range(job.params.n):
+            outs = res.terminals[(job.key, i)]
+            assert len(outs) == 1, f"{job.key}[{i}]: {len(outs)} terminal outputs"
             term = outs[0]
-            want = ref[rid][i]
-            tokens = got[rid][i]
-            if term.finish_reason is FinishReason.ABORT:
+            want = ref[job.key][i]
+            tokens = res.got[job.key][i]
+            reason = term.finish_reason
+            assert term.usage.completion_tokens == len(tokens), f"{job.key}[{i}]: usage {term.usage}"
+            if reason is FinishReason.ABORT:
                 n_abort += 1
-                assert rid in aborted_at
-                assert tokens == want[: len(tokens)], f"{rid}[{i}]: aborted output is not a prefix"
-                assert len(tokens) <= aborted_at[rid][i]
-                assert term.usage.completion_tokens == len(tokens)
+                assert job.key in res.aborted_at or job.race, f"{job.key}[{i}]: aborted unasked"
+                assert tokens == want[: len(tokens)], f"{job.key}[{i}]: aborted output is not a prefix"
+                if job.key in res.aborted_at:
+                    assert len(tokens) <= res.aborted_at[job.key][i]
+            elif reason is FinishReason.TIMEOUT:
+                assert job.timed, f"{job.key}[{i}]: timed out without a deadline"
+                assert tokens == want[: len(tokens)], f"{job.key}[{i}]: timed-out output is not a prefix"
             else:
-                assert term.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), term
-                assert tokens == want, f"{rid}[{i}]: survivor differs from its undisturbed run"
+                assert reason in (FinishReason.STOP, FinishReason.LENGTH), (job.key, i, term)
+                assert tokens == want, f"{job.key}[{i}]: survivor differs from its undisturbed run"
     return n_abort
+
+
+def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed: int,
+                    *, subprocess: bool = True) -> StormResult:
+    """The storm through the async engine (the core in its own process, over ZMQ): each job
+    streams in its own task; an aborted job's cancel goes out after a random wall-clock
+    delay, so it lands between steps, mid-forward or mid-prefill as it happens."""
+    from stopline.engine.async_engine import AsyncEngine
+
+    rng = random.Random(seed)
+    res = StormResult(defaultdict(lambda: defaultdict(list)), defaultdict(list), {},
+                      defaultdict(int))
+
+    async def one(engine, job: Job, inc: str, delay: float | None) -> None:
+        # The cancel's clock starts before the add is acknowledged: a quick one overtakes it.
+        adding = asyncio.ensure_future(engine.add(job.caller_id, job.prompt, job.params,
+                                                  incarnation=inc))
+        cancel = None
+        if delay is not None:
+            async def later() -> None:
+                await asyncio.sleep(delay)
+                res.aborted_at[job.key] = {i: len(res.got[job.key][i]) for i in range(4)}
+                engine.abort(inc, AbortSource.CANCEL)
+            cancel = asyncio.create_task(later())
+        stream = await adding
+        async for out in stream:
+            res.got[job.key][out.index] += delivered(out)
+            if out.finished:
+                res.terminals[(job.key, out.index)].append(out)
+        if cancel is not None:
+            cancel.cancel()
+        if job.race:  # cancel after the natural end, then the same caller id again
+            engine.abort(inc, AbortSource.CANCEL)
+
+    async def main() -> None:
+        make = AsyncEngine.in_subprocess if subprocess else AsyncEngine.in_process
+        engine = make(model_dir, config, progress=False)
+        await engine.start()
+        try:
+            tasks = []
+            for n, job in enumerate(work):
+                delay = rng.uniform(0.0, 0.4) if job.abort is not None else None
+                task = one(engine, job, f"{job.key}@{seed}", delay)
+                if job.resubmit:
+                    await tasks[-1]  # the raced job ends first, then its resubmit goes out
+                tasks.append(asyncio.ensure_future(task))
+                if n % 4 == 3:
+                    await asyncio.sleep(rng.uniform(0, 0.02))
+            await asyncio.gather(*tasks)
+            assert await engine.utility("audit") is None
+            snap = await engine.utility("snapshot")
+            assert snap.kv_blocks_used == 0 and snap.running == snap.waiting == 0
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+    return res
