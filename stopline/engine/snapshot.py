@@ -16,9 +16,26 @@ from stopline.lifecycle import state_name
 if TYPE_CHECKING:
     from stopline.engine.core import EngineCore
 
+# Bounds on the per-request detail (the web console's pool picture), so that a big pool or a
+# long queue never makes the per-step snapshot expensive: past them the lists are cut (and
+# `pool_map` says so); the counts above stay exact.
+MAP_BLOCKS = 4096  # block ids listed in all (owned by live requests plus cached)
+LIVE_ROWS = 256  # live sequences listed
+
 # lifecycle.state_name -> the gauge a sequence counts toward
 _GAUGE = {"running": "running", "prefilling": "running", "waiting": "waiting",
           "preempted": "preempted", "swapped": "preempted"}
+
+
+class LiveSeq(msgspec.Struct, frozen=True, array_like=True):
+    """One live sequence: who it is, where it stands, which KV blocks its table holds."""
+
+    request_id: str
+    index: int  # sample index within its request (n > 1)
+    state: str  # lifecycle.state_name
+    tokens: int  # prompt plus output so far
+    num_blocks: int
+    block_ids: list[int]  # empty when the pool map is cut (see pool_map)
 
 
 class Snapshot(msgspec.Struct, frozen=True):
@@ -36,26 +53,53 @@ class Snapshot(msgspec.Struct, frozen=True):
     recomputed_tokens: int = 0
     tokens_after_abort: int = 0
     steps: int = 0
+    block_size: int = 0
+    live: list[LiveSeq] = msgspec.field(default_factory=list)  # at most LIVE_ROWS
+    cached_block_ids: list[int] = msgspec.field(default_factory=list)  # refcount 0, hashed
+    pool_map: bool = True  # block_ids and cached_block_ids list every owned and cached block
     taken_at: float = 0.0  # time.monotonic()
 
 
 def take_snapshot(core: EngineCore) -> Snapshot:
     gauges = {"running": 0, "waiting": 0, "preempted": 0}
+    pool = core.pool
+    # List block ids only while they are few: the work stays O(MAP_BLOCKS) however big the
+    # pool (hashed blocks are owned or cached, so the cached scan is bounded too). Shared
+    # prefix blocks appear in every table that holds them, hence a budget on ids listed.
+    budget = MAP_BLOCKS if pool.num_used + pool.num_cached <= MAP_BLOCKS else -1
+    complete = budget >= 0
+    live = []
     for req in core.live_requests():
-        gauges[_GAUGE.get(state_name(req), "running")] += 1
+        state = state_name(req)
+        gauges[_GAUGE.get(state, "running")] += 1
+        if len(live) >= LIVE_ROWS:
+            complete = False
+            continue
+        blocks = req.block_ids
+        budget -= len(blocks)
+        if budget < 0:
+            complete = False
+        live.append(LiveSeq(req.request_id, req.index, state, req.num_tokens, len(blocks),
+                            list(blocks) if budget >= 0 else []))
+    cached = ([b for b in pool.hash_to_block.values() if pool.refcount[b] == 0]
+              if pool.num_used + pool.num_cached <= MAP_BLOCKS else [])
     stats = core.lifecycle.stats
     return Snapshot(
         running=gauges["running"],
         waiting=gauges["waiting"],
         preempted=gauges["preempted"],
-        kv_blocks_total=core.pool.num_blocks,
-        kv_blocks_used=core.pool.num_used,
-        kv_blocks_cached=core.pool.num_cached,
+        kv_blocks_total=pool.num_blocks,
+        kv_blocks_used=pool.num_used,
+        kv_blocks_cached=pool.num_cached,
         finished=dict(stats.finished),
         aborts=[(src, state, n) for (src, state), n in stats.aborts.items()],
         preemptions=dict(stats.preemptions),
         recomputed_tokens=stats.recomputed_tokens,
         tokens_after_abort=stats.tokens_after_abort,
         steps=core.steps,
+        block_size=pool.block_size,
+        live=live,
+        cached_block_ids=cached,
+        pool_map=complete,
         taken_at=time.monotonic(),
     )
