@@ -8,6 +8,8 @@ one server, so several servers in one process (tests) don't collide.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Iterator
 
 from prometheus_client import (
@@ -29,6 +31,41 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ABORT_STATES = ("waiting", "prefilling", "running", "preempted", "swapped")
 PREEMPTION_MODES = ("recompute", "swap")
+
+
+class Recent:
+    """The latest samples of a latency, for exact percentiles (the histograms' buckets are
+    too coarse to read a p50 from) over a window that follows the load as it changes."""
+
+    def __init__(self, size: int) -> None:
+        self.samples: deque[float] = deque(maxlen=size)
+
+    def add(self, seconds: float) -> None:
+        self.samples.append(seconds)
+
+    def percentiles(self, qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict[str, float | int | None]:
+        xs = sorted(self.samples)
+        out: dict[str, float | int | None] = {"n": len(xs)}
+        for q in qs:
+            out[f"p{round(q * 100)}"] = xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+        return out
+
+
+class TokenRate:
+    """Tokens per second sent out over the last `window` seconds."""
+
+    def __init__(self, window: float = 2.0) -> None:
+        self.window = window
+        self._marks: deque[tuple[float, int]] = deque()
+
+    def add(self, n: int, now: float | None = None) -> None:
+        self._marks.append((time.monotonic() if now is None else now, n))
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        while self._marks and self._marks[0][0] < now - self.window:
+            self._marks.popleft()
+        return sum(n for _, n in self._marks) / self.window
 
 
 class ServerMetrics(EngineObserver):
@@ -65,6 +102,11 @@ class ServerMetrics(EngineObserver):
         self.rejected = Counter("stopline_requests_rejected",
                                 "Generation requests refused before admission, by HTTP status.",
                                 ["status"], registry=r)
+        # For the web console: recent latencies and the last few aborts' timings.
+        self.recent_ttft = Recent(512)
+        self.recent_itl = Recent(4096)
+        self.token_rate = TokenRate()
+        self.recent_aborts: deque[AbortTiming] = deque(maxlen=8)
 
     def bind(self, engine: AsyncEngine) -> None:
         self.registry.register(_EngineCollector(engine))
@@ -75,9 +117,14 @@ class ServerMetrics(EngineObserver):
     # ---- EngineObserver -------------------------------------------------------------------
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+        self.recent_ttft.add(seconds)
 
     def on_token_gap(self, seconds: float) -> None:
         self.itl.observe(seconds)
+        self.recent_itl.add(seconds)
+
+    def on_tokens(self, n: int) -> None:
+        self.token_rate.add(n)
 
     def on_sample_end(self, reason: str, usage: Usage | None) -> None:
         self.finished.labels(reason).inc()
@@ -91,6 +138,7 @@ class ServerMetrics(EngineObserver):
         self.abort_accept.labels(timing.source).observe(timing.accept_s)
         self.abort_quiet.labels(timing.source).observe(timing.quiet_s)
         self.reclaim.labels(timing.source).observe(timing.reclaim_s)
+        self.recent_aborts.append(timing)
 
 
 class _EngineCollector(Collector):
