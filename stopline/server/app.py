@@ -1,4 +1,5 @@
-"""The FastAPI app: routes of the OpenAI-compatible API plus health, metrics and cancel."""
+"""The FastAPI app: routes of the OpenAI-compatible API plus health, metrics, cancel and the
+web console (console.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from stopline import __version__
 from stopline.request import AbortSource
-from stopline.server import errors
+from stopline.server import console, errors
 from stopline.server.errors import ApiError
 from stopline.server.protocol import CancelRequest, parse
 from stopline.server.serving import create, read_body
@@ -33,6 +34,7 @@ def build_app(state: ServerState) -> FastAPI:
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     errors.install(app)
+    console.install(app, state)
     engine = state.engine
 
     @app.get("/health")
