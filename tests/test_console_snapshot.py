@@ -44,18 +44,18 @@ def _check_ledger(core: EngineCore, s: Snapshot) -> None:
 def test_live_sequences_and_pool_map(core: EngineCore) -> None:
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = random_prompts(3, [40, 20, 33], seed=1)
-    for i, p in enumerate(prompts):
-        core.add_request(f"r{i}", p, params)
+    incs = [core.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
     core.step()
     s = take_snapshot(core)
     _check_ledger(core, s)
-    states = {q.request_id: q.state for q in s.live}
+    states = {q.incarnation: q.state for q in s.live}
+    assert set(states) == set(incs)
     assert len(states) == 3 and list(states.values()).count("waiting") == 1  # max_num_seqs=2
     assert (s.running, s.waiting) == (2, 1)
     # The wire form (msgpack, as the core process sends it) round-trips.
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=Snapshot) == s
 
-    core.abort("r0", AbortSource.CANCEL)
+    core.abort(incs[0], AbortSource.CANCEL)
     for _ in range(3):
         core.step()
         _check_ledger(core, take_snapshot(core))

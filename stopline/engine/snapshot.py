@@ -30,7 +30,7 @@ _GAUGE = {"running": "running", "prefilling": "running", "waiting": "waiting",
 class LiveSeq(msgspec.Struct, frozen=True, array_like=True):
     """One live sequence: who it is, where it stands, which KV blocks its table holds."""
 
-    request_id: str
+    incarnation: str  # unique per admission (the server uses the response id)
     index: int  # sample index within its request (n > 1)
     state: str  # lifecycle.state_name
     tokens: int  # prompt plus output so far
@@ -79,7 +79,7 @@ def take_snapshot(core: EngineCore) -> Snapshot:
         budget -= len(blocks)
         if budget < 0:
             complete = False
-        live.append(LiveSeq(req.request_id, req.index, state, req.num_tokens, len(blocks),
+        live.append(LiveSeq(req.incarnation, req.index, state, req.num_tokens, len(blocks),
                             list(blocks) if budget >= 0 else []))
     cached = ([b for b in pool.hash_to_block.values() if pool.refcount[b] == 0]
               if pool.num_used + pool.num_cached <= MAP_BLOCKS else [])

@@ -56,7 +56,7 @@ def console_snapshot(state: ServerState) -> dict[str, Any]:
                  "block_size": s.block_size, "complete_map": s.pool_map,
                  "cached_ids": s.cached_block_ids},
         "counts": {"running": s.running, "waiting": s.waiting, "preempted": s.preempted},
-        "live": [{"id": q.request_id, "index": q.index, "state": q.state, "tokens": q.tokens,
+        "live": [{"id": q.incarnation, "index": q.index, "state": q.state, "tokens": q.tokens,
                   "blocks": q.num_blocks, "block_ids": q.block_ids} for q in s.live],
         "finished": s.finished,
         "aborts": [{"source": src, "state": st, "n": n} for src, st, n in s.aborts],
@@ -66,7 +66,7 @@ def console_snapshot(state: ServerState) -> dict[str, Any]:
         "tokens_per_s": m.token_rate.rate(now),
         "ttft_s": m.recent_ttft.percentiles(),
         "itl_s": m.recent_itl.percentiles(),
-        "last_aborts": [{"id": t.request_id, "source": t.source, "accept_ms": t.accept_s * 1e3,
+        "last_aborts": [{"id": t.incarnation, "source": t.source, "accept_ms": t.accept_s * 1e3,
                          "quiet_ms": t.quiet_s * 1e3, "reclaim_ms": t.reclaim_s * 1e3}
                         for t in reversed(m.recent_aborts)],
     }
