@@ -99,6 +99,9 @@ class EngineConfig:
     # runs on the kernel. (On the Intel host before, the earlier tall kernel lost to the
     # library from about 96 rows.)
     quant_max_rows: int = 512
+    # Seconds a request may wait for its grammar to compile (compiles are shared and cached;
+    # one that runs past this is stopped and its grammar refused from then on).
+    grammar_deadline: float = 5.0
     debug: bool = False  # audit after every step and poison freed blocks
     device: str = "cpu"
     seed: int = 0
@@ -127,5 +130,7 @@ class EngineConfig:
         self.attention_backend = AttentionBackend(self.attention_backend)
         if not 0 <= self.admission_headroom < 1:
             raise ValueError("EngineConfig.admission_headroom must be in [0, 1)")
+        if not self.grammar_deadline > 0:
+            raise ValueError(f"EngineConfig.grammar_deadline must be > 0 seconds, got {self.grammar_deadline}")
         if self.admission_lookahead < 0:
             raise ValueError(f"EngineConfig.admission_lookahead must be >= 0, got {self.admission_lookahead}")

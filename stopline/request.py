@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # admitted to the engine, holds no blocks
+    # Its grammar compiles off the step thread; it joins the queue once that is done (or
+    # ends with an error if the compile fails or passes its deadline). Holds no blocks.
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
     RUNNING = "running"  # holds blocks; prefilling while num_computed < num_tokens
     PREEMPTED = "preempted"  # blocks released; resumes by recomputing its tokens
     SWAPPED = "swapped"  # blocks copied to host swap space; resumes by copying back
@@ -28,7 +31,10 @@ class RequestStatus(enum.Enum):
 
 
 _LEGAL: dict[RequestStatus, frozenset[RequestStatus]] = {
-    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
+    RequestStatus.WAITING: frozenset(
+        {RequestStatus.RUNNING, RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.FINISHED}
+    ),
+    RequestStatus.WAITING_FOR_GRAMMAR: frozenset({RequestStatus.WAITING, RequestStatus.FINISHED}),
     RequestStatus.RUNNING: frozenset(
         {RequestStatus.PREEMPTED, RequestStatus.SWAPPED, RequestStatus.FINISHED}
     ),
@@ -86,6 +92,9 @@ class SamplingParams:
     queue_timeout: float | None = None  # seconds a request may wait before its first step
     deadline: float | None = None  # seconds from arrival to terminal output
     priority: int = 0  # lower value = more important (used by the priority victim policy)
+    # An llguidance grammar (stopline.grammar.formats / tools make one from response_format
+    # and tools): every sampled token must keep the output a prefix of its language.
+    grammar: str | None = None
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> InvalidRequest:
@@ -117,6 +126,8 @@ class SamplingParams:
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise bad("grammar", "must be a non-empty grammar string")
         for name in ("queue_timeout", "deadline"):
             v = getattr(self, name)
             if v is not None and not v > 0:

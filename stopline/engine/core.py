@@ -25,6 +25,7 @@ import torch
 
 from stopline.config import EngineConfig, PreemptionMode
 from stopline.engine.families import FamilyTable
+from stopline.engine.grammars import GrammarHolder
 from stopline.engine.inbox import Inbox
 from stopline.engine.output import OutputProcessor, RequestOutput, Stop
 from stopline.kv.block_pool import BlockPool, LedgerError
@@ -107,8 +108,11 @@ class EngineCore:
         self.queues = Queues()
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
         self.families = FamilyTable()
-        # THE release order (lifecycle.py): auxiliary state first, KV blocks last.
-        holders: list[Holder] = [self.queues, self.outputs]
+        self.grammar = GrammarHolder(self.tokenizer, mc.vocab_size, deadline_s=cfg.grammar_deadline,
+                                     max_rows=cfg.max_num_seqs)
+        # THE release order (lifecycle.py): auxiliary state first (grammar matchers and
+        # compile tickets before all), KV blocks last.
+        holders: list[Holder] = [self.grammar, self.queues, self.outputs]
         if runner.rows is not None:
             holders.append(runner.rows)
         holders.append(self.families)
@@ -213,6 +217,10 @@ class EngineCore:
             self._run(plan)
         else:
             self._text_phase()
+            # Nothing to run: requests wait for their grammar at most. Sleep until a compile
+            # ends rather than spin (a few ms; deadlines are checked every step).
+            if not self._text_pending:
+                self.grammar.idle_wait(0.005)
         if not self.families and self.runner.rows is not None:
             self.runner.rows.reset()  # an idle engine keeps no copies of K/V
         if self.config.debug:
@@ -228,7 +236,7 @@ class EngineCore:
                 self._interrupt.set()
         t0 = time.perf_counter()
         result: StepResult | None = None
-        sampled: dict[tuple[int, int], Sampled] | None = None
+        sampled: dict[tuple[int, int], Sampled | str] | None = None
         try:
             if self._worker is not None:
                 # Overlap: the text phase of the previous step runs while this forward does.
@@ -266,7 +274,7 @@ class EngineCore:
             self._process(result, sampled)
         self.kv_manager.step_processed(plan.step_id)
 
-    def _forward_and_sample(self, plan: StepPlan) -> tuple[StepResult, dict[tuple[int, int], Sampled]]:
+    def _forward_and_sample(self, plan: StepPlan) -> tuple[StepResult, dict[tuple[int, int], Sampled | str]]:
         """The worker thread's part of an async step: the forward, then the sampling of every
         row that may need it (a request that ends meanwhile just wastes its sample). Keeping
         every parallel torch op on one thread matters: once two threads had each run OpenMP
@@ -279,8 +287,20 @@ class EngineCore:
                  if ch.sample and ch.req.status is RequestStatus.RUNNING
                  and result.logit_index[ci] not in bad_rows
                  for m in [ch.req, *ch.req.forks_pending]]
-        samples = sample(result.logits, tasks, self.outputs.eos) if tasks else []
+        samples = self._sample(result.logits, tasks) if tasks else []
         return result, {(t.row, id(t.req)): s for t, s in zip(tasks, samples, strict=True)}
+
+    def _sample(self, logits: torch.Tensor, tasks: list[SampleTask]) -> list[Sampled | str]:
+        """sample() with each structured request's grammar mask; a task whose grammar can't
+        advance gets the reason instead of a token (its request fails in this step)."""
+        masks, stuck = self.grammar.masks([t.req for t in tasks])
+        if not stuck:
+            return list(sample(logits, tasks, self.outputs.eos, masks))
+        keep = [i for i in range(len(tasks)) if i not in stuck]
+        got = sample(logits, [tasks[i] for i in keep], self.outputs.eos,
+                     {j: masks[i] for j, i in enumerate(keep) if i in masks}) if keep else []
+        drawn = dict(zip(keep, got, strict=True))
+        return [stuck[i] if i in stuck else drawn[i] for i in range(len(tasks))]
 
     @staticmethod
     def _bad_rows(result: StepResult) -> set[int]:
@@ -295,7 +315,7 @@ class EngineCore:
         return {i for i, ok in enumerate(finite) if not ok}
 
     def _process(self, result: StepResult,
-                 sampled: dict[tuple[int, int], Sampled] | None = None) -> None:
+                 sampled: dict[tuple[int, int], Sampled | str] | None = None) -> None:
         plan = result.plan
         tasks: list[SampleTask] = []
         bad_rows = self._bad_rows(result)
@@ -317,18 +337,27 @@ class EngineCore:
         if sampled is not None and all((t.row, id(t.req)) in sampled for t in tasks):
             samples = [sampled[(t.row, id(t.req))] for t in tasks]
         else:
-            samples = sample(result.logits, tasks, self.outputs.eos)
+            samples = self._sample(result.logits, tasks)
         for task, s in zip(tasks, samples, strict=True):
             req = task.req
             if req.fork_leader is not None:
                 self._fork(req)
             if req.status is not RequestStatus.RUNNING:
                 continue
+            if isinstance(s, str):  # its grammar can't advance: end it now, never hang
+                self.lifecycle.fail(req, FinishReason.ERROR, f"grammar: {s}")
+                continue
             try:
                 stop = self.outputs.append(req, s.token_id, s.logprob)
             except Exception as exc:  # a stop check that fails ends only its own request
                 self.lifecycle.fail(req, FinishReason.ERROR, f"output processing failed: {exc!r}")
                 continue
+            why = self.grammar.commit(req, s.token_id)
+            if why is not None:
+                self.lifecycle.fail(req, FinishReason.ERROR, f"grammar: {why}")
+                continue
+            if stop is None and self.grammar.complete(req):
+                stop = (FinishReason.STOP, "grammar complete")  # only EOS could follow
             if stop is None and self.config.async_scheduling:
                 self._text_pending.append(req)  # detokenized while the next forward runs
             else:
@@ -387,9 +416,18 @@ class EngineCore:
             for m in fam.members if fam is not None else ():
                 m.paused = paused
         for fam in self._to_schedule:
-            if not fam.members[0].status.is_finished:
+            if fam.members[0].status.is_finished:
+                continue
+            if fam.members[0].params.grammar is not None:
+                self.grammar.wait(fam)  # joins the queue once its grammar is compiled
+            else:
                 self.scheduler.add(fam.members[0])
         self._to_schedule = []
+        for fam in self.grammar.poll(self._grammar_failed):
+            self.scheduler.add(fam.members[0])
+
+    def _grammar_failed(self, req: Request, why: str) -> None:
+        self.lifecycle.fail(req, FinishReason.ERROR, f"grammar: {why}")
 
     def _apply_aborts(self) -> None:
         """Aborts only (mid-step): adds wait for the next step boundary."""
@@ -437,6 +475,7 @@ class EngineCore:
         for fam in self.families:  # the family table: live families only, each under its own name
             if not fam.live() or self.families.get(fam.incarnation) is not fam:
                 raise LedgerError(f"family {fam.incarnation!r} is in the table with no live sample")
+        self.grammar.audit(self.live_requests())
         if not self.families and self.pool.num_used != 0:
             raise LedgerError(f"idle engine holds {self.pool.num_used} blocks")
         # Decode rows are dropped by the forward's thread at its next step (with async

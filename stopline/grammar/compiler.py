@@ -77,24 +77,28 @@ class Ticket:
 
 
 class CompileService:
-    def __init__(self, vocab: GrammarVocab, *, deadline_s: float = DEFAULT_DEADLINE_S,
-                 limits: dict[str, Any] | None = None, probe: bool = True, cache_size: int = 64,
+    def __init__(self, vocab: GrammarVocab | Callable[[], GrammarVocab], *,
+                 deadline_s: float = DEFAULT_DEADLINE_S, limits: dict[str, Any] | None = None,
+                 probe: bool = True, cache_size: int = 64,
                  on_done: Callable[[], None] | None = None) -> None:
+        """vocab: the vocabulary, or a function that builds it (~1 s for SmolLM2), called on
+        the compile thread so that nobody waits for it but the first compile."""
         if not deadline_s > 0:
             raise ValueError(f"grammar compile deadline must be > 0 seconds, got {deadline_s!r}")
-        self.vocab = vocab
+        self._make_vocab = vocab
+        self.vocab: GrammarVocab | None = vocab if isinstance(vocab, GrammarVocab) else None
         self.deadline_s = deadline_s
         self.limits = dict(limits or {})  # llguidance.LLParserLimits keywords
         self.on_done = on_done  # called on the compile thread when a compile ends (wakes the engine)
         # One compile thread: compiles queue behind each other (each is short, and a slow one
         # is cut off at its deadline), so a grammar storm can't take the engine's cores.
         self._pool = ThreadPoolExecutor(1, "stopline-grammar")
-        self._probe = Probe(vocab.source, vocab.n_vocab, list(vocab.eos_ids), self.limits) \
-            if probe else None
-        # The probe's tokenizer builds while the engine starts (on the compile thread, the
-        # only one that touches the probe).
-        self._warm = self._pool.submit(self._probe.wait_ready, lambda: False) \
-            if self._probe is not None else None
+        self._use_probe = probe
+        self._probe: Probe | None = None
+        self._start_error: str | None = None
+        # The vocabulary and the probe's tokenizer build while the engine starts, on the
+        # compile thread (the only one that touches the probe).
+        self._warm = self._pool.submit(self._start)
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}  # compiles queued or running
         self._ok: OrderedDict[str, Compiled] = OrderedDict()
@@ -171,6 +175,19 @@ class CompileService:
             self._probe.close()
 
     # ---- internals ----------------------------------------------------------------------
+    def _start(self) -> None:
+        try:
+            if self.vocab is None:
+                self.vocab = self._make_vocab()  # type: ignore[operator]
+            if self._use_probe:
+                v = self.vocab
+                self._probe = Probe(v.source, v.n_vocab, list(v.eos_ids), self.limits)
+                why = self._probe.wait_ready(lambda: False)
+                if why is not None:
+                    self._start_error = why
+        except Exception as exc:  # noqa: BLE001 - every compile reports it instead
+            self._start_error = f"grammar support failed to start: {exc!r}"
+
     def _timeout_message(self) -> str:
         return f"the grammar did not compile within {self.deadline_s:g} s"
 
@@ -220,6 +237,9 @@ class CompileService:
         def nobody() -> bool:
             return e.subscribers <= 0
 
+        if self._start_error is not None or self.vocab is None:
+            self._end(e, failure=self._start_error or "grammar support did not start", remember=False)
+            return
         if self._probe is not None:
             why = self._probe.wait_ready(nobody)
             if why == STOPPED:

@@ -7,11 +7,12 @@ and after a preemption (which replays nothing of the generator).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from stopline.grammar import bitmask
 from stopline.model.kernels.native import try_kernels
 from stopline.request import Request, TokenLogprob
 
@@ -162,19 +163,26 @@ def argmax_rows(logits: torch.Tensor, rows: list[int]) -> list[int]:
 
 
 def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
-           eos_token_ids: Collection[int] = ()) -> list[Sampled]:
+           eos_token_ids: Collection[int] = (),
+           grammar_masks: Mapping[int, torch.Tensor] | None = None) -> list[Sampled]:
     """One token per task. Greedy rows without penalties or masks are done in one argmax,
-    random rows whose logits need no change in one draw over the rows in place."""
+    random rows whose logits need no change in one draw over the rows in place.
+    grammar_masks: task index -> its packed grammar mask (stopline.grammar.bitmask), applied
+    to that task's own copy of its row, so no row's token depends on another's mask."""
     vocab = logits.shape[-1]
+    grammar_masks = grammar_masks or {}
     edited: dict[int, torch.Tensor] = {}  # task -> its row after penalties and masks (a copy)
     for i, t in enumerate(tasks):
         p = t.req.params
         mask = suppressed_ids(t.req, eos_token_ids, vocab)
         filters = not p.greedy and (p.top_k or p.min_p > 0 or p.top_p < 1.0)
-        if p.needs_penalties or mask or filters:
+        gmask = grammar_masks.get(i)
+        if p.needs_penalties or mask or filters or gmask is not None:
             row = logits[t.row].clone()
             if p.needs_penalties:
                 row = apply_penalties(row, t.req)
+            if gmask is not None:
+                bitmask.apply(row, gmask)
             if mask:
                 row[mask] = float("-inf")
             edited[i] = row
