@@ -56,6 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "ones (0: admit into any free room)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--grammar-deadline", type=float, default=EngineConfig.grammar_deadline,
+                   help="seconds a structured-output request may wait for its grammar to compile")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention through stopline's C kernel, reading the paged KV cache in place "
                         "(native), or torch's ops (torch); auto: native where it runs")
@@ -80,6 +82,7 @@ def engine_config(args: argparse.Namespace):
         preemption_mode=args.preemption_mode, victim_policy=args.victim_policy,
         admission_lookahead=args.admission_lookahead,
         async_scheduling=args.async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
+        grammar_deadline=args.grammar_deadline,
         attention_backend=args.attention_backend, decode_rows=args.decode_rows,
         linear_backend=args.linear_backend,
         quant_max_rows=args.quant_max_rows,

@@ -24,7 +24,7 @@ LIVE_ROWS = 256  # live sequences listed
 
 # lifecycle.state_name -> the gauge a sequence counts toward
 _GAUGE = {"running": "running", "prefilling": "running", "waiting": "waiting",
-          "preempted": "preempted", "swapped": "preempted"}
+          "waiting_for_grammar": "waiting", "preempted": "preempted", "swapped": "preempted"}
 
 
 class LiveSeq(msgspec.Struct, frozen=True, array_like=True):

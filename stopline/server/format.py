@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from stopline.engine.output import RequestOutput
+from stopline.grammar import tool_format
 from stopline.request import TokenLogprob
 from stopline.server.errors import ApiError
 
@@ -72,8 +73,13 @@ class UsageSum:
 
 class Formatter:
     def __init__(self, *, chat: bool, request_id: str, created: int, model: str, n: int,
-                 token_text: TokenText, include_usage: bool = False) -> None:
+                 token_text: TokenText, include_usage: bool = False, tool_calls: bool = False) -> None:
+        """tool_calls: the request has tools, so the output is read for tool calls
+        (tool_format.py): `message.tool_calls` / `delta.tool_calls`, and finish_reason
+        "tool_calls" when the model stopped after calling."""
         self.chat = chat
+        self.tool_calls = tool_calls and chat
+        self._parsers = [tool_format.StreamParser() for _ in range(n)] if self.tool_calls else []
         self.id = request_id
         self.created = created
         self.model = model
@@ -101,12 +107,28 @@ class Formatter:
         if not out.new_text and not out.new_token_ids and not out.finished:
             return None
         choice: dict[str, Any] = {"index": out.index}
-        if self.chat:
+        reason = self._reason(out) if out.finished else None
+        if self.tool_calls:
+            sp = self._parsers[out.index]
+            text, calls = sp.feed(out.new_text)
+            if out.finished:
+                text += sp.finish()
+            delta: dict[str, Any] = {}
+            if text or (not calls and not out.finished):
+                delta["content"] = text
+            if calls:
+                delta["tool_calls"] = calls
+            if not delta and not out.finished and not out.new_logprobs:
+                return None  # held back: the text of a call not yet closed
+            choice["delta"] = delta
+            if reason == "stop" and sp.calls:
+                reason = "tool_calls"
+        elif self.chat:
             choice["delta"] = {"content": out.new_text} if out.new_text or not out.finished else {}
         else:
             choice["text"] = out.new_text
         choice["logprobs"] = self._logprobs(out.index, out.new_logprobs) if out.new_logprobs else None
-        choice["finish_reason"] = self._reason(out) if out.finished else None
+        choice["finish_reason"] = reason
         self._detail(choice, out.finish_reason.value if out.finish_reason else None, out.stop_detail)
         return self._chunk([choice])
 
@@ -120,22 +142,37 @@ class Formatter:
         body = []
         for i, c in enumerate(choices):
             item: dict[str, Any] = {"index": i}
-            if self.chat:
+            reason = c.finish_reason
+            if self.tool_calls:
+                content, calls = tool_format.parse(c.text)
+                item["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    item["message"]["tool_calls"] = [call.body() for call in calls]
+                    if reason == "stop":
+                        reason = "tool_calls"
+            elif self.chat:
                 item["message"] = {"role": "assistant", "content": c.text}
             else:
                 item["text"] = c.text
             item["logprobs"] = self._logprobs(i, c.logprobs) if c.logprobs else None
-            item["finish_reason"] = c.finish_reason
+            item["finish_reason"] = reason
             self._detail(item, c.finish_reason, c.stop_detail)
             body.append(item)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": body,
                 "usage": usage.body()}
 
-    @staticmethod
-    def check_outcome(choices: list[Choice]) -> None:
+    def check_outcome(self, choices: list[Choice]) -> None:
         """A non-streaming request that ended abnormally gets an HTTP error, not a 200."""
         reasons = {c.finish_reason for c in choices}
+        grammar = next((c.stop_detail for c in choices if c.finish_reason == "error"
+                        and (c.stop_detail or "").startswith("grammar: ")), None)
+        if grammar is not None and not any(c.tokens for c in choices):
+            # The grammar could not be compiled (invalid, over a limit, past its deadline):
+            # the request as sent can't be served.
+            param = "tools" if self.tool_calls else "response_format"
+            raise ApiError(400, f"{param}: {grammar.removeprefix('grammar: ')}", param=param,
+                           code="invalid_grammar")
         if "error" in reasons:
             detail = next(c.stop_detail for c in choices if c.finish_reason == "error")
             raise ApiError(500, f"the request failed: {detail}", code="request_failed")

@@ -8,12 +8,16 @@ whose silent ignoring would change the result; those are refused with a 400 (`un
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from stopline.request import SamplingParams
-from stopline.server.errors import ApiError
+from stopline.grammar import tool_format
+from stopline.grammar.formats import response_format_grammar
+from stopline.grammar.tools import ToolPlan, tool_plan
+from stopline.request import InvalidRequest, SamplingParams
+from stopline.server.errors import ApiError, param_of
 
 MAX_N = 64
 
@@ -59,6 +63,7 @@ class CompletionRequest(_Sampling):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # stopline extension on completions
 
 
 class ContentPart(_Strict):
@@ -70,6 +75,8 @@ class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call it answers
 
 
 class ChatRequest(_Sampling):
@@ -79,6 +86,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -132,10 +140,6 @@ def sampling_params(req: CompletionRequest | ChatRequest, *, default_max_tokens:
     max_tokens = req.max_tokens
     logprobs: int | None
     if isinstance(req, ChatRequest):
-        if req.tools or req.tool_choice not in (None, "none"):
-            raise _unsupported("tools", "tool calling is not supported")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise _unsupported("response_format", "only {'type': 'text'} is supported")
         if req.max_completion_tokens is not None:
             max_tokens = req.max_completion_tokens
         if req.top_logprobs is not None and not req.logprobs:
@@ -172,11 +176,43 @@ def sampling_params(req: CompletionRequest | ChatRequest, *, default_max_tokens:
     return p
 
 
-def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: content parts joined to one string."""
+def _invalid(exc: InvalidRequest) -> ApiError:
+    msg = str(exc)
+    return ApiError(400, msg, param=param_of(msg), code="invalid_value")
+
+
+def tools_of(req: CompletionRequest | ChatRequest) -> ToolPlan:
+    """The request's tools and tool_choice, checked (completions have none)."""
+    if not isinstance(req, ChatRequest):
+        return ToolPlan()
+    try:
+        return tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    except InvalidRequest as exc:
+        raise _invalid(exc) from None
+
+
+def grammar_of(req: CompletionRequest | ChatRequest, tools: ToolPlan) -> str | None:
+    """The grammar the request's response_format or tool_choice asks for (None: free text)."""
+    try:
+        rf = response_format_grammar(req.response_format)
+    except InvalidRequest as exc:
+        raise _invalid(exc) from None
+    if rf is not None and tools.grammar is not None:
+        raise ApiError(400, "response_format: can't be combined with tools unless tool_choice "
+                       "is 'none'", param="response_format", code="invalid_value")
+    return rf if rf is not None else tools.grammar
+
+
+def chat_messages(req: ChatRequest, tools: ToolPlan | None = None) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: content parts joined to one string; tools
+    shown in a system message, past tool calls and tool results in stopline's tool-call
+    format (stopline/grammar/tool_format.py), which SmolLM2's template lacks a syntax for."""
     if not req.messages:
         raise ApiError(400, "messages: must contain at least one message", param="messages")
     out = []
+    shown = tools.system_text() if tools is not None else None
+    if shown is not None:
+        out.append({"role": "system", "content": shown})
     for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
@@ -187,8 +223,38 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
                                        "is not supported (text only)")
                 texts.append(part.text)
             content = "".join(texts)
-        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        role = m.role
+        if m.tool_calls:
+            if role != "assistant":
+                raise ApiError(400, f"messages.{i}.tool_calls: only assistant messages call tools",
+                               param=f"messages.{i}.tool_calls", code="invalid_value")
+            _check_calls(i, m.tool_calls)
+            content = tool_format.assistant_text(content, m.tool_calls)
+        elif role == "tool":
+            # Shown as the user turn that brings the result back (the format's convention).
+            role, content = "user", tool_format.tool_result_text(content or "")
+        msg: dict[str, Any] = {"role": role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
+        if shown is not None and i == 0 and role == "system":
+            out[0]["content"] = f"{content}\n\n{shown}"  # one system turn: theirs, then the tools
+            continue
         out.append(msg)
     return out
+
+
+def _check_calls(i: int, calls: list[dict[str, Any]]) -> None:
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        param = f"messages.{i}.tool_calls.{j}"
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"{param}.function: must be an object with a 'name'", param=param,
+                           code="invalid_value")
+        args = fn.get("arguments", "{}")
+        try:
+            ok = isinstance(json.loads(args) if isinstance(args, str) else args, dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ApiError(400, f"{param}.function.arguments: must be a JSON object (as a string)",
+                           param=f"{param}.function.arguments", code="invalid_value")

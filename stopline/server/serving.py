@@ -25,8 +25,10 @@ from stopline.server.protocol import (
     ChatRequest,
     CompletionRequest,
     chat_messages,
+    grammar_of,
     parse,
     sampling_params,
+    tools_of,
 )
 from stopline.server.sse import SSEResponse
 from stopline.tokenizer.tokenizer import ChatTemplateError
@@ -72,7 +74,9 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
         raise _unavailable(str(EngineUnavailable(engine.unavailable_why())))
     params = sampling_params(req, queue_timeout=srv.settings.queue_timeout,
                              default_max_tokens=None if chat else COMPLETION_DEFAULT_MAX_TOKENS)
-    prompt = await _prompt_ids(req, engine.tokenizer)
+    tools = tools_of(req)
+    params.grammar = grammar_of(req, tools)
+    prompt = await _prompt_ids(req, engine.tokenizer, tools)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
         stream = await engine.add(rid, prompt, params, arrival=arrival, incarnation=rid)
@@ -89,7 +93,8 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
         raise _unavailable(str(exc)) from None
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     fmt = Formatter(chat=chat, request_id=rid, created=int(time.time()), model=srv.model_name,
-                    n=params.n, token_text=srv.token_text, include_usage=include_usage)
+                    n=params.n, token_text=srv.token_text, include_usage=include_usage,
+                    tool_calls=tools.parses_calls)
 
     def abort(t0: float) -> None:
         engine.abort(rid, AbortSource.DISCONNECT, t0)
@@ -105,9 +110,9 @@ def _unavailable(why: str) -> ApiError:
     return ApiError(503, why, code="unavailable", headers={"Retry-After": "1"})
 
 
-async def _prompt_ids(req: CompletionRequest | ChatRequest, tokenizer: Any) -> list[int]:
+async def _prompt_ids(req: CompletionRequest | ChatRequest, tokenizer: Any, tools: Any = None) -> list[int]:
     if isinstance(req, ChatRequest):
-        messages = chat_messages(req)
+        messages = chat_messages(req, tools)
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ChatTemplateError as exc:
@@ -174,7 +179,7 @@ async def _whole(request: Request, stream: RequestStream, fmt: Formatter, abort:
         choices, usage = collect.result()
     except EngineDead as exc:
         raise ApiError(500, f"the engine core died: {exc}", code="engine_dead") from None
-    Formatter.check_outcome(choices)
+    fmt.check_outcome(choices)
     return JSONResponse(fmt.response(choices, usage), headers={"X-Request-Id": stream.request_id})
 
 
