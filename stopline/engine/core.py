@@ -357,7 +357,7 @@ class EngineCore:
                 self.lifecycle.fail(req, FinishReason.ERROR, f"grammar: {why}")
                 continue
             if stop is None and self.grammar.complete(req):
-                stop = (FinishReason.STOP, "grammar complete")  # only EOS could follow
+                stop = Stop(FinishReason.STOP, "grammar complete")  # only EOS could follow
             if stop is None and self.config.async_scheduling:
                 self._text_pending.append(req)  # detokenized while the next forward runs
             else:
