@@ -339,7 +339,7 @@ def test_last_subscriber_leaving_stops_the_compile(vocab) -> None:
         s.unsubscribe(b)
         s.unsubscribe(b)  # idempotent
         wait(lambda: s.pending() == 0, timeout=2.0)
-        assert time.monotonic() - t0 < 0.5 and s.stopped == 1
+        assert time.monotonic() - t0 < 1.5 and s.stopped == 1  # kill, then the probe restarts
         # Not remembered as failed: nobody learned whether it compiles. A queued compile
         # whose subscriber leaves never runs.
         c = s.subscribe(slow_grammar(tag="q1"))
