@@ -380,7 +380,7 @@ BAD = [
      _chat(messages=[{"role": "user", "content": "hello " * 9000}]), AUTH, 400, "messages"),
     ("batched prompts", "/v1/completions", _comp(prompt=["a", "b"]), AUTH, 400, "prompt"),
     ("echo", "/v1/completions", _comp(echo=True), AUTH, 400, "echo"),
-    ("tools", "/v1/chat/completions", _chat(tools=[{"type": "function"}]), AUTH, 400, "tools"),
+    ("tools", "/v1/chat/completions", _chat(tools=[{"type": "function"}]), AUTH, 400, "tools.0.function"),  # a tool without its function
     ("stream_options without stream", "/v1/completions",
      _comp(stream_options={"include_usage": True}), AUTH, 400, "stream_options"),
     ("image content part", "/v1/chat/completions",
