@@ -100,9 +100,12 @@ def kernels() -> ctypes.CDLL:
                 try:
                     _outcome = _load()
                 except NativeUnavailable as e:
-                    _outcome = e
+                    _outcome = e.with_traceback(None)  # keeps the reason, not the caller's frames
     if isinstance(_outcome, NativeUnavailable):
-        raise _outcome
+        # A fresh exception each time: raising the kept one again would chain every caller's
+        # frames onto its traceback, and keep them (and all they reference: engines, logits)
+        # alive for the life of the process.
+        raise NativeUnavailable(str(_outcome)) from None
     return _outcome
 
 
