@@ -1,0 +1,161 @@
+"""Draft tokens as per-request state: a holder of the one release (stopline/lifecycle.py).
+
+For each request it holds the n-gram index over its tokens and the drafts of the verify
+step in flight. Every draft is counted once as drafted and then once as what became of it:
+accepted or rejected when its step is processed, or discarded when the step's result is
+void (the request was cancelled, preempted or failed meanwhile) or comes after a stop
+inside the accepted run. Only accepted and rejected drafts were verified, so only they
+enter the acceptance the auto mode steers by (docs/speculative.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stopline.config import EngineConfig, SpecMode
+from stopline.request import FinishReason, Request
+from stopline.spec.ngram import NgramIndex
+from stopline.spec.policy import StepCosts, best_k
+from stopline.stats import StopStats
+
+PRIOR = 4.0  # a request's own acceptance counts as much as the engine's after this many verifies
+EXPLORE_DRAFTS = 4  # drafts per request in a step that measures the cost of verify rows
+
+
+@dataclass
+class _State:
+    index: NgramIndex = field(default_factory=NgramIndex)
+    inflight: int = 0  # drafts in the step in flight
+    accepted: int = 0  # verified drafts accepted ...
+    misses: int = 0  # ... and verify runs ended by a rejected draft (the acceptance's estimate)
+    run: tuple[int, int] = (0, 0)  # the last run's accepted drafts: output indices [a, b)
+
+
+def _reason(req: Request) -> str:
+    if req.finish_reason in (FinishReason.ABORT, FinishReason.TIMEOUT):
+        return "cancel"
+    if req.finish_reason is FinishReason.ERROR:
+        return "error"
+    return "stop"
+
+
+class Drafts:
+    name = "drafts"
+
+    def __init__(self, config: EngineConfig, stats: StopStats, max_model_len: int) -> None:
+        self.mode = SpecMode(config.speculative)
+        self.most = config.speculative_tokens
+        self.stats = stats
+        self.max_model_len = max_model_len
+        self.costs = StepCosts()
+        self.state: dict[int, _State] = {}
+        # The engine-wide chance that a draft is accepted (per position), from verified drafts.
+        self.accepted = 1.0
+        self.misses = 1.0
+        self.step = 0
+        self.decodes = 0  # decodes in the step being scheduled
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode is not SpecMode.OFF
+
+    # ---- scheduling ---------------------------------------------------------------------
+    def begin_step(self, step: int, decodes: int) -> None:
+        self.step, self.decodes = step, decodes
+
+    def alpha(self, req: Request) -> float:
+        """The chance that a draft of req is accepted: its own verified drafts, with the
+        engine's as the prior."""
+        st = self.state.get(req.internal_id)
+        prior = self.accepted / (self.accepted + self.misses)
+        if st is None:
+            return prior
+        return (st.accepted + PRIOR * prior) / (st.accepted + st.misses + PRIOR)
+
+    def propose(self, req: Request, room: int) -> list[int]:
+        """Drafts for req's next step (room: rows the step has left beside its decode row)."""
+        if not self.enabled:
+            return []
+        most = min(self.most, room, req.max_tokens - len(req.output_token_ids) - 1,
+                   self.max_model_len - req.num_tokens - 1)
+        if most <= 0:
+            return []
+        st = self.state.setdefault(req.internal_id, _State())
+        draft = st.index.propose(req.all_token_ids, most)
+        if not draft or self.mode is SpecMode.ON:
+            return draft
+        plain = self.costs.plain_ms(self.decodes)
+        if plain is None:
+            return []  # measure a plain step first
+        extra = self.costs.extra_ms(self.decodes, self.step)
+        if extra is None:
+            return draft[:EXPLORE_DRAFTS]  # measure what verify rows cost at this batch size
+        return draft[:best_k(self.alpha(req), len(draft), extra, self.decodes / max(plain, 1e-6))]
+
+    def scheduled(self, req: Request, drafts: list[int]) -> None:
+        self.state.setdefault(req.internal_id, _State()).inflight = len(drafts)
+        self.stats.spec_drafted += len(drafts)
+        req.spec_drafted += len(drafts)
+
+    # ---- results ------------------------------------------------------------------------
+    def settle(self, req: Request, drafted: int, accepted: int, unverified: int, reason: str,
+               first_out: int) -> None:
+        """The verify step of req was processed: `accepted` drafts matched the sampled tokens;
+        the last `unverified` were never compared (a stop or a failure came first: discarded
+        for `reason`); the rest were rejected. first_out: the output index of the run's
+        first token."""
+        st = self.state.setdefault(req.internal_id, _State())
+        st.inflight = 0
+        rejected = drafted - accepted - unverified
+        st.accepted += accepted
+        st.misses += 1 if rejected else 0
+        self.accepted += accepted
+        self.misses += 1 if rejected else 0
+        st.run = (first_out, first_out + accepted)
+        self.stats.spec_verify_steps += 1
+        self.stats.spec_accepted += accepted
+        self.stats.spec_rejected += rejected
+        req.spec_accepted += accepted
+        req.spec_rejected += rejected
+        self._discard(req, unverified, reason)
+
+    def truncated(self, req: Request) -> None:
+        """A stop string cut req's output inside its last run: the accepted drafts after the
+        cut were never delivered, so they count as discarded, not accepted."""
+        st = self.state.get(req.internal_id)
+        if st is None:
+            return
+        a, b = st.run
+        cut = max(0, b - max(a, len(req.output_token_ids)))
+        if cut:
+            st.run = (a, b - cut)
+            self.stats.spec_accepted -= cut
+            req.spec_accepted -= cut
+            self._discard(req, cut, "stop")
+
+    def _discard(self, req: Request, n: int, reason: str) -> None:
+        if n > 0:
+            self.stats.spec_discarded[reason] += n
+            req.spec_discarded += n
+
+    def observe(self, decodes: int, drafts: int, ms: float) -> None:
+        """A processed step of only decode and verify rows, and what it cost."""
+        self.costs.observe(decodes, drafts, ms, self.step)
+
+    # ---- holder -------------------------------------------------------------------------
+    def release(self, req: Request) -> None:
+        """req ended: drafts of a step in flight will never be verified."""
+        st = self.state.pop(req.internal_id, None)
+        if st is not None:
+            self._discard(req, st.inflight, _reason(req))
+
+    def preempt(self, req: Request) -> None:
+        """Drafts in flight are void (the epoch voids the step's result); the index stays, since
+        the request keeps its tokens."""
+        st = self.state.get(req.internal_id)
+        if st is not None and st.inflight:
+            self._discard(req, st.inflight, "preempt")
+            st.inflight = 0
+
+    def holds(self, req: Request) -> bool:
+        return req.internal_id in self.state
