@@ -46,6 +46,14 @@ class AttentionBackend(Choice):
     TORCH = "torch"
 
 
+class SpecMode(Choice):
+    """Speculative decoding by n-gram lookup over a request's own tokens (stopline/spec/)."""
+
+    OFF = "off"
+    ON = "on"  # draft wherever the n-gram index finds a continuation
+    AUTO = "auto"  # draft only where the measured acceptance and step costs say it pays
+
+
 LINEAR_BACKENDS = tuple(b.value for b in LinearBackend)
 ATTENTION_BACKENDS = tuple(b.value for b in AttentionBackend)
 
@@ -102,6 +110,10 @@ class EngineConfig:
     # Seconds a request may wait for its grammar to compile (compiles are shared and cached;
     # one that runs past this is stopped and its grammar refused from then on).
     grammar_deadline: float = 5.0
+    # Speculative decoding: drafts from the request's own prompt and output, verified in one
+    # forward of k + 1 rows; lossless to the bit (docs/speculative.md).
+    speculative: SpecMode = SpecMode.AUTO
+    speculative_tokens: int = 8  # most drafts a request verifies in one step
     debug: bool = False  # audit after every step and poison freed blocks
     device: str = "cpu"
     seed: int = 0
@@ -127,6 +139,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.attention_backend must be one of "
                              f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         self.linear_backend = LinearBackend(self.linear_backend)
+        if self.speculative not in tuple(m.value for m in SpecMode):
+            raise ValueError(f"EngineConfig.speculative must be one of off, on, auto, got {self.speculative!r}")
+        self.speculative = SpecMode(self.speculative)
+        if self.speculative_tokens < 1:
+            raise ValueError(f"EngineConfig.speculative_tokens must be >= 1, got {self.speculative_tokens}")
         self.attention_backend = AttentionBackend(self.attention_backend)
         if not 0 <= self.admission_headroom < 1:
             raise ValueError("EngineConfig.admission_headroom must be in [0, 1)")

@@ -161,6 +161,11 @@ class Usage:
     # Tokens the engine computed for this request that the client never received
     # (computed in the step in flight when it was aborted or finished).
     undelivered_tokens: int = 0
+    # Speculative decoding: drafts verified for this request, and what became of them.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
+    discarded_draft_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -210,6 +215,11 @@ class Request:
     paused: bool = False  # its client's stream is full: it takes no step until read
     num_recomputed: int = 0
     undelivered: int = 0
+    # Speculative decoding's per-request counts (see Usage).
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_rejected: int = 0
+    spec_discarded: int = 0
     seed: int = 0  # resolved at admission so that sampling is reproducible after preemption
     text: str = ""  # detokenized output (stop strings already cut)
     num_detokenized: int = 0  # output tokens already turned into text
@@ -261,6 +271,10 @@ class Request:
             completion_tokens=self.sent_tokens,
             cached_tokens=self.num_cached,
             undelivered_tokens=self.undelivered,
+            draft_tokens=self.spec_drafted,
+            accepted_draft_tokens=self.spec_accepted,
+            rejected_draft_tokens=self.spec_rejected,
+            discarded_draft_tokens=self.spec_discarded,
         )
 
 

@@ -68,3 +68,11 @@ class StopStats:
     abort_to_quiet_steps: Histogram = field(default_factory=lambda: Histogram(STEP_BOUNDS))
     abort_to_reclaim_steps: Histogram = field(default_factory=lambda: Histogram(STEP_BOUNDS))
     reclaim_seconds: Histogram = field(default_factory=lambda: Histogram(SECONDS_BOUNDS))
+    # Speculative decoding (docs/speculative.md): every draft is drafted once and then, once
+    # its step is processed, exactly one of accepted, rejected or discarded (by reason:
+    # cancel, preempt, stop, error); until then it is in flight.
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_rejected: int = 0
+    spec_discarded: Counter = field(default_factory=Counter)  # reason -> tokens
+    spec_verify_steps: int = 0  # verify runs processed (one per speculating request and step)

@@ -22,6 +22,13 @@ class ScheduledChunk:
     token_ids: list[int] = field(default_factory=list)  # the tokens at [start, start + num_tokens)
     block_ids: list[int] = field(default_factory=list)  # the table covering them (a copy)
     epoch: int = 0  # the request's epoch when scheduled: a result for an older one is void
+    # Speculative decoding: the drafted tokens at the end of token_ids. The chunk then needs
+    # logits at its last len(drafts) + 1 rows: one per token that may be accepted.
+    drafts: list[int] = field(default_factory=list)
+
+    @property
+    def num_logits(self) -> int:
+        return (1 + len(self.drafts)) if self.sample else 0
 
 
 @dataclass
