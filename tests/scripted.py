@@ -64,8 +64,9 @@ class ScriptedRunner:
 
 
 def scripted_engine(loaded, script: Script | None = None, **config: object) -> EngineCore:
+    # No drafts: the script picks one token per sampling chunk, not one per verify row.
     cfg = dict(block_size=4, num_blocks=64, max_num_seqs=16, max_num_batched_tokens=32,
-               target_step_ms=None, debug=True)
+               target_step_ms=None, debug=True, speculative="off")
     cfg.update(config)
     vocab = loaded.config.vocab_size
     return EngineCore(loaded, EngineConfig(**cfg),

@@ -7,8 +7,8 @@ computed for a request whose abort arrived mid-step is never delivered). If ever
 the step in flight is aborted, the forward stops at the next layer boundary.
 
 Per-request state lives in the holders declared here, in release order (lifecycle.py):
-queues, outputs (detokenizer), decode rows, the family table, swap slots, and the KV manager
-last.
+queues, outputs (detokenizer), decode rows, the family table, draft tokens, swap slots, and
+the KV manager last.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ from stopline.request import (
     RequestStatus,
     SamplingParams,
 )
-from stopline.sched.plan import StepPlan
+from stopline.sched.plan import ScheduledChunk, StepPlan
 from stopline.sched.queues import Queues
 from stopline.sched.scheduler import Scheduler
+from stopline.spec.drafts import Drafts
 from stopline.stats import StopStats
 from stopline.worker.runner import ModelRunner, StepResult
 from stopline.worker.sampler import Sampled, SampleTask, sample
@@ -116,11 +117,13 @@ class EngineCore:
         if runner.rows is not None:
             holders.append(runner.rows)
         holders.append(self.families)
+        self.drafts = Drafts(cfg, self.stats, self.max_model_len)
+        holders.append(self.drafts)
         if swap is not None:
             holders.append(swap)
         holders.append(self.kv_manager)
         self.lifecycle = Lifecycle(cfg, self.kv_manager, holders, self.stats)
-        self.scheduler = Scheduler(cfg, self.kv_manager, self.queues, self.lifecycle)
+        self.scheduler = Scheduler(cfg, self.kv_manager, self.queues, self.lifecycle, self.drafts)
         if cfg.preemption_mode is PreemptionMode.AUTO:
             self.lifecycle.calibrate_swap()
         self._rng = random.Random(cfg.seed)
@@ -272,7 +275,16 @@ class EngineCore:
         self._apply_aborts()  # aborts that arrived during the forward win
         if result is not None:
             self._process(result, sampled)
+            self._observe(plan, t0)
         self.kv_manager.step_processed(plan.step_id)
+
+    def _observe(self, plan: StepPlan, t0: float) -> None:
+        """The auto mode's cost of a step of decode and verify rows only (a prefill's rows
+        cost otherwise), sampling included: a verify samples its rows one by one."""
+        if not self.drafts.enabled or any(c.num_tokens > 1 + len(c.drafts) for c in plan.chunks):
+            return
+        ms = (time.perf_counter() - t0) * 1000
+        self.drafts.observe(len(plan.chunks), sum(len(c.drafts) for c in plan.chunks), ms)
 
     def _forward_and_sample(self, plan: StepPlan) -> tuple[StepResult, dict[tuple[int, int], Sampled | str]]:
         """The worker thread's part of an async step: the forward, then the sampling of every
@@ -284,7 +296,7 @@ class EngineCore:
         result.bad_rows = bad_rows = self._bad_rows(result)
         tasks = [SampleTask(result.logit_index[ci], m)
                  for ci, ch in enumerate(plan.chunks)
-                 if ch.sample and ch.req.status is RequestStatus.RUNNING
+                 if ch.sample and not ch.drafts and ch.req.status is RequestStatus.RUNNING
                  and result.logit_index[ci] not in bad_rows
                  for m in [ch.req, *ch.req.forks_pending]]
         samples = self._sample(result.logits, tasks) if tasks else []
@@ -319,11 +331,15 @@ class EngineCore:
         plan = result.plan
         tasks: list[SampleTask] = []
         bad_rows = self._bad_rows(result)
+        verifies: list[tuple[int, ScheduledChunk]] = []
         for ci, ch in enumerate(plan.chunks):
             req = ch.req
             req.inflight_samples = req.inflight_tokens = 0
             if req.status is not RequestStatus.RUNNING or req.epoch != ch.epoch:
                 continue  # ended or preempted while the step ran: its result is void
+            if ch.drafts:
+                verifies.append((result.logit_index[ci], ch))
+                continue
             self.kv_manager.register(req)
             if not ch.sample:
                 continue
@@ -332,6 +348,8 @@ class EngineCore:
                 self.lifecycle.fail(req, FinishReason.ERROR, "the model produced NaN or infinite logits")
                 continue
             tasks += [SampleTask(row, m) for m in [req, *req.forks_pending]]
+        for row, ch in verifies:
+            self._verify(result.logits, row, ch, bad_rows)
         if not tasks:
             return
         if sampled is not None and all((t.row, id(t.req)) in sampled for t in tasks):
@@ -358,15 +376,67 @@ class EngineCore:
                 continue
             if stop is None and self.grammar.complete(req):
                 stop = Stop(FinishReason.STOP, "grammar complete")  # only EOS could follow
-            if stop is None and self.config.async_scheduling:
-                self._text_pending.append(req)  # detokenized while the next forward runs
-            else:
-                self._text(req, stop)
+            self._to_text(req, stop)
+
+    def _to_text(self, req: Request, stop: Stop | None) -> None:
+        if stop is None and self.config.async_scheduling:
+            self._text_pending.append(req)  # detokenized while the next forward runs
+        else:
+            self._text(req, stop)
+
+    def _verify(self, logits: torch.Tensor, row0: int, ch: ScheduledChunk, bad_rows: set[int]) -> None:
+        """Accept the longest prefix of ch's drafts that equals what the sampler draws.
+
+        Row j of the run holds the logits after the decode token and j drafts: exactly the
+        logits plain decoding would have had at that position if the first j drafts are what
+        it drew. So row j is sampled as plain decoding would sample it, with the request
+        holding the tokens accepted so far (the counter-based key of its next token,
+        penalties over its history, min_tokens), and each token goes through the one stop
+        check before the next row is looked at: nothing after a stop is delivered. The run
+        ends at the first token that differs from its draft (that token is still the
+        sampler's: delivered), at a stop, or after the last draft. Then the rejected
+        positions are rewound: num_computed back, and blocks only they opened released."""
+        req, drafts = ch.req, ch.drafts
+        first_out = len(req.output_token_ids)
+        accepted = 0
+        stop: Stop | None = None
+        failed = None
+        for j in range(len(drafts) + 1):
+            if row0 + j in bad_rows:
+                failed = "the model produced NaN or infinite logits"
+                break
+            s = sample(logits, [SampleTask(row0 + j, req)], self.outputs.eos)[0]
+            try:
+                stop = self.outputs.append(req, s.token_id, s.logprob)
+            except Exception as exc:
+                failed = f"output processing failed: {exc!r}"
+                break
+            if j == len(drafts) or s.token_id != drafts[j]:
+                break
+            accepted += 1
+            if stop is not None:
+                break
+        # Valid K/V: the decode token's and the accepted drafts'.
+        req.num_computed = ch.start + 1 + accepted
+        self.kv_manager.trim(req)
+        self.kv_manager.register(req)
+        # Drafts after a failure, or after a stop on an accepted draft, were never compared
+        # (discarded); drafts after a mismatch are rejected.
+        stopped_on_draft = stop is not None and len(req.output_token_ids) - first_out == accepted
+        unverified = len(drafts) - accepted if failed or stopped_on_draft else 0
+        self.drafts.settle(req, len(drafts), accepted, unverified, "error" if failed else "stop", first_out)
+        if failed is not None:
+            self.lifecycle.fail(req, FinishReason.ERROR, failed)
+            return
+        self._to_text(req, stop)
 
     def _text(self, req: Request, stop: Stop | None) -> None:
         """Text phase of one request: detokenize, check stop strings, emit or finish."""
         try:
-            stop = self.outputs.catch_up(req) or stop
+            cut = self.outputs.catch_up(req)
+            if cut is not None:
+                self.drafts.truncated(req)  # a stop string inside an accepted run
+            stop = cut or stop
         except Exception as exc:
             self.lifecycle.fail(req, FinishReason.ERROR, f"output processing failed: {exc!r}")
             return

@@ -95,6 +95,10 @@ class OutputProcessor:
                 if hits:
                     idx, s = min(hits)
                     req.text = req.text[:idx]
+                    # Tokens after the one that completed the stop string (a speculative run
+                    # accepts several at once) are neither delivered nor counted.
+                    del req.output_token_ids[req.num_detokenized:]
+                    del req.logprobs[req.num_detokenized:]
                     return Stop(FinishReason.STOP, s)
         return None
 

@@ -110,6 +110,15 @@ class KVManager:
         req.block_ids += self.pool.allocate(need)
         return True
 
+    def trim(self, req: Request) -> None:
+        """Give back the blocks past req's computed tokens: those that only rejected drafts
+        opened (speculative decoding). Behind the fence, like any free: the step that wrote
+        them is the one being processed. They were never registered, so never cached."""
+        keep = self.blocks_for(req.num_computed)
+        if len(req.block_ids) > keep:
+            extra, req.block_ids = req.block_ids[keep:], req.block_ids[:keep]
+            self._free(req, extra, keep_cached=False, aborted_at=None)
+
     def fork(self, sample: Request, leader: Request) -> None:
         """A family sample takes its own copy of the leader's last, partial prompt block."""
         bs = self.block_size

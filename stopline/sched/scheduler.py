@@ -18,12 +18,15 @@ from stopline.request import FinishReason, Request, RequestStatus
 from stopline.sched.plan import ScheduledChunk, StepPlan
 from stopline.sched.queues import Queues
 from stopline.sched.victims import pick_victim
+from stopline.spec.drafts import Drafts
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVManager, queues: Queues,
-                 lifecycle: Lifecycle) -> None:
+                 lifecycle: Lifecycle, drafts: Drafts | None = None) -> None:
+        """drafts: speculative decoding's state (none: no drafts)."""
         self.config = config
+        self.drafts = drafts if drafts is not None and drafts.enabled else None
         self.kv = kv
         self.queues = queues
         self.lifecycle = lifecycle
@@ -53,6 +56,10 @@ class Scheduler:
         if self.prefill_cap is not None and (has_decodes or len(q.waiting) > 1):
             prefill_left = min(budget, self.prefill_cap)
         scheduled: set[int] = set()
+        if self.drafts is not None:
+            decodes = sum(1 for r in q.running if r.status is RequestStatus.RUNNING and not r.paused
+                          and r.fork_leader is None and not r.is_prefilling)
+            self.drafts.begin_step(plan.step_id, decodes)
 
         # 1. Requests already running, oldest first: decodes and ongoing prefills. A paused
         # one (its client's stream is full) keeps its place and takes no step.
@@ -70,9 +77,10 @@ class Scheduler:
                 n = 1
             if not self._grow(req, req.num_computed + n, scheduled):
                 continue
-            self._add_chunk(plan, req, n)
+            drafts = self._drafts(req, budget - n) if not prefilling else []
+            self._add_chunk(plan, req, n, drafts)
             scheduled.add(req.internal_id)
-            budget -= n
+            budget -= n + len(drafts)
             if prefilling:
                 prefill_left -= n
 
@@ -106,7 +114,25 @@ class Scheduler:
         have = max(len(req.block_ids), self.kv.blocks_for(req.num_tokens))
         return max(0, self.kv.blocks_for(upto) - have)
 
-    def _add_chunk(self, plan: StepPlan, req: Request, n: int) -> None:
+    def _drafts(self, req: Request, room: int) -> list[int]:
+        """Drafts for a decode, if the step has room for their rows and the pool for their
+        slots: drafts never preempt anyone (a rejected draft's slots are given back)."""
+        if self.drafts is None or req.forks_pending or room <= 0:
+            return []
+        drafts = self.drafts.propose(req, room)
+        if not drafts:
+            return []
+        need = self.kv.blocks_for(req.num_computed + 1 + len(drafts)) - len(req.block_ids)
+        # A block of room left per running request: the drafts' slots must not be the ones
+        # the others grow into this step.
+        if need > 0 and self.kv.num_available - need < len(self.queues.running):
+            return []
+        if not self.kv.grow(req, req.num_computed + 1 + len(drafts)):
+            return []
+        return drafts
+
+    def _add_chunk(self, plan: StepPlan, req: Request, n: int, drafts: list[int] | None = None) -> None:
+        drafts = drafts or []
         start, end = req.num_computed, req.num_computed + n
         p = req.prompt_len
         if end <= p:
@@ -115,8 +141,13 @@ class Scheduler:
             tokens = req.output_token_ids[start - p:end - p]
         else:
             tokens = req.prompt_token_ids[start:] + req.output_token_ids[:end - p]
-        req.num_computed = end
         sample = end == req.num_tokens
+        if drafts and self.drafts is not None:  # verified in this step: their K/V go in after the decode's
+            tokens = tokens + drafts
+            end += len(drafts)
+            n += len(drafts)
+            self.drafts.scheduled(req, drafts)
+        req.num_computed = end
         req.inflight_samples = (1 + len(req.forks_pending)) if sample else 0
         req.inflight_tokens = n
         first = time.monotonic() if req.first_scheduled is None else None
@@ -125,7 +156,7 @@ class Scheduler:
             if first is not None:
                 r.first_scheduled = first
         plan.chunks.append(ScheduledChunk(req, start, n, sample, tokens,
-                                          req.block_ids[:self.kv.blocks_for(end)], req.epoch))
+                                          req.block_ids[:self.kv.blocks_for(end)], req.epoch, drafts))
 
     def _grow(self, req: Request, upto: int, scheduled: set[int]) -> bool:
         """Make req's block table cover `upto` tokens, preempting others if needed.

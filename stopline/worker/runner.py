@@ -25,14 +25,14 @@ class _Rows:
     slots: list[int] = field(default_factory=list)  # where each row's K/V goes
     starts: list[int] = field(default_factory=list)  # first row of each chunk
     logit_rows: list[int] = field(default_factory=list)
-    logit_index: dict[int, int] = field(default_factory=dict)  # chunk index -> row of logits
+    logit_index: dict[int, int] = field(default_factory=dict)  # chunk index -> its first row of logits
 
 
 @dataclass
 class StepResult:
     plan: StepPlan
-    logits: torch.Tensor  # [number of sampling chunks, vocab]
-    logit_index: dict[int, int]  # chunk index -> row of logits
+    logits: torch.Tensor  # [rows of logits, vocab]: one per sampling chunk, 1 + drafts per verify
+    logit_index: dict[int, int]  # chunk index -> its first row of logits (consecutive rows)
     bad_rows: set[int] | None = None  # rows of logits with a NaN or an inf, once looked at
 
 
@@ -73,8 +73,10 @@ class ModelRunner:
             table = ch.block_ids
             r.slots += [table[pos // bs] * bs + pos % bs for pos in span]
             if ch.sample:
+                # A verify chunk needs the next-token logits after its decode row and after
+                # each draft: its last 1 + len(drafts) rows, attended causally like a prefill.
                 r.logit_index[ci] = len(r.logit_rows)
-                r.logit_rows.append(len(r.tokens) - 1)
+                r.logit_rows += range(len(r.tokens) - ch.num_logits, len(r.tokens))
         return r
 
     def _inputs(self, r: _Rows, **attention) -> StepInputs:
