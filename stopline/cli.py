@@ -68,6 +68,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS,
                    help="GEMM library of the linear layers on CPU (auto: oneDNN for the large "
                         "weights, BLAS for the small ones)")
+    g.add_argument("--speculative", default=EngineConfig.speculative.value, choices=["off", "on", "auto"],
+                   help="speculative decoding by n-gram lookup over each request's own tokens, lossless "
+                        "to the bit; auto: only where measured acceptance and step costs say it pays")
+    g.add_argument("--speculative-tokens", type=int, default=EngineConfig.speculative_tokens,
+                   help="most draft tokens a request verifies in one step")
     g.add_argument("--quant-max-rows", type=int, default=EngineConfig.quant_max_rows,
                    help="batches of up to this many rows read a GGUF's Q4_1/Q8_0 weights in their "
                         "blocks through stopline's C kernel (same bits as float32; 0: never)")
@@ -86,6 +91,7 @@ def engine_config(args: argparse.Namespace):
         attention_backend=args.attention_backend, decode_rows=args.decode_rows,
         linear_backend=args.linear_backend,
         quant_max_rows=args.quant_max_rows,
+        speculative=args.speculative, speculative_tokens=args.speculative_tokens,
     )
 
 
@@ -248,6 +254,31 @@ def bench_serve_report(args: argparse.Namespace) -> int:
     from stopline.bench.serve_cli import run_report
 
     return run_report(args)
+
+
+def _spec_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--streams", type=int, default=32, help="concurrent streams of the batch workload")
+    p.add_argument("--max-tokens", type=int, default=192, help="new tokens of a single stream")
+    p.add_argument("--batch-tokens", type=int, default=64, help="new tokens per stream of the batch")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of every workload and mode (best counts)")
+    p.add_argument("--out", default="bench_results/spec")
+    add_engine_args(p)
+
+
+@bench_command("spec", "speculative decoding off / on / auto: one repetitive stream, one free, N streams",
+               _spec_bench_args)
+def bench_spec(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from stopline.bench import spec
+    from stopline.model.loaders.loader import load_model
+
+    result = spec.run(load_model(args.model), engine_config(args), args.streams, args.max_tokens,
+                      args.batch_tokens, args.rounds)
+    result["command"] = "stopline bench spec " + " ".join(sys.argv[3:])
+    spec.write(result, Path(args.out))
+    print(spec.table(result))
+    return 0
 
 
 def _offline_bench_args(p: argparse.ArgumentParser) -> None:

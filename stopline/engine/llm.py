@@ -40,6 +40,10 @@ class GenerationResult:
             completion_tokens=sum(u.completion_tokens for u in us),
             cached_tokens=max((u.cached_tokens for u in us), default=0),
             undelivered_tokens=sum(u.undelivered_tokens for u in us),
+            draft_tokens=sum(u.draft_tokens for u in us),
+            accepted_draft_tokens=sum(u.accepted_draft_tokens for u in us),
+            rejected_draft_tokens=sum(u.rejected_draft_tokens for u in us),
+            discarded_draft_tokens=sum(u.discarded_draft_tokens for u in us),
         )
 
 

@@ -57,6 +57,13 @@ class Snapshot(msgspec.Struct, frozen=True):
     live: list[LiveSeq] = msgspec.field(default_factory=list)  # at most LIVE_ROWS
     cached_block_ids: list[int] = msgspec.field(default_factory=list)  # refcount 0, hashed
     pool_map: bool = True  # block_ids and cached_block_ids list every owned and cached block
+    # Speculative decoding (docs/speculative.md): drafted = accepted + rejected + discarded
+    # + the drafts of the step in flight.
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_rejected: int = 0
+    spec_discarded: dict[str, int] = msgspec.field(default_factory=dict)  # reason -> tokens
+    spec_verify_steps: int = 0
     taken_at: float = 0.0  # time.monotonic()
 
 
@@ -101,5 +108,10 @@ def take_snapshot(core: EngineCore) -> Snapshot:
         live=live,
         cached_block_ids=cached,
         pool_map=complete,
+        spec_drafted=stats.spec_drafted,
+        spec_accepted=stats.spec_accepted,
+        spec_rejected=stats.spec_rejected,
+        spec_discarded=dict(stats.spec_discarded),
+        spec_verify_steps=stats.spec_verify_steps,
         taken_at=time.monotonic(),
     )

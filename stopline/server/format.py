@@ -59,16 +59,27 @@ class UsageSum:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
+    accepted_drafts: int = 0
+    rejected_drafts: int = 0
+    drafted: int = 0
 
     def add(self, out: RequestOutput) -> None:
         if out.usage is not None:
             self.completion_tokens += out.usage.completion_tokens
             self.cached_tokens = max(self.cached_tokens, out.usage.cached_tokens)
+            self.drafted += out.usage.draft_tokens
+            self.accepted_drafts += out.usage.accepted_draft_tokens
+            self.rejected_drafts += out.usage.rejected_draft_tokens
 
     def body(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        body: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.drafted:  # OpenAI's names for predicted-output tokens; drafts are the same idea
+            body["completion_tokens_details"] = {"accepted_prediction_tokens": self.accepted_drafts,
+                                                 "rejected_prediction_tokens": self.rejected_drafts}
+        return body
 
 
 class Formatter:

@@ -31,6 +31,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 
 TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ABORT_STATES = ("waiting", "prefilling", "running", "preempted", "swapped")
 PREEMPTION_MODES = ("recompute", "swap")
+DISCARD_REASONS = ("cancel", "preempt", "stop", "error")
 
 
 class Recent:
@@ -180,3 +181,22 @@ class _EngineCollector(Collector):
                                   "in the step in flight when its abort was accepted (never "
                                   "delivered).", value=s.tokens_after_abort)
         yield CounterMetricFamily("stopline_engine_steps", "Engine steps run.", value=s.steps)
+        yield CounterMetricFamily("stopline_spec_draft_tokens", "Draft tokens scheduled for "
+                                  "verification (speculative decoding).", value=s.spec_drafted)
+        yield CounterMetricFamily("stopline_spec_accepted_tokens", "Verified drafts that equal "
+                                  "the sampled token, delivered.", value=s.spec_accepted)
+        yield CounterMetricFamily("stopline_spec_rejected_tokens", "Verified drafts that did not "
+                                  "equal the sampled token (or followed one that did not).",
+                                  value=s.spec_rejected)
+        disc = CounterMetricFamily("stopline_spec_discarded_tokens", "Drafts never verified or "
+                                   "after a stop: their step's result was void (cancel, preempt, "
+                                   "error) or a stop came first.", labels=["reason"])
+        for reason, n in (dict.fromkeys(DISCARD_REASONS, 0) | s.spec_discarded).items():
+            disc.add_metric([reason], n)
+        yield disc
+        yield CounterMetricFamily("stopline_spec_verify_steps", "Verify runs processed (one per "
+                                  "speculating request and step).", value=s.spec_verify_steps)
+        verified = s.spec_accepted + s.spec_rejected
+        yield GaugeMetricFamily("stopline_spec_acceptance_rate", "Accepted over verified drafts "
+                                "(discarded drafts were never verified and do not count).",
+                                value=s.spec_accepted / verified if verified else 0.0)

@@ -1,0 +1,144 @@
+"""Speculative decoding: speculation off / on / auto on the same workloads, in one run.
+
+Three workloads, greedy, chat-templated prompts on one engine per mode (the model is loaded
+once and shared):
+
+  repetitive   one stream that quotes a given passage back (drafts from the prompt hit)
+  free         one stream of free generation (drafts rarely hit)
+  batch        N streams of free-generation questions at once
+
+Throughput is output tokens / wall time of the whole run, prefill included. Every mode must
+produce the same tokens: the table says whether it did. Acceptance is accepted / (accepted +
+rejected) drafts; discarded drafts were never verified (docs/speculative.md).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stopline.bench.machine import describe
+from stopline.bench.offline import QUESTIONS
+from stopline.config import EngineConfig
+from stopline.engine.core import EngineCore
+from stopline.model.loaders.loader import LoadedModel
+from stopline.request import SamplingParams
+
+MODES = ("off", "on", "auto")
+
+PASSAGE = (
+    "The engine keeps a block table for every request. When a request is cancelled, its blocks "
+    "go back to the pool behind the fence, and no token computed after the cancel is ever "
+    "delivered. When the pool is full, the scheduler picks a victim and preempts it: the victim "
+    "is swapped out to host memory or recomputed later, and it resumes exactly where it was. "
+    "Every way a request stops enters through one of four doors and leaves through one release, "
+    "which walks the holders in a fixed order and frees the blocks last."
+)
+FREE = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+@dataclass
+class Run:
+    workload: str
+    mode: str
+    streams: int
+    tokens: int
+    seconds: float
+    drafted: int
+    accepted: int
+    rejected: int
+    discarded: int
+    outputs: list[list[int]]
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def acceptance(self) -> float | None:
+        verified = self.accepted + self.rejected
+        return self.accepted / verified if verified else None
+
+
+def _chat(loaded: LoadedModel, text: str) -> list[int]:
+    tok = loaded.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True),
+                      add_special_tokens=False)
+
+
+def workloads(loaded: LoadedModel, streams: int) -> dict[str, list[list[int]]]:
+    quote = _chat(loaded, "Repeat the following passage word for word, without any comment:\n\n" + PASSAGE)
+    batch = [_chat(loaded, QUESTIONS[i % len(QUESTIONS)] if i < len(QUESTIONS)
+                   else f"({i}) {QUESTIONS[i % len(QUESTIONS)]}") for i in range(streams)]
+    return {"repetitive": [quote], "free": [_chat(loaded, FREE)], "batch": batch}
+
+
+def _run(core: EngineCore, name: str, mode: str, prompts: list[list[int]], max_tokens: int) -> Run:
+    s = core.stats
+    before = (s.spec_drafted, s.spec_accepted, s.spec_rejected, sum(s.spec_discarded.values()))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    t0 = time.perf_counter()
+    incs = [core.add_request(f"{name}-{i}", p, params) for i, p in enumerate(prompts)]
+    got: dict[str, list[int]] = {i: [] for i in incs}
+    while core.has_unfinished():
+        for out in core.step():
+            got[out.incarnation] += out.new_token_ids
+    seconds = time.perf_counter() - t0
+    after = (s.spec_drafted, s.spec_accepted, s.spec_rejected, sum(s.spec_discarded.values()))
+    d = [b - a for a, b in zip(before, after, strict=True)]
+    outs = [got[i] for i in incs]
+    return Run(name, mode, len(prompts), sum(map(len, outs)), seconds, *d, outs)
+
+
+def run(loaded: LoadedModel, config: EngineConfig, streams: int, max_tokens: int, batch_tokens: int,
+        rounds: int = 1) -> dict[str, Any]:
+    """Each workload in each mode, modes interleaved per round (a busier minute of the machine
+    moves all three); the best round of each counts."""
+    cores = {m: EngineCore(loaded, EngineConfig(**{**config.__dict__, "speculative": m}), progress=False)
+             for m in MODES}
+    loads = workloads(loaded, streams)
+    for core in cores.values():  # warm-up: first-touch costs, and auto's first measurements
+        _run(core, "warm", "-", loads["free"], 16)
+    best: dict[tuple[str, str], Run] = {}
+    for _ in range(rounds):
+        for name, prompts in loads.items():
+            n = batch_tokens if name == "batch" else max_tokens
+            for mode, core in cores.items():
+                r = _run(core, name, mode, prompts, n)
+                if (name, mode) not in best or r.seconds < best[(name, mode)].seconds:
+                    best[(name, mode)] = r
+    rows = []
+    for name in loads:
+        off = best[(name, "off")]
+        for mode in MODES:
+            r = best[(name, mode)]
+            rows.append({"workload": name, "mode": mode, "streams": r.streams, "tokens": r.tokens,
+                         "seconds": round(r.seconds, 3), "tok_s": round(r.tok_s, 2),
+                         "vs_off": round(r.tok_s / off.tok_s, 3), "drafted": r.drafted,
+                         "accepted": r.accepted, "rejected": r.rejected, "discarded": r.discarded,
+                         "acceptance": None if r.acceptance is None else round(r.acceptance, 3),
+                         "same_tokens_as_off": r.outputs == off.outputs})
+    return {"when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "machine": describe(), "streams": streams, "max_tokens": max_tokens,
+            "batch_tokens": batch_tokens, "rounds": rounds, "rows": rows}
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["| workload | streams | mode | tok/s | vs off | drafted | accepted | rejected | acceptance | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+        lines.append(f"| {r['workload']} | {r['streams']} | {r['mode']} | {r['tok_s']:.1f} | "
+                     f"{r['vs_off']:.2f}x | {r['drafted']} | {r['accepted']} | {r['rejected']} | {acc} | "
+                     f"{'yes' if r['same_tokens_as_off'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "spec.md").write_text(table(result) + "\n")
