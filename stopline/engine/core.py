@@ -7,7 +7,7 @@ computed for a request whose abort arrived mid-step is never delivered). If ever
 the step in flight is aborted, the forward stops at the next layer boundary.
 
 Per-request state lives in the holders declared here, in release order (lifecycle.py):
-queues, outputs (detokenizer), decode rows, the family table, draft tokens, swap slots, and
+queues, draft tokens, outputs (detokenizer), decode rows, the family table, swap slots, and
 the KV manager last.
 """
 
@@ -112,13 +112,13 @@ class EngineCore:
         self.grammar = GrammarHolder(self.tokenizer, mc.vocab_size, deadline_s=cfg.grammar_deadline,
                                      max_rows=cfg.max_num_seqs)
         # THE release order (lifecycle.py): auxiliary state first (grammar matchers and
-        # compile tickets before all), KV blocks last.
-        holders: list[Holder] = [self.grammar, self.queues, self.outputs]
+        # compile tickets before all), KV blocks last. Draft tokens go before the outputs:
+        # the terminal output's usage counts the drafts of a step in flight as discarded.
+        self.drafts = Drafts(cfg, self.stats, self.max_model_len)
+        holders: list[Holder] = [self.grammar, self.queues, self.drafts, self.outputs]
         if runner.rows is not None:
             holders.append(runner.rows)
         holders.append(self.families)
-        self.drafts = Drafts(cfg, self.stats, self.max_model_len)
-        holders.append(self.drafts)
         if swap is not None:
             holders.append(swap)
         holders.append(self.kv_manager)

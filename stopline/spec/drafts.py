@@ -18,8 +18,11 @@ from stopline.spec.ngram import NgramIndex
 from stopline.spec.policy import StepCosts, best_k
 from stopline.stats import StopStats
 
-PRIOR = 4.0  # a request's own acceptance counts as much as the engine's after this many verifies
-EXPLORE_DRAFTS = 4  # drafts per request in a step that measures the cost of verify rows
+PRIOR = 2.0  # a request's own acceptance counts as much as the engine's after this many verifies
+# A request's first verify assumes at least this acceptance: what drafts of the engine's other
+# requests did says little about this one's text (a quote among free answers).
+FIRST = 0.5
+EXPLORE_DRAFTS = 4  # drafts of the one request per step that measures verify rows' cost
 
 
 @dataclass
@@ -29,6 +32,7 @@ class _State:
     accepted: int = 0  # verified drafts accepted ...
     misses: int = 0  # ... and verify runs ended by a rejected draft (the acceptance's estimate)
     run: tuple[int, int] = (0, 0)  # the last run's accepted drafts: output indices [a, b)
+    runs: int = 0  # verify runs processed
 
 
 def _reason(req: Request) -> str:
@@ -54,6 +58,7 @@ class Drafts:
         self.misses = 1.0
         self.step = 0
         self.decodes = 0  # decodes in the step being scheduled
+        self.exploring = False  # a request of this step already measures verify rows' cost
 
     @property
     def enabled(self) -> bool:
@@ -62,14 +67,15 @@ class Drafts:
     # ---- scheduling ---------------------------------------------------------------------
     def begin_step(self, step: int, decodes: int) -> None:
         self.step, self.decodes = step, decodes
+        self.exploring = False
 
     def alpha(self, req: Request) -> float:
         """The chance that a draft of req is accepted: its own verified drafts, with the
         engine's as the prior."""
         st = self.state.get(req.internal_id)
         prior = self.accepted / (self.accepted + self.misses)
-        if st is None:
-            return prior
+        if st is None or not st.runs:
+            return max(prior, FIRST)
         return (st.accepted + PRIOR * prior) / (st.accepted + st.misses + PRIOR)
 
     def propose(self, req: Request, room: int) -> list[int]:
@@ -88,8 +94,11 @@ class Drafts:
         if plain is None:
             return []  # measure a plain step first
         extra = self.costs.extra_ms(self.decodes, self.step)
-        if extra is None:
-            return draft[:EXPLORE_DRAFTS]  # measure what verify rows cost at this batch size
+        if extra is None:  # measure what verify rows cost at this batch size: one request a step
+            if self.exploring:
+                return []
+            self.exploring = True
+            return draft[:EXPLORE_DRAFTS]
         return draft[:best_k(self.alpha(req), len(draft), extra, self.decodes / max(plain, 1e-6))]
 
     def scheduled(self, req: Request, drafts: list[int]) -> None:
@@ -106,6 +115,7 @@ class Drafts:
         first token."""
         st = self.state.setdefault(req.internal_id, _State())
         st.inflight = 0
+        st.runs += 1
         rejected = drafted - accepted - unverified
         st.accepted += accepted
         st.misses += 1 if rejected else 0

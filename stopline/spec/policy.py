@@ -12,6 +12,10 @@ from __future__ import annotations
 
 EWMA = 0.2  # weight of the newest measurement
 STALE_STEPS = 512  # a cost measured longer ago than this is measured again
+MEASURES = 3  # verify steps of a batch size before their cost is trusted
+# A verify row is taken to cost at least this share of an average decode row of its batch:
+# on a busy host one measurement can show a verify step cheaper than the plain one.
+FLOOR = 0.1
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -29,6 +33,7 @@ class StepCosts:
         self.plain: dict[int, float] = {}  # decodes -> ms of a step of only that many decodes
         self.extra: dict[int, float] = {}  # bucket -> ms a verify row adds
         self.measured_at: dict[int, int] = {}  # bucket -> step of the last verify measurement
+        self.measures: dict[int, int] = {}  # bucket -> verify steps measured
 
     def plain_ms(self, decodes: int) -> float | None:
         if decodes in self.plain:
@@ -41,8 +46,12 @@ class StepCosts:
         """None where no verify step of this size was measured lately (measure it)."""
         b = bucket(decodes)
         if step - self.measured_at.get(b, -STALE_STEPS - 1) > STALE_STEPS:
+            self.measures[b] = 0
+        if self.measures.get(b, 0) < MEASURES:
             return None
-        return self.extra.get(b)
+        plain = self.plain_ms(decodes)
+        floor = FLOOR * plain / max(decodes, 1) if plain is not None else 0.0
+        return max(self.extra[b], floor)
 
     def observe(self, decodes: int, drafts: int, ms: float, step: int) -> None:
         """A step of only decode and verify rows: `decodes` requests, `drafts` draft rows."""
@@ -58,8 +67,9 @@ class StepCosts:
         per = max(0.0, (ms - base) / drafts)
         b = bucket(decodes)
         old = self.extra.get(b)
-        self.extra[b] = per if old is None else (1 - EWMA) * old + EWMA * per
+        self.extra[b] = per if old is None or not self.measures.get(b) else (1 - EWMA) * old + EWMA * per
         self.measured_at[b] = step
+        self.measures[b] = self.measures.get(b, 0) + 1
 
 
 def best_k(alpha: float, most: int, extra_ms: float, tokens_per_ms: float) -> int:
