@@ -47,19 +47,21 @@ class Job:
 
 
 def storm_config(mode: str, async_scheduling: bool, wide: bool = False,
-                 attention: str = "auto", lookahead: int = 0) -> EngineConfig:
+                 attention: str = "auto", lookahead: int = 0, speculative: str = "off") -> EngineConfig:
     """The storm's engine: a pool small enough to force preemption. wide: 64 sequences and
     a larger pool, so that many decode at once (with torch attention, their decode rows
     compact as they end). lookahead: admission_lookahead, 0 by default: admission that
     keeps room for the running requests' next tokens preempts far less, and the storm is
-    here to preempt."""
+    here to preempt. speculative: "on" drafts wherever it can (verify steps then race the
+    cancels and preemptions); off by default, so that a storm replays step for step."""
     if wide:
         size = dict(num_blocks=400, max_num_seqs=64, max_num_batched_tokens=64)
     else:
         size = dict(num_blocks=40, max_num_seqs=24, max_num_batched_tokens=24)
     return EngineConfig(block_size=4, preemption_mode=mode, debug=True, target_step_ms=None,
                         max_preemptions=1000, async_scheduling=async_scheduling,
-                        attention_backend=attention, admission_lookahead=lookahead, **size)
+                        attention_backend=attention, admission_lookahead=lookahead,
+                        speculative=speculative, **size)
 
 
 def _params(rng: random.Random) -> SamplingParams:
@@ -125,7 +127,8 @@ def run_reference(loaded, work: list[Job], attention: str = "auto"):
     makes this the same as running it alone; test_solo_matches_reference checks that on a
     sample). attention: as the storm's (the backends give a position different bits)."""
     eng = EngineCore(loaded, EngineConfig(num_blocks=4096, block_size=4, max_num_seqs=256,
-                                          max_num_batched_tokens=4096, attention_backend=attention))
+                                          max_num_batched_tokens=4096, attention_backend=attention,
+                                          speculative="off"))
     ref = defaultdict(lambda: defaultdict(list))
     key_of = {}
     for job in work:

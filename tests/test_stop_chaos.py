@@ -72,12 +72,16 @@ def test_the_workload_draws_every_feature(storm_work):
     assert len(set(callers)) < len(callers) - 20  # caller ids reused
 
 
-@pytest.mark.parametrize("mode,async_scheduling", [("recompute", False), ("swap", False),
-                                                   ("recompute", True), ("auto", True)])
-def test_storm(tiny, storm_work, mode, async_scheduling):
+@pytest.mark.parametrize("mode,async_scheduling,speculative", [
+    ("recompute", False, "off"), ("swap", False, "on"), ("recompute", True, "off"), ("auto", True, "on")])
+def test_storm(tiny, storm_work, mode, async_scheduling, speculative):
     work, ref = storm_work
-    res = run_storm(tiny, work, storm_config(mode, async_scheduling), seed=5)
+    res = run_storm(tiny, work, storm_config(mode, async_scheduling, speculative=speculative), seed=5)
     stats = res.engine.lifecycle.stats
+    if speculative == "on":  # verify steps ran among the cancels and preemptions, losslessly
+        assert stats.spec_verify_steps > 0 and stats.spec_accepted > 0, stats
+        assert stats.spec_drafted == (stats.spec_accepted + stats.spec_rejected
+                                      + sum(stats.spec_discarded.values()))
     # The storm really exercised the stop path.
     assert sum(stats.preemptions.values()) > 20, stats.preemptions
     if mode != "recompute":
