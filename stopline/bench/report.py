@@ -25,15 +25,17 @@ PEER_ORDER = ("stopline", "vllm", "llamacpp", "hf")
 def load(paths: list[Path]) -> dict[str, Any]:
     """Merge serving results (a later file wins, workload by workload); keep the latest
     `bench stop` and `bench offline` results."""
-    merged: dict[str, Any] = {"metas": [], "configs": [], "engines": {}, "stop": None, "offline": None}
+    merged: dict[str, Any] = {"metas": [], "configs": [], "engines": {}, "stop": None, "offline": None,
+                              "spec": None}
     for p in paths:
         r = json.loads(Path(p).read_text())
         if "preemption_storm" in r:  # stopline bench stop
             merged["stop"] = r | {"file": str(p)}
             continue
-        if r.get("benchmark") == "offline":  # stopline bench offline: the latest by date
-            if merged["offline"] is None or r.get("date", "") >= merged["offline"].get("date", ""):
-                merged["offline"] = r | {"file": str(p)}
+        if r.get("benchmark") in ("offline", "spec"):  # stopline bench offline / spec: the latest
+            kind = r["benchmark"]
+            if merged[kind] is None or r.get("date", "") >= merged[kind].get("date", ""):
+                merged[kind] = r | {"file": str(p)}
             continue
         run = len(merged["metas"])
         merged["metas"].append(r["meta"] | {"file": str(p)})
@@ -148,6 +150,11 @@ def _in_process(res: dict[str, Any]) -> list[str]:
               + "; ".join(parts) + "; greedy output equal to HF's on "
               + ", ".join(str(v) for v in o.get("greedy_sequences_equal_to_hf", {}).values())
               + " sequences.", ""]
+    sp = res.get("spec")
+    if sp:
+        from stopline.bench.spec import summary as spec_summary
+
+        L += spec_summary(sp, sp["file"]) + [""]
     return L or ["Not measured."]
 
 

@@ -25,6 +25,7 @@ from stopline.bench.machine import describe
 from stopline.bench.offline import QUESTIONS
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
+from stopline.model.kernels.native import try_kernels
 from stopline.model.loaders.loader import LoadedModel
 from stopline.request import SamplingParams
 
@@ -122,8 +123,8 @@ def run(loaded: LoadedModel, config: EngineConfig, streams: int, max_tokens: int
                          "accepted": r.accepted, "rejected": r.rejected, "discarded": r.discarded,
                          "acceptance": None if r.acceptance is None else round(r.acceptance, 3),
                          "same_tokens_as_off": r.outputs == off.outputs})
-    return {"when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": describe(), "streams": streams, "max_tokens": max_tokens,
+    return {"benchmark": "spec", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "machine": describe(), "c_kernels": try_kernels() is not None, "streams": streams, "max_tokens": max_tokens,
             "batch_tokens": batch_tokens, "rounds": rounds, "rows": rows}
 
 
@@ -136,6 +137,16 @@ def table(result: dict[str, Any]) -> str:
                      f"{r['vs_off']:.2f}x | {r['drafted']} | {r['accepted']} | {r['rejected']} | {acc} | "
                      f"{'yes' if r['same_tokens_as_off'] else 'NO'} |")
     return "\n".join(lines)
+
+
+def summary(result: dict[str, Any], file: str) -> list[str]:
+    """The report's paragraph and table (stopline/bench/report.py, docs/benchmarks.md)."""
+    by = {(r["workload"], r["mode"]): r for r in result["rows"]}
+    auto = [f"{w} {by[(w, 'auto')]['vs_off']:.2f}x" for w in ("repetitive", "free", "batch") if (w, "auto") in by]
+    kernels = "" if result.get("c_kernels", True) else ", C kernels off (torch attention and GEMMs)"
+    return [f"**Speculative decoding** (`{result['command']}` on {result['machine']['summary']}{kernels}; `{file}`; "
+            f"detail in [speculative.md](speculative.md)): auto against off: " + ", ".join(auto)
+            + " (targets: ≥ 1.5x repetitive, ≥ 0.98x free and batch).", "", table(result)]
 
 
 def write(result: dict[str, Any], out: Path) -> None:
