@@ -80,7 +80,9 @@ class Drafts:
 
     def propose(self, req: Request, room: int) -> list[int]:
         """Drafts for req's next step (room: rows the step has left beside its decode row)."""
-        if not self.enabled:
+        # Structured output does not speculate yet: a draft's tokens would have to advance the
+        # grammar's matcher one by one and roll it back when rejected.
+        if not self.enabled or req.params.grammar is not None:
             return []
         most = min(self.most, room, req.max_tokens - len(req.output_token_ids) - 1,
                    self.max_model_len - req.num_tokens - 1)
