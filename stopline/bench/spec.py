@@ -146,7 +146,8 @@ def summary(result: dict[str, Any], file: str) -> list[str]:
     kernels = "" if result.get("c_kernels", True) else ", C kernels off (torch attention and GEMMs)"
     return [f"**Speculative decoding** (`{result['command']}` on {result['machine']['summary']}{kernels}; `{file}`; "
             f"detail in [speculative.md](speculative.md)): auto against off: " + ", ".join(auto)
-            + " (targets: ≥ 1.5x repetitive, ≥ 0.98x free and batch).", "", table(result)]
+            + " (targets: ≥ 1.5x repetitive, ≥ 0.98x free and batch)."
+            + (f" Note: {result['note']}." if result.get("note") else ""), "", table(result)]
 
 
 def write(result: dict[str, Any], out: Path) -> None:
