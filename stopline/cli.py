@@ -312,6 +312,20 @@ def bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak_bench_args(p: argparse.ArgumentParser) -> None:
+    from stopline.bench.soak import configure
+
+    configure(p)
+
+
+@bench_command("soak", "server memory over many requests, half closed early: RSS bytes per request",
+               _soak_bench_args)
+def bench_soak(args: argparse.Namespace) -> int:
+    from stopline.bench.soak import main
+
+    return main(args)
+
+
 def _bench_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", required=True)
     for name, help_, configure, fn in _BENCHES:

@@ -144,9 +144,9 @@ class RunningEngine:
     """A started engine process (own process group), its URL and its log."""
 
     def __init__(self, spec: EngineSpec, log_path: Path, kv_tokens: int | None = None,
-                 variant: dict[str, str] | None = None) -> None:
+                 variant: dict[str, str] | None = None, port: int | None = None) -> None:
         self.spec = spec
-        self.port = free_port()
+        self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.command = spec.command(self.port, kv_tokens, dict(variant or {}))
