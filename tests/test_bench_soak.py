@@ -1,0 +1,68 @@
+"""`stopline bench soak` end to end on the tiny random model (seconds), so it can't rot.
+
+The result's shape and its bookkeeping only: no memory figure is asserted here (100 requests
+say nothing about growth, and RSS on a CI runner is not this test's business)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from stopline.bench import soak
+
+
+def test_slope_is_least_squares() -> None:
+    assert soak.slope([0, 1, 2, 3], [5, 7, 9, 11]) == pytest.approx(2.0)
+    assert soak.slope([10, 20, 30], [4, 4, 4]) == pytest.approx(0.0)
+    assert soak.slope([1], [1]) is None
+    assert soak.slope([2, 2], [1, 3]) is None
+
+
+def test_rss_and_children_of_this_process() -> None:
+    assert soak.rss(os.getpid()) > 0
+    assert soak.rss(os.getpid(), "VmHWM") >= soak.rss(os.getpid())
+    assert os.getpid() in soak.children(os.getppid())
+
+
+def test_plan_is_seeded_and_mixes_closes_and_shared_heads() -> None:
+    a, b = soak.Plan(3, 8), soak.Plan(3, 8)
+    reqs = [a.request(i) for i in range(400)]
+    assert reqs == [b.request(i) for i in range(400)]
+    closes = sum(c is not None for _, _, c in reqs)
+    assert 150 < closes < 250  # about half
+    assert all(4 <= mt <= 8 for _, mt, _ in reqs)
+    heads = sum(any(p.startswith(h) for h in a.heads) for p, _, _ in reqs)
+    assert 200 < heads < 340  # two thirds start with a shared head: prefix hits
+    assert len({p for p, _, _ in reqs}) > 250  # and most are new text: misses
+
+
+@pytest.mark.timeout(300)
+def test_soak_end_to_end_on_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    n = 100
+    out = tmp_path / "soak.json"
+    res = soak.run(model=str(tiny_model_dir), requests=n, concurrency=8, max_tokens=6, port=None,
+                   sample_every=10, kv_cache_gb=0.05, seed=1, log_path=tmp_path / "soak.log",
+                   progress=False, command="pytest")
+    out.write_text(json.dumps(res))  # JSON-clean
+    assert res["requests_done"] == n and res["stopped"] is None
+    assert not res["errors"] and "error" not in res["outcomes"]
+    # every request ended exactly once, on both sides
+    assert sum(res["outcomes"].values()) == n
+    assert 0 < res["outcomes"].get("closed", 0) <= res["planned_closes"] < n
+    assert sum(res["server_finished"].values()) == n + res["warmup_requests"]
+    assert res["server_finished"].get("abort", 0) <= res["outcomes"]["closed"]
+    pids = res["pids"]
+    assert pids["server"] != pids["core"] and min(pids.values()) > 0
+    assert [s[0] for s in res["samples"]] == list(range(0, n + 1, 10))
+    for name in ("server", "core"):
+        p = res["processes"][name]
+        assert p["pid"] == pids[name]
+        assert 0 < p["start_rss"] <= p["peak_rss"] and 0 < p["end_rss"] <= p["peak_rss"]
+        assert isinstance(p["slope_b_per_request"], float)
+    assert res["second_half"]["samples"] == 6  # 50, 60, ..., 100
+    assert res["requests_per_s"] > 0
+    table = soak.summary(res)
+    assert "server" in table and "core" in table and f"{n} requests" in table
