@@ -66,3 +66,31 @@ def test_soak_end_to_end_on_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> 
     assert res["requests_per_s"] > 0
     table = soak.summary(res)
     assert "server" in table and "core" in table and f"{n} requests" in table
+
+
+def test_server_tracer_reports_growth_since_its_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tracemalloc
+
+    from fastapi import FastAPI
+
+    from stopline.server import memtrace
+
+    monkeypatch.delenv(memtrace.ENV, raising=False)
+    app = FastAPI()
+    memtrace.install(app)
+    assert not any(getattr(r, "path", "") == "/debug/tracemalloc" for r in app.routes)
+    was_tracing = tracemalloc.is_tracing()
+    monkeypatch.setenv(memtrace.ENV, "1")
+    try:
+        memtrace.install(app)
+        assert any(getattr(r, "path", "") == "/debug/tracemalloc" for r in app.routes)
+        tracer = memtrace.Tracer(1)
+        assert tracer.growth()["top"] == []  # the first call is the baseline
+        held = [bytearray(1000) for _ in range(1000)]
+        top = tracer.growth()["top"]
+        assert top[0]["size_diff"] >= 1_000_000 and top[0]["count_diff"] >= 1000
+        assert top[0]["traceback"][-1].startswith(__file__)
+        del held
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()

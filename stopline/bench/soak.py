@@ -20,6 +20,7 @@ import contextlib
 import json
 import random
 import shlex
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from stopline.bench.client import complete, make_client
 from stopline.bench.engines import MODEL_NAME, STOPLINE_METRICS, RunningEngine, stopline_spec
 from stopline.bench.probe import Probe
 from stopline.bench.prompts import make_prompt
+from stopline.server import memtrace
 
 LIMIT_B_PER_REQUEST = 1024  # issue 19, item 6
 REPO = Path(__file__).resolve().parents[2]
@@ -138,16 +140,19 @@ def finished_by_reason(text: str) -> dict[str, int]:
 def run(*, model: str | None, requests: int, concurrency: int, max_tokens: int,
         port: int | None, sample_every: int | None, kv_cache_gb: float, seed: int,
         log_path: Path, serve_args: list[str] | None = None, max_rss_gb: float = 8.0,
-        progress: bool = True, command: str = "") -> dict[str, Any]:
+        tracemalloc: int = 0, progress: bool = True, command: str = "") -> dict[str, Any]:
     """Start the server, soak it, stop it; returns the result (see `summary`)."""
     every = sample_every or max(1, requests // 100)
     spec = stopline_spec(model, extra=["--kv-cache-gb", str(kv_cache_gb), *(serve_args or [])])
+    if tracemalloc:
+        spec.env[memtrace.ENV] = str(tracemalloc)
     eng = RunningEngine(spec, log_path, port=port)
     try:
         startup = eng.wait_ready()
         pids = {"server": eng.proc.pid, "core": core_pid(eng.proc.pid)}
         res = asyncio.run(_soak(eng.base_url, pids, Plan(seed, max_tokens), requests,
-                                concurrency, every, int(max_rss_gb * 2**30), progress))
+                                concurrency, every, int(max_rss_gb * 2**30), bool(tracemalloc),
+                                progress))
         res["peak_rss"] = {k: rss(p, "VmHWM") for k, p in pids.items()}
     finally:
         eng.stop()
@@ -156,14 +161,15 @@ def run(*, model: str | None, requests: int, concurrency: int, max_tokens: int,
         model=model or "SmolLM2-135M-Instruct (embedded GGUF)", startup_s=round(startup, 2),
         config={"requests": requests, "concurrency": concurrency, "max_tokens": max_tokens,
                 "sample_every": every, "kv_cache_gb": kv_cache_gb, "seed": seed,
-                "port": eng.port, "serve_args": serve_args or [], "max_rss_gb": max_rss_gb},
+                "port": eng.port, "serve_args": serve_args or [], "max_rss_gb": max_rss_gb,
+                "tracemalloc": tracemalloc},
         pids=pids, limit_b_per_request=LIMIT_B_PER_REQUEST)
     _judge(res)
     return res
 
 
 async def _soak(base_url: str, pids: dict[str, int], plan: Plan, n: int, concurrency: int,
-                every: int, max_rss: int, progress: bool) -> dict[str, Any]:
+                every: int, max_rss: int, trace: bool, progress: bool) -> dict[str, Any]:
     client = make_client(base_url, timeout=300.0)
     probe = Probe(base_url, STOPLINE_METRICS)
     for i in range(_WARMUP):
@@ -183,6 +189,12 @@ async def _soak(base_url: str, pids: dict[str, int], plan: Plan, n: int, concurr
     planned_closes = 0
     issued = done = 0
     stopped: str | None = None  # why the run ended before n requests
+    http = httpx.AsyncClient(base_url=base_url, timeout=120.0)
+    traced: dict[str, Any] | None = None
+
+    async def growth() -> dict[str, Any]:
+        return (await http.get("/debug/tracemalloc", params={"top": 20})).json()
+
     bar = tqdm(total=n, desc="soak", unit="req", disable=not progress, dynamic_ncols=True)
 
     async def worker() -> None:
@@ -202,6 +214,8 @@ async def _soak(base_url: str, pids: dict[str, int], plan: Plan, n: int, concurr
                 errors.append(out.error)
             done += 1
             bar.update()
+            if trace and done == n // 2:
+                await growth()  # the baseline: the second half's growth is what counts
             if done % every == 0 and done < n:
                 last = sample(done)
                 samples.append(last)
@@ -221,10 +235,12 @@ async def _soak(base_url: str, pids: dict[str, int], plan: Plan, n: int, concurr
         # The end figure is read once the server is idle (every abort applied, streams gone).
         await probe.wait_idle(timeout=30.0)
         end = sample(done)
-        async with httpx.AsyncClient(timeout=10.0) as http:
-            server_finished = finished_by_reason((await http.get(base_url + "/metrics")).text)
+        server_finished = finished_by_reason((await http.get("/metrics")).text)
+        if trace:
+            traced = await growth()
     finally:
         bar.close()
+        await http.aclose()
         await probe.close()
         await client.close()
     return {"requests_done": done, "stopped": stopped, "elapsed_s": round(elapsed, 2),
@@ -232,7 +248,8 @@ async def _soak(base_url: str, pids: dict[str, int], plan: Plan, n: int, concurr
             "outcomes": dict(sorted(outcomes.items())), "planned_closes": planned_closes,
             "errors": errors, "server_finished": server_finished, "warmup_requests": _WARMUP,
             "samples": [[s.done, s.t, s.server, s.core] for s in samples],
-            "end_idle": [end.done, end.t, end.server, end.core]}
+            "end_idle": [end.done, end.t, end.server, end.core],
+            "server_tracemalloc": traced}
 
 
 def _judge(res: dict[str, Any]) -> None:
@@ -267,6 +284,11 @@ def summary(res: dict[str, Any]) -> str:
                  f"{res['elapsed_s']:.0f} s ({res['requests_per_s']:.1f} req/s); outcomes "
                  + ", ".join(f"{k} {v}" for k, v in res["outcomes"].items())
                  + f"; limit {LIMIT_B_PER_REQUEST} B/request: {'pass' if res['pass'] else 'FAIL'}")
+    traced = res.get("server_tracemalloc")
+    if traced:
+        lines.append("server allocations grown over the second half (tracemalloc):")
+        lines += [f"  {t['size_diff']:>+10} B {t['count_diff']:>+7} blocks  {t['traceback'][-1]}"
+                  for t in traced["top"][:8]]
     return "\n".join(lines)
 
 
@@ -284,18 +306,25 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="more `stopline serve` options, one string (e.g. '--async-scheduling')")
     p.add_argument("--max-rss-gb", type=float, default=8.0,
                    help="stop early when the server or core process grows past this")
+    p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                   help="trace the server's Python allocations (STOPLINE_TRACEMALLOC) and record "
+                        "the sites that grew over the second half; the RSS figure is then not the "
+                        "server's own")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/soak.json", help="result; the server log beside it")
     p.add_argument("--no-progress", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:
+    # SIGTERM unwinds like Ctrl-C, so the server this run started is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     res = run(model=args.model, requests=args.requests, concurrency=args.concurrency,
               max_tokens=args.max_tokens, port=args.port, sample_every=args.sample_every,
               kv_cache_gb=args.kv_cache_gb, seed=args.seed, log_path=out.with_suffix(".log"),
-              serve_args=shlex.split(args.serve_args), max_rss_gb=args.max_rss_gb, progress=not args.no_progress, command=shlex.join(["stopline", *sys.argv[1:]]))
+              serve_args=shlex.split(args.serve_args), max_rss_gb=args.max_rss_gb,
+              tracemalloc=args.tracemalloc, progress=not args.no_progress, command=shlex.join(["stopline", *sys.argv[1:]]))
     out.write_text(json.dumps(res, indent=1))
     print(summary(res))
     print(f"results: {out}")

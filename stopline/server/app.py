@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from stopline import __version__
 from stopline.request import AbortSource
-from stopline.server import console, errors
+from stopline.server import console, errors, memtrace
 from stopline.server.errors import ApiError
 from stopline.server.protocol import CancelRequest, parse
 from stopline.server.serving import create, read_body
@@ -35,6 +35,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     errors.install(app)
     console.install(app, state)
+    memtrace.install(app)  # STOPLINE_TRACEMALLOC only
     engine = state.engine
 
     @app.get("/health")
