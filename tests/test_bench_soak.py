@@ -22,7 +22,7 @@ def test_slope_is_least_squares() -> None:
 
 
 def test_rss_and_children_of_this_process() -> None:
-    assert soak.rss(os.getpid()) > 0
+    assert 0 < soak.rss(os.getpid(), "RssAnon") <= soak.rss(os.getpid())
     assert soak.rss(os.getpid(), "VmHWM") >= soak.rss(os.getpid())
     assert os.getpid() in soak.children(os.getppid())
 
@@ -57,11 +57,15 @@ def test_soak_end_to_end_on_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> 
     pids = res["pids"]
     assert pids["server"] != pids["core"] and min(pids.values()) > 0
     assert [s[0] for s in res["samples"]] == list(range(0, n + 1, 10))
+    assert all(len(s) == len(res["samples_columns"]) == 6 for s in res["samples"])
+    assert all(0 < s[4] <= s[2] and 0 < s[5] <= s[3] for s in res["samples"])  # RssAnon <= VmRSS
+    assert isinstance(res["stalls"], list)
     for name in ("server", "core"):
         p = res["processes"][name]
         assert p["pid"] == pids[name]
         assert 0 < p["start_rss"] <= p["peak_rss"] and 0 < p["end_rss"] <= p["peak_rss"]
         assert isinstance(p["slope_b_per_request"], float)
+        assert isinstance(p["anon_slope_b_per_request"], float)
     assert res["second_half"]["samples"] == 6  # 50, 60, ..., 100
     assert res["requests_per_s"] > 0
     table = soak.summary(res)

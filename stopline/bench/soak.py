@@ -35,6 +35,7 @@ from stopline.bench import machine
 from stopline.bench.client import complete, make_client
 from stopline.bench.engines import MODEL_NAME, STOPLINE_METRICS, RunningEngine, stopline_spec
 from stopline.bench.probe import Probe
+from stopline.bench.probe import parse as probe_parse
 from stopline.bench.prompts import make_prompt
 from stopline.server import memtrace
 
@@ -44,20 +45,39 @@ _HEADS = 32  # shared prompt heads: the prefix cache's hits
 _WARMUP = 8  # requests before the first sample: first-request costs out
 
 
+_STALL_S = 30.0  # no request ended for this long while some are open: a stall, recorded
+
+
 @dataclass
 class Sample:
     done: int  # requests finished when read
     t: float  # seconds since the soak started
     server: int  # VmRSS, bytes
     core: int
+    # RssAnon: VmRSS less file-backed pages, which the kernel may drop under memory pressure
+    # from other processes (a fall in VmRSS that says nothing about this one); a leak is here.
+    server_anon: int
+    core_anon: int
+
+    def row(self) -> list[float]:
+        return [self.done, self.t, self.server, self.core, self.server_anon, self.core_anon]
 
 
 def rss(pid: int, field: str = "VmRSS") -> int:
-    """A memory figure of /proc/PID/status in bytes (VmRSS; VmHWM is the peak)."""
+    """A memory figure of /proc/PID/status in bytes (VmRSS; RssAnon; VmHWM is the peak)."""
+    return status(pid, field)[field]
+
+
+def status(pid: int, *fields: str) -> dict[str, int]:
+    want = set(fields)
+    out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise ValueError(f"no {field} for process {pid}")
+        name, _, value = line.partition(":")
+        if name in want:
+            out[name] = int(value.split()[0]) * 1024
+    if len(out) != len(want):
+        raise ValueError(f"no {', '.join(sorted(want - set(out)))} for process {pid}")
+    return out
 
 
 def children(pid: int) -> list[int]:
@@ -180,8 +200,10 @@ async def _soak(base_url: str, pids: dict[str, int], plan: Plan, n: int, concurr
     t0 = time.perf_counter()
 
     def sample(done: int) -> Sample:
-        return Sample(done, round(time.perf_counter() - t0, 3), rss(pids["server"]),
-                      rss(pids["core"]))
+        srv = status(pids["server"], "VmRSS", "RssAnon")
+        core = status(pids["core"], "VmRSS", "RssAnon")
+        return Sample(done, round(time.perf_counter() - t0, 3), srv["VmRSS"], core["VmRSS"],
+                      srv["RssAnon"], core["RssAnon"])
 
     samples = [sample(0)]
     outcomes: dict[str, int] = {}
@@ -191,6 +213,30 @@ async def _soak(base_url: str, pids: dict[str, int], plan: Plan, n: int, concurr
     stopped: str | None = None  # why the run ended before n requests
     http = httpx.AsyncClient(base_url=base_url, timeout=120.0)
     traced: dict[str, Any] | None = None
+    started: dict[int, float] = {}  # request -> when sent, while in flight
+    stalls: list[dict[str, Any]] = []
+
+    async def watch() -> None:
+        """Record each stretch of STALL_S or more in which no request ended, with the server's
+        gauges at its start: a soak is also a liveness check."""
+        last_done, since = done, time.perf_counter()
+        stall: dict[str, Any] | None = None
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.perf_counter()
+            if done != last_done:
+                if stall is not None:
+                    stall["seconds"] = round(now - since, 1)
+                    stall = None
+                last_done, since = done, now
+            elif stall is None and started and now - since >= _STALL_S and len(stalls) < 20:
+                gauges = {k: v for k, v in
+                          probe_parse((await http.get("/metrics")).text).items()
+                          if k.startswith(("stopline_requests_", "stopline_kv_blocks_"))}
+                stall = {"after_request": done, "t": round(since - t0, 1), "seconds": None,
+                         "in_flight": len(started),
+                         "oldest_s": round(now - min(started.values()), 1), "gauges": gauges}
+                stalls.append(stall)
 
     async def growth() -> dict[str, Any]:
         return (await http.get("/debug/tracemalloc", params={"top": 20})).json()
@@ -204,8 +250,10 @@ async def _soak(base_url: str, pids: dict[str, int], plan: Plan, n: int, concurr
             issued += 1
             prompt, mt, close = plan.request(i)
             planned_closes += close is not None
+            started[i] = time.perf_counter()
             out = await complete(client, MODEL_NAME, prompt, mt, ignore_eos=False,
                                  close_after_tokens=close)
+            del started[i]
             # A planned close can lose the race to the request's own end: it counts as that end.
             key = ("error" if out.error else "closed" if out.closed
                    else out.finish_reason or "none")
@@ -227,6 +275,7 @@ async def _soak(base_url: str, pids: dict[str, int], plan: Plan, n: int, concurr
                     stopped = (f"stopped after {done} requests: RSS over {max_rss / 2**30:.1f} GiB "
                                f"(server {last.server / 2**30:.2f}, core {last.core / 2**30:.2f})")
 
+    watcher = asyncio.ensure_future(watch())
     try:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
@@ -239,6 +288,9 @@ async def _soak(base_url: str, pids: dict[str, int], plan: Plan, n: int, concurr
         if trace:
             traced = await growth()
     finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
         bar.close()
         await http.aclose()
         await probe.close()
@@ -247,8 +299,10 @@ async def _soak(base_url: str, pids: dict[str, int], plan: Plan, n: int, concurr
             "requests_per_s": round(done / elapsed, 2),
             "outcomes": dict(sorted(outcomes.items())), "planned_closes": planned_closes,
             "errors": errors, "server_finished": server_finished, "warmup_requests": _WARMUP,
-            "samples": [[s.done, s.t, s.server, s.core] for s in samples],
-            "end_idle": [end.done, end.t, end.server, end.core],
+            "stalls": stalls,
+            "samples_columns": ["done", "t_s", "server_rss", "core_rss", "server_anon",
+                                "core_anon"],
+            "samples": [s.row() for s in samples], "end_idle": end.row(),
             "server_tracemalloc": traced}
 
 
@@ -257,12 +311,15 @@ def _judge(res: dict[str, Any]) -> None:
     half = [s for s in samples if s[0] >= res["requests_done"] / 2]
     procs = {}
     for col, name in ((2, "server"), (3, "core")):
-        b = slope([s[0] for s in half], [s[col] for s in half])
+        xs = [s[0] for s in half]
+        b, anon = slope(xs, [s[col] for s in half]), slope(xs, [s[col + 2] for s in half])
         procs[name] = {
             "pid": res["pids"][name], "start_rss": samples[0][col], "end_rss": res["end_idle"][col],
             "peak_rss": res["peak_rss"][name],
             "slope_b_per_request": None if b is None else round(b, 2),
-            "pass": b is not None and b <= LIMIT_B_PER_REQUEST}
+            "anon_slope_b_per_request": None if anon is None else round(anon, 2),
+            "pass": b is not None and anon is not None
+            and max(b, anon) <= LIMIT_B_PER_REQUEST}
     res["second_half"] = {"from_request": half[0][0] if half else None, "samples": len(half)}
     res["processes"] = procs
     res["pass"] = all(p["pass"] for p in procs.values()) and not res["stopped"]
@@ -270,13 +327,17 @@ def _judge(res: dict[str, Any]) -> None:
 
 def summary(res: dict[str, Any]) -> str:
     mib = 2**20
+
+    def fmt(b: float | None) -> str:
+        return "n/a" if b is None else f"{b:.1f}"
+
     lines = [f"{'process':<8} {'pid':>7} {'start MiB':>10} {'end MiB':>9} {'peak MiB':>9} "
-             f"{'B/request (2nd half)':>21}  pass"]
+             f"{'B/request VmRSS':>16} {'RssAnon':>10}  pass   (slopes over the 2nd half)"]
     for name, p in res["processes"].items():
-        b = p["slope_b_per_request"]
         lines.append(f"{name:<8} {p['pid']:>7} {p['start_rss'] / mib:>10.1f} "
                      f"{p['end_rss'] / mib:>9.1f} {p['peak_rss'] / mib:>9.1f} "
-                     f"{'n/a' if b is None else f'{b:.1f}':>21}  {'yes' if p['pass'] else 'NO'}")
+                     f"{fmt(p['slope_b_per_request']):>16} {fmt(p['anon_slope_b_per_request']):>10}"
+                     f"  {'yes' if p['pass'] else 'NO'}")
     cfg = res["config"]
     if res["stopped"]:
         lines.append(res["stopped"])
@@ -284,6 +345,9 @@ def summary(res: dict[str, Any]) -> str:
                  f"{res['elapsed_s']:.0f} s ({res['requests_per_s']:.1f} req/s); outcomes "
                  + ", ".join(f"{k} {v}" for k, v in res["outcomes"].items())
                  + f"; limit {LIMIT_B_PER_REQUEST} B/request: {'pass' if res['pass'] else 'FAIL'}")
+    for st in res["stalls"]:
+        lines.append(f"stall: no request ended for {st['seconds'] or '>' + str(_STALL_S)} s after "
+                     f"request {st['after_request']} ({st['in_flight']} in flight)")
     traced = res.get("server_tracemalloc")
     if traced:
         lines.append("server allocations grown over the second half (tracemalloc):")
