@@ -481,10 +481,7 @@ class EngineCore:
             source = self.inbox.early_abort(fam.incarnation)
             if source is not None:
                 self._abort_family(fam, source)
-        for inc, paused in taken.pauses:
-            fam = self.families.get(inc)
-            for m in fam.members if fam is not None else ():
-                m.paused = paused
+        self._pause_all(taken.pauses)
         for fam in self._to_schedule:
             if fam.members[0].status.is_finished:
                 continue
@@ -503,7 +500,10 @@ class EngineCore:
         """Aborts only (mid-step): adds wait for the next step boundary."""
         taken = self.inbox.take(adds=False)
         self._abort_all(taken.aborts)
-        for inc, paused in taken.pauses:
+        self._pause_all(taken.pauses)
+
+    def _pause_all(self, pauses: list[tuple[str, bool]]) -> None:
+        for inc, paused in pauses:
             fam = self.families.get(inc)
             for m in fam.members if fam is not None else ():
                 m.paused = paused
