@@ -260,7 +260,7 @@ def _spec_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=32, help="concurrent streams of the batch workload")
     p.add_argument("--max-tokens", type=int, default=192, help="new tokens of a single stream")
     p.add_argument("--batch-tokens", type=int, default=64, help="new tokens per stream of the batch")
-    p.add_argument("--rounds", type=int, default=1, help="rounds of every workload and mode (best counts)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every workload and mode (best counts)")
     p.add_argument("--out", default="bench_results/spec")
     add_engine_args(p)
 

@@ -98,18 +98,20 @@ def _run(core: EngineCore, name: str, mode: str, prompts: list[list[int]], max_t
 def run(loaded: LoadedModel, config: EngineConfig, streams: int, max_tokens: int, batch_tokens: int,
         rounds: int = 1) -> dict[str, Any]:
     """Each workload in each mode, modes interleaved per round (a busier minute of the machine
-    moves all three); the best round of each counts."""
+    moves all three) in an order that turns each round; the best round of each counts."""
     cores = {m: EngineCore(loaded, EngineConfig(**{**config.__dict__, "speculative": m}), progress=False)
              for m in MODES}
     loads = workloads(loaded, streams)
     for core in cores.values():  # warm-up: first-touch costs, and auto's first measurements
         _run(core, "warm", "-", loads["free"], 16)
     best: dict[tuple[str, str], Run] = {}
-    for _ in range(rounds):
+    for i in range(rounds):
+        # The order of the modes turns each round: no mode always runs after the same one.
+        order = MODES[i % len(MODES):] + MODES[:i % len(MODES)]
         for name, prompts in loads.items():
             n = batch_tokens if name == "batch" else max_tokens
-            for mode, core in cores.items():
-                r = _run(core, name, mode, prompts, n)
+            for mode in order:
+                r = _run(cores[mode], name, mode, prompts, n)
                 if (name, mode) not in best or r.seconds < best[(name, mode)].seconds:
                     best[(name, mode)] = r
     rows = []

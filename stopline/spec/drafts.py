@@ -18,10 +18,8 @@ from stopline.spec.ngram import NgramIndex
 from stopline.spec.policy import StepCosts, best_k
 from stopline.stats import StopStats
 
-PRIOR = 2.0  # a request's own acceptance counts as much as the engine's after this many verifies
-# A request's first verify assumes at least this acceptance: what drafts of the engine's other
-# requests did says little about this one's text (a quote among free answers).
-FIRST = 0.5
+FIRST = 0.5  # the acceptance a request's drafts are assumed to have before any is verified
+PRIOR = 2.0  # ... weighted as this many verified drafts
 EXPLORE_DRAFTS = 4  # drafts of the one request per step that measures verify rows' cost
 
 
@@ -53,9 +51,6 @@ class Drafts:
         self.max_model_len = max_model_len
         self.costs = StepCosts()
         self.state: dict[int, _State] = {}
-        # The engine-wide chance that a draft is accepted (per position), from verified drafts.
-        self.accepted = 1.0
-        self.misses = 1.0
         self.step = 0
         self.decodes = 0  # decodes in the step being scheduled
         self.exploring = False  # a request of this step already measures verify rows' cost
@@ -70,13 +65,13 @@ class Drafts:
         self.exploring = False
 
     def alpha(self, req: Request) -> float:
-        """The chance that a draft of req is accepted: its own verified drafts, with the
-        engine's as the prior."""
+        """The chance that a draft of req is accepted: its own verified drafts, with FIRST as
+        the prior. Not the engine's: one request quoting its prompt says nothing of the next
+        one's text, and a stream of free answers must not stop a quote from ever drafting."""
         st = self.state.get(req.internal_id)
-        prior = self.accepted / (self.accepted + self.misses)
         if st is None or not st.runs:
-            return max(prior, FIRST)
-        return (st.accepted + PRIOR * prior) / (st.accepted + st.misses + PRIOR)
+            return FIRST
+        return (st.accepted + PRIOR * FIRST) / (st.accepted + st.misses + PRIOR)
 
     def propose(self, req: Request, room: int) -> list[int]:
         """Drafts for req's next step (room: rows the step has left beside its decode row)."""
@@ -89,9 +84,8 @@ class Drafts:
         if most <= 0:
             return []
         st = self.state.setdefault(req.internal_id, _State())
-        draft = st.index.propose(req.all_token_ids, most)
-        if not draft or self.mode is SpecMode.ON:
-            return draft
+        if self.mode is SpecMode.ON:
+            return st.index.propose(req.all_token_ids, most)
         plain = self.costs.plain_ms(self.decodes)
         if plain is None:
             return []  # measure a plain step first
@@ -99,9 +93,17 @@ class Drafts:
         if extra is None:  # measure what verify rows cost at this batch size: one request a step
             if self.exploring:
                 return []
-            self.exploring = True
-            return draft[:EXPLORE_DRAFTS]
-        return draft[:best_k(self.alpha(req), len(draft), extra, self.decodes / max(plain, 1e-6))]
+            draft = st.index.propose(req.all_token_ids, min(most, EXPLORE_DRAFTS))
+            self.exploring = bool(draft)
+            return draft
+        # Ask the index only when a draft could pay at all: in a full batch of free answers no
+        # draft does, and a lookup per request per step is then pure overhead.
+        tokens_per_ms = self.decodes / max(plain, 1e-6)
+        alpha = self.alpha(req)
+        if best_k(alpha, most, extra, tokens_per_ms) == 0:
+            return []
+        draft = st.index.propose(req.all_token_ids, most)
+        return draft[:best_k(alpha, len(draft), extra, tokens_per_ms)]
 
     def scheduled(self, req: Request, drafts: list[int]) -> None:
         self.state.setdefault(req.internal_id, _State()).inflight = len(drafts)
@@ -121,8 +123,6 @@ class Drafts:
         rejected = drafted - accepted - unverified
         st.accepted += accepted
         st.misses += 1 if rejected else 0
-        self.accepted += accepted
-        self.misses += 1 if rejected else 0
         st.run = (first_out, first_out + accepted)
         self.stats.spec_verify_steps += 1
         self.stats.spec_accepted += accepted
