@@ -81,6 +81,32 @@ def test_auto_drafts_only_where_it_pays():
     assert costs.extra_ms(1, 5000) is None  # stale: measured again
 
 
+def test_auto_prior_is_not_another_requests_acceptance(tiny):
+    """A request quoting its prompt (every draft accepted) must not make a new request of a
+    full batch look like it: the newcomer starts at the neutral prior, and where no draft can
+    pay at that, its n-gram index is not even asked."""
+    cfg = EngineConfig(speculative="auto", speculative_tokens=8)
+    drafts = Drafts(cfg, StopStats(), max_model_len=1024)
+    quote = Request("q", LOOP, SamplingParams(max_tokens=64), incarnation="q")
+    for _ in range(20):
+        drafts.settle(quote, drafted=8, accepted=8, unverified=0, reason="stop", first_out=0)
+    assert drafts.alpha(quote) > 0.9
+    new = Request("n", LOOP, SamplingParams(max_tokens=64), incarnation="n")
+    assert drafts.alpha(new) == pytest.approx(0.5)
+    # 32 decodes in 32 ms; a verify row adds what a decode row costs: 0.5 never pays.
+    for step in range(4):
+        drafts.costs.observe(32, 0, 32.0, step)
+        drafts.costs.observe(32, 4, 36.0, step)
+    drafts.begin_step(10, 32)
+    assert drafts.propose(new, room=8) == []
+    assert drafts.state[new.internal_id].index.upto == 0  # the index was not asked
+    drafts.begin_step(11, 1)  # one stream, cheap verify rows: the same request drafts
+    drafts.costs.observe(1, 0, 4.0, 11)
+    for step in range(12, 15):
+        drafts.costs.observe(1, 4, 4.4, step)
+    assert drafts.propose(new, room=8) != []
+
+
 def test_usage_reports_prediction_tokens():
     from stopline.engine.output import RequestOutput
     from stopline.request import Usage
