@@ -22,10 +22,14 @@ import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
 from tests.server_harness import REPO, ServerProcess
+from tests.tiny_model import make_tiny_llama_dir
 
 KEY = "console-key"
-NUM_BLOCKS = 1024  # 16,384 tokens: a long and a short answer fit together, nobody is preempted
-LONG = 6000  # a long answer: minutes at the tiny model's pace here, so it is always cut by Stop
+NUM_BLOCKS = 8192  # 131,072 tokens: a long and a short answer fit together, nobody is preempted
+# A long answer, always cut by Stop: the tiny model writes thousands of tokens a second on a
+# fast host, so the console's model has a 64k context and this answer never ends by itself
+# in time (each step also attends over more keys as it grows).
+LONG = 60_000
 # The other tab's answer ends by itself (length) while the first stops: long enough to
 # outlast the stop by some seconds at this machine's measured pace, no longer.
 SHORT_SECONDS = 6.0
@@ -36,8 +40,14 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_long_model_dir):
-    srv = ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", "tiny",
+def console_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny_console") / "model", seed=0,
+                               max_position=65_536)
+
+
+@pytest.fixture(scope="module")
+def server(console_model_dir):
+    srv = ServerProcess("--model", str(console_model_dir), "--served-model-name", "tiny",
                         "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "4", api_key=KEY)
     try:
         yield srv
@@ -167,7 +177,7 @@ def test_two_tabs_one_stops(server, browser: Browser):
     ask(a, "Write a long poem about the sea.", LONG)
     wait_streaming(a, 20)
     time.sleep(1.5)  # the server's tokens/s (a 2 s window) now reads this machine's pace
-    short = min(3000, max(100, int(snapshot(server)["tokens_per_s"] * SHORT_SECONDS)))
+    short = min(30_000, max(100, int(snapshot(server)["tokens_per_s"] * SHORT_SECONDS)))
     ask(b, "Write a short note.", short)
     wait_streaming(b, 5)
     a_id = a.evaluate("[...window.stopline.mine][0]")
