@@ -244,6 +244,33 @@ def bench_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replicas_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=40, help="aborts timed per engine")
+    p.add_argument("--long-len", type=int, default=512, help="prompt tokens of the cancelled long prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/replicas.json")
+    add_engine_args(p)
+
+
+@bench_command("replicas", "Ray replicas: abort latency through the router, routing overhead, "
+               "prefix hit rate, head-of-line, replica kill (run it in a network namespace)",
+               _replicas_bench_args)
+def bench_replicas(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from stopline.bench import replicas
+    from stopline.cluster.frontend import quiet_ray_env
+
+    quiet_ray_env()
+    result = replicas.run(args.model, engine_config(args), args.rounds, args.long_len, args.seed)
+    command = "stopline bench replicas " + " ".join(sys.argv[3:])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(replicas.render(result, command, args.model or "SmolLM2-135M-Instruct"))
+    return 0
+
+
 def _serve_bench_args(p: argparse.ArgumentParser) -> None:
     from stopline.bench.serve_cli import configure
 

@@ -11,7 +11,9 @@ restarted it and it answers again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +72,8 @@ class RayCores:
         self._on_batch: Callable[[Batch], None] | None = None
         self._pullers: list[asyncio.Task] = []
         self._started_ray = False
+        self._node: str | None = None
+        self._pidfds: dict[int, int] = {}  # replica -> pidfd of its process (same node only)
         self._closing = False
 
     # ---- start ----------------------------------------------------------------------------
@@ -90,9 +94,9 @@ class RayCores:
         self.slots = [ReplicaSlot(i, cls.remote(self.model, self.config, self.threads))
                       for i in range(self.n)]
         infos = await asyncio.gather(*(s.actor.info.remote() for s in self.slots))
+        self._node = ray.get_runtime_context().get_node_id()
         for slot in self.slots:
-            slot.pid = await slot.actor.pid.remote()
-            slot.state = ReplicaState.HEALTHY
+            await self._healthy(slot)
         info: CoreInfo = infos[0]
         self.router.block_size = info.block_size
         self.tokenizer = Tokenizer.from_state(info.tokenizer_state)
@@ -163,7 +167,8 @@ class RayCores:
             except RayActorError as exc:
                 if self._closing:
                     return
-                self._lost(slot, f"replica {slot.index} died: {type(exc).__name__}")
+                if slot.state is ReplicaState.HEALTHY:  # the pidfd watch may have seen it first
+                    self._lost(slot, f"replica {slot.index} died: {type(exc).__name__}")
                 await self._rejoin(slot)
                 continue
             for batch in batches:
@@ -179,6 +184,28 @@ class RayCores:
                     self._forget(out.incarnation)
         assert self._on_batch is not None
         self._on_batch(batch)
+
+    async def _healthy(self, slot: ReplicaSlot) -> None:
+        slot.pid, node = await slot.actor.where.remote()
+        slot.state = ReplicaState.HEALTHY
+        self._unwatch(slot)
+        if node == self._node and hasattr(os, "pidfd_open"):
+            # Same machine: the kernel says at once when the process exits; Ray's own notice
+            # (the pending pull failing) can take about a second.
+            with contextlib.suppress(OSError):
+                fd = self._pidfds[slot.index] = os.pidfd_open(slot.pid)
+                asyncio.get_running_loop().add_reader(fd, self._exited, slot)
+
+    def _unwatch(self, slot: ReplicaSlot) -> None:
+        fd = self._pidfds.pop(slot.index, None)
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+
+    def _exited(self, slot: ReplicaSlot) -> None:
+        self._unwatch(slot)
+        if slot.state is ReplicaState.HEALTHY and not self._closing:
+            self._lost(slot, f"replica {slot.index} died: its process {slot.pid} exited")
 
     def _lost(self, slot: ReplicaSlot, why: str) -> None:
         slot.state = ReplicaState.DEAD
@@ -197,11 +224,10 @@ class RayCores:
             await asyncio.sleep(REJOIN_POLL)
             try:
                 await slot.actor.info.remote()
-                slot.pid = await slot.actor.pid.remote()
+                slot.snapshot = Snapshot()
+                await self._healthy(slot)
             except RayActorError:
                 continue
-            slot.snapshot = Snapshot()
-            slot.state = ReplicaState.HEALTHY
             log.info("replica %d rejoined (pid %d)", slot.index, slot.pid)
             return
 
@@ -219,6 +245,8 @@ class RayCores:
         import ray
 
         self._closing = True
+        for slot in self.slots:
+            self._unwatch(slot)
         for t in self._pullers:
             t.cancel()
         for s in self.slots:

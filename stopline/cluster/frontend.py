@@ -17,8 +17,11 @@ from stopline.engine.async_engine import AsyncEngine
 
 
 def quiet_ray_env() -> None:
-    """Ray must not report usage anywhere (set before ray is imported or started)."""
+    """Set before Ray starts: it must not report usage anywhere; and a call to a replica that
+    died fails after 100 ms of waiting for the death's cause (Ray's default is a second),
+    so the dead replica's streams end well within a second."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ.setdefault("RAY_timeout_ms_task_wait_for_death_info", "100")
 
 
 def ray_engine(model: str | None, config: EngineConfig | None, *, replicas: int = 2,

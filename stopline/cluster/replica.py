@@ -94,8 +94,11 @@ class Replica:
         out, self.batches = self.batches, []
         return out
 
-    async def pid(self) -> int:
-        return os.getpid()
+    async def where(self) -> tuple[int, str]:
+        """This replica's process id and Ray node id."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
     async def stop(self) -> None:
         self.loop.stop()
