@@ -23,6 +23,7 @@ from stopline.config import EngineConfig
 from stopline.engine.streams import EngineDead
 from stopline.model.loaders.loader import load_model
 from stopline.request import AbortSource, SamplingParams
+from stopline.server.metrics import ServerMetrics
 from tests.chaos_support import (
     check_storm,
     make_workload,
@@ -111,7 +112,7 @@ def test_kill_a_replica_during_16_streams_then_it_rejoins(tiny_long_model_dir):
             # While it is down, the router sends nothing its way.
             during = []
             if victim.state is ReplicaState.DEAD:
-                s = await engine.add("during", [9, 9, 9], SamplingParams(max_tokens=4))
+                s = await engine.add("during", [9, 9, 9], SamplingParams(max_tokens=200, ignore_eos=True))
                 during.append(backend.owners.live[s.incarnation].replica
                               if s.incarnation in backend.owners.live else None)
                 async for _ in s:
@@ -121,7 +122,7 @@ def test_kill_a_replica_during_16_streams_then_it_rejoins(tiny_long_model_dir):
                 assert time.monotonic() - t0 < 120, "the killed replica never rejoined"
                 await asyncio.sleep(0.1)
             # Both idle: the least loaded with the lowest index is the rejoined replica.
-            s = await engine.add("after", [9, 9, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+            s = await engine.add("after", [9, 9, 9], SamplingParams(max_tokens=200, ignore_eos=True))
             after_replica = backend.owners.live[s.incarnation].replica
             after = [o async for o in s]
             await asyncio.sleep(0.5)
@@ -152,7 +153,7 @@ def test_kill_a_replica_during_16_streams_then_it_rejoins(tiny_long_model_dir):
         assert "error" not in v and v["reason"] == "length" and v["tokens"] == max_tokens, v
     assert r["during"] in ([], [1]), r["during"]
     assert r["deaths"] == 1 and r["new_pid"] != r["old_pid"]
-    assert r["after_replica"] == 0 and sum(len(o.new_token_ids) for o in r["after"]) == 4
+    assert r["after_replica"] == 0 and sum(len(o.new_token_ids) for o in r["after"]) == 200
     assert r["after"][-1].finish_reason.value == "length"
     # No idle spin: 5 idle seconds cost the front end and each replica well under 5% of a core.
     assert r["idle"]["frontend"] < 0.25, r["idle"]
@@ -186,8 +187,19 @@ def test_bulk_cancel_fans_out_and_answers_when_every_replica_confirmed(tiny_long
             engine.abort([s.incarnation for s in streams] + ["nobody"], AbortSource.CANCEL)
             await asyncio.sleep(0.3)
             snaps = await engine.utility("snapshot")
-            return dict(owners=owners, done=done, early=early_out, snaps=snaps,
-                        live=dict(backend.owners.live))
+            metrics = ServerMetrics()
+            metrics.bind(engine)
+            text = metrics.render()[0].decode()
+            # Shutdown travels the same way: a drain aborts what is left, source "shutdown".
+            left = [await engine.add(f"d{i}", [3 + i, 4, 5], long) for i in range(2)]
+            aborted = await engine.drain(0.2)
+            drained = []
+            for s in left:
+                drained.append([o.finish_reason.value async for o in s if o.finished])
+            after = await engine.utility("snapshot")
+            return dict(owners=owners, done=done, early=early_out, snaps=snaps, text=text,
+                        live=dict(backend.owners.live), aborted=aborted, drained=drained,
+                        after=after)
         finally:
             await engine.close()
 
@@ -200,3 +212,13 @@ def test_bulk_cancel_fans_out_and_answers_when_every_replica_confirmed(tiny_long
         assert snap.kv_blocks_used == 0 and snap.running == snap.waiting == 0
         total_cancel = sum(n for src, _, n in snap.aborts if src == "cancel")
         assert total_cancel >= 3, snap.aborts
+    # /metrics: one family, a series per replica, their counts as the replicas report them.
+    for rep, snap in enumerate(r["snaps"]):
+        assert f'stopline_kv_blocks_total{{replica="{rep}"}} {float(snap.kv_blocks_total)}' in r["text"]
+        n = sum(k for src, st, k in snap.aborts if src == "cancel" and st == "running")
+        assert (f'stopline_aborts_total{{replica="{rep}",source="cancel",state="running"}} {float(n)}'
+                in r["text"])
+        assert f'stopline_preemptions_total{{mode="recompute",replica="{rep}"}}' in r["text"] or \
+            f'stopline_preemptions_total{{replica="{rep}",mode="recompute"}}' in r["text"]
+    assert r["aborted"] == 2 and r["drained"] == [["abort"], ["abort"]]
+    assert sum(sum(n for src, _, n in s.aborts if src == "shutdown") for s in r["after"]) == 2
