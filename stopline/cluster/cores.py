@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -122,10 +123,15 @@ class RayCores:
         try:
             refused = await self.slots[r].actor.add.remote(request_id, incarnation, prompt_token_ids,
                                                            params, arrival)
-        except (RayActorError, asyncio.CancelledError) as exc:
+        except asyncio.CancelledError:
+            # The caller is gone while the add was in flight: the replica may admit it anyway,
+            # so an abort follows (Ray keeps it behind the add); its terminal output finds no
+            # stream and is dropped.
             self._forget(incarnation)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+            self._send(r, "abort", [incarnation], AbortSource.DISCONNECT, time.monotonic())
+            raise
+        except RayActorError:
+            self._forget(incarnation)
             raise EngineDead(f"replica {r} died while admitting the request") from None
         if refused is not None:
             self._forget(incarnation)
