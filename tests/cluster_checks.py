@@ -191,11 +191,16 @@ def test_bulk_cancel_fans_out_and_answers_when_every_replica_confirmed(tiny_long
             metrics.bind(engine)
             text = metrics.render()[0].decode()
             # Shutdown travels the same way: a drain aborts what is left, source "shutdown".
+            # A caller gone while its add is in flight: the replica must not keep running it.
+            gone = asyncio.ensure_future(engine.add("gone", [8, 8, 8], long))
+            await asyncio.sleep(0)
+            gone.cancel()
             left = [await engine.add(f"d{i}", [3 + i, 4, 5], long) for i in range(2)]
             aborted = await engine.drain(0.2)
             drained = []
             for s in left:
                 drained.append([o.finish_reason.value async for o in s if o.finished])
+            await asyncio.sleep(0.3)
             after = await engine.utility("snapshot")
             return dict(owners=owners, done=done, early=early_out, snaps=snaps, text=text,
                         live=dict(backend.owners.live), aborted=aborted, drained=drained,
@@ -222,3 +227,5 @@ def test_bulk_cancel_fans_out_and_answers_when_every_replica_confirmed(tiny_long
             f'stopline_preemptions_total{{replica="{rep}",mode="recompute"}}' in r["text"]
     assert r["aborted"] == 2 and r["drained"] == [["abort"], ["abort"]]
     assert sum(sum(n for src, _, n in s.aborts if src == "shutdown") for s in r["after"]) == 2
+    for snap in r["after"]:
+        assert snap.kv_blocks_used == 0 and snap.running == snap.waiting == 0, snap
