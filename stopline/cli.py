@@ -148,6 +148,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="the model id clients send (default: the model file or directory name)")
     g.add_argument("--in-process", action="store_true",
                    help="run the engine core in a thread of the server process instead of its own process")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="serve through N engine replicas, Ray actors (docs/replicas.md)")
+    g.add_argument("--ray-address", default=None,
+                   help="with --replicas: an existing Ray cluster (default: start a local one)")
+    g.add_argument("--route", default="affinity", choices=["affinity", "round-robin"],
+                   help="with --replicas: least loaded with prefix affinity, or round robin")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="answer 429 while this many requests wait for their first step (default: no limit)")
     g.add_argument("--queue-timeout", type=float, default=None,
@@ -186,7 +192,16 @@ def serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, queue_timeout=args.queue_timeout,
         drain_timeout=args.drain_timeout)
+    engine = None
+    if args.replicas is not None:
+        from stopline.cluster.frontend import ray_engine
+
+        engine = ray_engine(args.model, engine_config(args), replicas=args.replicas,
+                            address=args.ray_address, policy=args.route,
+                            threads=args.core_threads or 1, max_waiting=args.max_waiting,
+                            stall_timeout=args.stall_timeout, max_buffered=args.max_buffered)
     return run_server(args.model, engine_config(args), settings, host=args.host, port=args.port,
+                      engine=engine,
                       in_process=args.in_process, max_waiting=args.max_waiting,
                       core_threads=args.core_threads, stall_timeout=args.stall_timeout,
                       max_buffered=args.max_buffered, log_level=args.log_level,
@@ -226,6 +241,33 @@ def bench_stop(args: argparse.Namespace) -> int:
     Path(args.out).write_text(__import__("json").dumps(result, indent=2))
     Path(args.report).write_text(stop_report.render(result))
     print(f"results: {args.out}; report: {args.report}")
+    return 0
+
+
+def _replicas_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=40, help="aborts timed per engine")
+    p.add_argument("--long-len", type=int, default=512, help="prompt tokens of the cancelled long prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/replicas.json")
+    add_engine_args(p)
+
+
+@bench_command("replicas", "Ray replicas: abort latency through the router, routing overhead, "
+               "prefix hit rate, head-of-line, replica kill (run it in a network namespace)",
+               _replicas_bench_args)
+def bench_replicas(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from stopline.bench import replicas
+    from stopline.cluster.frontend import quiet_ray_env
+
+    quiet_ray_env()
+    result = replicas.run(args.model, engine_config(args), args.rounds, args.long_len, args.seed)
+    command = "stopline bench replicas " + " ".join(sys.argv[3:])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(replicas.render(result, command, args.model or "SmolLM2-135M-Instruct"))
     return 0
 
 

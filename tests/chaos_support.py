@@ -242,10 +242,12 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
 
 
 def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed: int,
-                    *, subprocess: bool = True) -> StormResult:
+                    *, subprocess: bool = True, make=None) -> StormResult:
     """The storm through the async engine (the core in its own process, over ZMQ): each job
     streams in its own task; an aborted job's cancel goes out after a random wall-clock
-    delay, so it lands between steps, mid-forward or mid-prefill as it happens."""
+    delay, so it lands between steps, mid-forward or mid-prefill as it happens. `make`:
+    another engine factory (model_dir, config, progress) -> AsyncEngine, e.g. Ray replicas,
+    whose utilities answer once per replica."""
     from stopline.engine.async_engine import AsyncEngine
 
     rng = random.Random(seed)
@@ -274,8 +276,8 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
             engine.abort(inc, AbortSource.CANCEL)
 
     async def main() -> None:
-        make = AsyncEngine.in_subprocess if subprocess else AsyncEngine.in_process
-        engine = make(model_dir, config, progress=False)
+        factory = make or (AsyncEngine.in_subprocess if subprocess else AsyncEngine.in_process)
+        engine = factory(model_dir, config, progress=False)
         await engine.start()
         try:
             tasks = []
@@ -288,9 +290,11 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                 if n % 4 == 3:
                     await asyncio.sleep(rng.uniform(0, 0.02))
             await asyncio.gather(*tasks)
-            assert await engine.utility("audit") is None
-            snap = await engine.utility("snapshot")
-            assert snap.kv_blocks_used == 0 and snap.running == snap.waiting == 0
+            audits = await engine.utility("audit")
+            assert all(a is None for a in (audits if isinstance(audits, list) else [audits]))
+            snaps = await engine.utility("snapshot")
+            for snap in snaps if isinstance(snaps, list) else [snaps]:
+                assert snap.kv_blocks_used == 0 and snap.running == snap.waiting == 0, snap
         finally:
             await engine.close()
 

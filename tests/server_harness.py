@@ -88,6 +88,10 @@ class ServerProcess:
             for s in fam.samples:
                 labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+                if "replica" in s.labels:  # Ray replicas: also their sum, as one engine reports it
+                    rest = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "replica")
+                    name = f"{s.name}{{{rest}}}" if rest else s.name
+                    out[name] = out.get(name, 0.0) + s.value
         return out
 
     def wait_idle(self, baseline_used: float = 0.0, timeout: float = 1.0) -> float:

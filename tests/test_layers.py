@@ -30,8 +30,9 @@ ALLOWED: dict[str, set[str]] = {
     "worker": BASE | {"kv", "model", "sched.plan", "grammar"},
     "engine": BASE | {"kv", "lifecycle", "sched", "spec", "worker", "model", "tokenizer", "grammar"},
     "server": BASE | {"engine", "tokenizer", "grammar", "__init__"},
-    "bench": BASE | {"engine", "model", "tokenizer", "server", "cli", "kv", "__init__"},
-    "cli": BASE | {"engine", "model", "server", "bench", "tokenizer"},
+    "cluster": BASE | {"engine", "tokenizer"},
+    "bench": BASE | {"cluster", "engine", "model", "tokenizer", "server", "cli", "kv", "__init__"},
+    "cli": BASE | {"cluster", "engine", "model", "server", "bench", "tokenizer"},
     "__init__": BASE | {"engine"},
 }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -30,13 +31,16 @@ VERY_LONG = 6400  # one request that has the pool to itself
 MAX_BODY = 64 * 1024
 
 pytestmark = pytest.mark.timeout(120)
+# tests/test_cluster.py runs this module's stop-path checks again through Ray replicas.
+REPLICAS = os.environ.get("STOPLINE_TEST_REPLICAS")
 
 
 @pytest.fixture(scope="module")
 def server(tiny_long_model_dir):
     srv = ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", "tiny",
                         "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_SEQS),
-                        "--max-body-bytes", str(MAX_BODY), api_key=KEY)
+                        "--max-body-bytes", str(MAX_BODY),
+                        *(["--replicas", REPLICAS] if REPLICAS else []), api_key=KEY)
     try:
         srv.wait_ready()
         yield srv
@@ -63,7 +67,8 @@ def long_body(stream: bool, **extra) -> bytes:
 
 # ---- the happy paths -------------------------------------------------------------------------
 def test_health_and_models(server, client):
-    assert httpx.get(server.base + "/health").json() == {"status": "ok"}
+    health = httpx.get(server.base + "/health").json()
+    assert health["status"] == "ok" and ("replicas" in health) == bool(REPLICAS)
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
 

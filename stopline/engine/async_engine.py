@@ -244,6 +244,14 @@ class AsyncEngine:
             await asyncio.wait_for(asyncio.gather(*waits), timeout)
         return {rid: [r.value if r else None for r in s.finish_reasons] for rid, s in streams.items()}
 
+    def fail(self, incarnations: Iterable[str], reason: str) -> int:
+        """End these open streams with EngineDead(reason) while the engine lives on (their
+        replica died: stopline/cluster). Returns how many were open."""
+        streams = [self._streams[i] for i in incarnations if i in self._streams]
+        for s in streams:
+            self._fail(s, EngineDead(reason))
+        return len(streams)
+
     async def utility(self, method: Utility | str) -> Any:
         """Run a core utility (snapshot, audit, reset_prefix_cache) between steps."""
         method = Utility(method)

@@ -40,9 +40,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.ready:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": engine.state.value, "detail": engine.unavailable_why()},
+        # Replicas (stopline/cluster) report each one; serving needs one healthy replica.
+        replicas = engine.backend.health() if hasattr(engine.backend, "health") else None
+        extra = {} if replicas is None else {"replicas": replicas}
+        if engine.ready and (replicas is None or any(r["state"] == "healthy" for r in replicas)):
+            return JSONResponse({"status": "ok"} | extra)
+        detail = engine.unavailable_why() if not engine.ready else "no replica is healthy"
+        return JSONResponse({"status": engine.state.value if not engine.ready else "unavailable",
+                             "detail": detail} | extra,
                             status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/metrics")

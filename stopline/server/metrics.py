@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from stopline.engine.async_engine import AsyncEngine, EngineObserver
 from stopline.engine.messages import AbortTiming
+from stopline.engine.snapshot import Snapshot
 from stopline.request import AbortSource, FinishReason, Usage
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05,
@@ -148,55 +149,81 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         e = self.engine
-        s = e.snapshot
+        # Ray replicas (stopline/cluster): each engine family once, one series per replica.
+        per = e.backend.snapshots() if hasattr(e.backend, "snapshots") else None
+        snaps = per if per is not None else {"": e.snapshot}
+        lab = ["replica"] if per is not None else []
+
+        def key(r: str) -> list[str]:
+            return [r] if per is not None else []
+
+        def gauge(name: str, doc: str, values: dict[str, float]) -> Metric:
+            g = GaugeMetricFamily(name, doc, labels=lab)
+            for r, v in values.items():
+                g.add_metric(key(r), v)
+            return g
+
+        def counter(name: str, doc: str, values: dict[str, float]) -> Metric:
+            c = CounterMetricFamily(name, doc, labels=lab)
+            for r, v in values.items():
+                c.add_metric(key(r), v)
+            return c
+
         gauges = [
-            ("stopline_requests_running", "Sequences scheduled in the engine (prefilling or decoding).", s.running),
-            ("stopline_requests_waiting", "Sequences admitted to the engine, not yet scheduled.", s.waiting),
-            ("stopline_requests_preempted", "Sequences preempted or swapped out, waiting to resume.", s.preempted),
-            ("stopline_kv_blocks_total", "KV blocks in the pool.", s.kv_blocks_total),
-            ("stopline_kv_blocks_used", "KV blocks owned by live requests (or fenced).", s.kv_blocks_used),
-            ("stopline_kv_blocks_cached", "Free KV blocks holding a reusable prefix.", s.kv_blocks_cached),
-            ("stopline_requests_open", "Requests with an open stream on this server.", e.num_open),
-            ("stopline_engine_healthy", "1 while the engine admits requests, else 0.", int(e.ready)),
+            ("stopline_requests_running", "Sequences scheduled in the engine (prefilling or decoding).", "running"),
+            ("stopline_requests_waiting", "Sequences admitted to the engine, not yet scheduled.", "waiting"),
+            ("stopline_requests_preempted", "Sequences preempted or swapped out, waiting to resume.", "preempted"),
+            ("stopline_kv_blocks_total", "KV blocks in the pool.", "kv_blocks_total"),
+            ("stopline_kv_blocks_used", "KV blocks owned by live requests (or fenced).", "kv_blocks_used"),
+            ("stopline_kv_blocks_cached", "Free KV blocks holding a reusable prefix.", "kv_blocks_cached"),
         ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, field in gauges:
+            yield gauge(name, doc, {r: getattr(s, field) for r, s in snaps.items()})
+        yield GaugeMetricFamily("stopline_requests_open", "Requests with an open stream on this server.",
+                                value=e.num_open)
+        yield GaugeMetricFamily("stopline_engine_healthy", "1 while the engine admits requests, else 0.",
+                                value=int(e.ready))
         aborts = CounterMetricFamily("stopline_aborts", "Aborts applied by the engine, by source and "
-                                     "the state the sequence was in.", labels=["source", "state"])
-        seen = {(src, st): n for src, st, n in s.aborts}
-        for src in [a.value for a in AbortSource]:
-            for st in ABORT_STATES:
-                aborts.add_metric([src, st], seen.pop((src, st), 0))
-        for (src, st), n in seen.items():
-            aborts.add_metric([src, st], n)
-        yield aborts
-        pre = CounterMetricFamily("stopline_preemptions", "Preemptions, by mode.", labels=["mode"])
-        modes = dict.fromkeys(PREEMPTION_MODES, 0) | s.preemptions
-        for mode, n in modes.items():
-            pre.add_metric([mode], n)
-        yield pre
-        yield CounterMetricFamily("stopline_recomputed_tokens", "Tokens computed again after a "
-                                  "recompute preemption.", value=s.recomputed_tokens)
-        yield CounterMetricFamily("stopline_tokens_after_abort", "Tokens computed for a request "
-                                  "in the step in flight when its abort was accepted (never "
-                                  "delivered).", value=s.tokens_after_abort)
-        yield CounterMetricFamily("stopline_engine_steps", "Engine steps run.", value=s.steps)
-        yield CounterMetricFamily("stopline_spec_draft_tokens", "Draft tokens scheduled for "
-                                  "verification (speculative decoding).", value=s.spec_drafted)
-        yield CounterMetricFamily("stopline_spec_accepted_tokens", "Verified drafts that equal "
-                                  "the sampled token, delivered.", value=s.spec_accepted)
-        yield CounterMetricFamily("stopline_spec_rejected_tokens", "Verified drafts that did not "
-                                  "equal the sampled token (or followed one that did not).",
-                                  value=s.spec_rejected)
+                                     "the state the sequence was in.", labels=lab + ["source", "state"])
+        pre = CounterMetricFamily("stopline_preemptions", "Preemptions, by mode.", labels=lab + ["mode"])
         disc = CounterMetricFamily("stopline_spec_discarded_tokens", "Drafts never verified or "
                                    "after a stop: their step's result was void (cancel, preempt, "
-                                   "error) or a stop came first.", labels=["reason"])
-        for reason, n in (dict.fromkeys(DISCARD_REASONS, 0) | s.spec_discarded).items():
-            disc.add_metric([reason], n)
+                                   "error) or a stop came first.", labels=lab + ["reason"])
+        for r, s in snaps.items():
+            seen = {(src, st): n for src, st, n in s.aborts}
+            for src in [a.value for a in AbortSource]:
+                for st in ABORT_STATES:
+                    aborts.add_metric(key(r) + [src, st], seen.pop((src, st), 0))
+            for (src, st), n in seen.items():
+                aborts.add_metric(key(r) + [src, st], n)
+            for mode, n in (dict.fromkeys(PREEMPTION_MODES, 0) | s.preemptions).items():
+                pre.add_metric(key(r) + [mode], n)
+            for reason, n in (dict.fromkeys(DISCARD_REASONS, 0) | s.spec_discarded).items():
+                disc.add_metric(key(r) + [reason], n)
+        yield aborts
+        yield pre
+        counters = [
+            ("stopline_recomputed_tokens", "Tokens computed again after a recompute preemption.",
+             "recomputed_tokens"),
+            ("stopline_tokens_after_abort", "Tokens computed for a request in the step in flight "
+             "when its abort was accepted (never delivered).", "tokens_after_abort"),
+            ("stopline_engine_steps", "Engine steps run.", "steps"),
+            ("stopline_spec_draft_tokens", "Draft tokens scheduled for verification (speculative "
+             "decoding).", "spec_drafted"),
+            ("stopline_spec_accepted_tokens", "Verified drafts that equal the sampled token, "
+             "delivered.", "spec_accepted"),
+            ("stopline_spec_rejected_tokens", "Verified drafts that did not equal the sampled token "
+             "(or followed one that did not).", "spec_rejected"),
+        ]
+        for name, doc, field in counters:
+            yield counter(name, doc, {r: getattr(s, field) for r, s in snaps.items()})
         yield disc
-        yield CounterMetricFamily("stopline_spec_verify_steps", "Verify runs processed (one per "
-                                  "speculating request and step).", value=s.spec_verify_steps)
-        verified = s.spec_accepted + s.spec_rejected
-        yield GaugeMetricFamily("stopline_spec_acceptance_rate", "Accepted over verified drafts "
-                                "(discarded drafts were never verified and do not count).",
-                                value=s.spec_accepted / verified if verified else 0.0)
+        yield counter("stopline_spec_verify_steps", "Verify runs processed (one per speculating "
+                      "request and step).", {r: s.spec_verify_steps for r, s in snaps.items()})
+
+        def rate(s: Snapshot) -> float:
+            verified = s.spec_accepted + s.spec_rejected
+            return s.spec_accepted / verified if verified else 0.0
+
+        yield gauge("stopline_spec_acceptance_rate", "Accepted over verified drafts (discarded "
+                    "drafts were never verified and do not count).", {r: rate(s) for r, s in snaps.items()})

@@ -62,12 +62,16 @@ def serve(model: str | None, config: EngineConfig, settings: ServerSettings, *,
           host: str = "127.0.0.1", port: int = 8000, in_process: bool = False,
           max_waiting: int | None = None, core_threads: int | None = None,
           stall_timeout: float = 60.0, max_buffered: int = 64,
-          log_level: str = "info", access_log: bool = True) -> int:
-    """Serve until stopped; returns the process exit status."""
+          log_level: str = "info", access_log: bool = True,
+          engine: AsyncEngine | None = None) -> int:
+    """Serve until stopped; returns the process exit status. `engine`: one built elsewhere
+    (the Ray replicas of stopline/cluster) instead of a local core."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     streams = dict(max_waiting=max_waiting, stall_timeout=stall_timeout, max_buffered=max_buffered)
-    if in_process:
+    if engine is not None:
+        in_process = False
+    elif in_process:
         engine = AsyncEngine.in_process(model, config, progress=True, **streams)
     else:
         engine = AsyncEngine.in_subprocess(model, config, progress=True, core_threads=core_threads,
@@ -83,6 +87,8 @@ def serve(model: str | None, config: EngineConfig, settings: ServerSettings, *,
 
     state.request_exit = request_exit
     mode = "in-process" if in_process else "engine core in its own process"
+    if hasattr(engine.backend, "slots"):
+        mode = f"{engine.backend.n} Ray replicas"
     print(f"stopline: serving {settings.model_name!r} at http://{host}:{port} ({mode}); "
           "loading the model, /health answers 503 until it is ready", file=sys.stderr, flush=True)
     server.run()

@@ -1,0 +1,268 @@
+"""RayCores: the engine backend (async_engine.CoreBackend) whose core is N Ray replicas.
+
+The AsyncEngine in front keeps every request's stream, incarnation and terminal-output rule
+as in one process; this backend routes each add to one replica (router.py), remembers the
+owner (owners.py), sends aborts and pauses to that owner only, and pulls outputs from every
+replica. A replica that dies ends its own open streams with EngineDead at once (its pending
+pull fails), its requests are not retried, the router skips it, and it rejoins when Ray has
+restarted it and it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from stopline.cluster.owners import OwnerTable
+from stopline.cluster.replica import actor_class
+from stopline.cluster.router import NoReplica, Policy, Router
+from stopline.config import Choice, EngineConfig
+from stopline.engine.messages import Batch, CoreInfo, Utility
+from stopline.engine.snapshot import Snapshot
+from stopline.engine.streams import EngineDead, EngineUnavailable
+from stopline.request import AbortSource, InvalidRequest, SamplingParams
+
+log = logging.getLogger("stopline.cluster")
+
+REJOIN_POLL = 0.5  # seconds between asking a dead replica whether it is back
+
+
+class ReplicaState(Choice):
+    STARTING = "starting"
+    HEALTHY = "healthy"
+    DEAD = "dead"  # died; Ray is restarting it
+    CLOSED = "closed"
+
+
+@dataclass
+class ReplicaSlot:
+    index: int
+    actor: Any
+    state: ReplicaState = ReplicaState.STARTING
+    pid: int | None = None
+    deaths: int = 0
+    last_error: str | None = None
+    snapshot: Snapshot = Snapshot()
+
+
+class RayCores:
+    def __init__(self, model: str | None, config: EngineConfig | None, *, replicas: int = 2,
+                 address: str | None = None, policy: Policy = Policy.AFFINITY,
+                 threads: int | None = 1, num_cpus: float = 1.0,
+                 ray_init: dict[str, Any] | None = None) -> None:
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        self.model, self.config = model, config
+        self.n = replicas
+        self.address = address
+        self.threads = threads
+        self.num_cpus = num_cpus
+        self.ray_init = ray_init or {}
+        self.router = Router(policy)
+        self.owners = OwnerTable()
+        self.samples: dict[str, int] = {}  # incarnation -> samples not yet ended
+        self.slots: list[ReplicaSlot] = []
+        self.tokenizer = None
+        self.on_lost: Callable[[list[str], str], None] = lambda incs, why: None  # set by frontend
+        self._on_batch: Callable[[Batch], None] | None = None
+        self._pullers: list[asyncio.Task] = []
+        self._started_ray = False
+        self._node: str | None = None
+        self._pidfds: dict[int, int] = {}  # replica -> pidfd of its process (same node only)
+        self._closing = False
+
+    # ---- start ----------------------------------------------------------------------------
+    async def start(self, on_batch: Callable[[Batch], None],
+                    on_dead: Callable[[str], None]) -> CoreInfo:
+        import ray
+
+        from stopline.tokenizer.tokenizer import Tokenizer
+
+        self._on_batch = on_batch
+        if not ray.is_initialized():
+            kwargs = dict(address=self.address, include_dashboard=False, log_to_driver=False)
+            if self.address is None:
+                kwargs["num_cpus"] = max(2, int(self.n * self.num_cpus))
+            await asyncio.to_thread(ray.init, **(kwargs | self.ray_init))
+            self._started_ray = True
+        cls = actor_class(self.num_cpus)
+        self.slots = [ReplicaSlot(i, cls.remote(self.model, self.config, self.threads))
+                      for i in range(self.n)]
+        infos = await asyncio.gather(*(s.actor.info.remote() for s in self.slots))
+        self._node = ray.get_runtime_context().get_node_id()
+        for slot in self.slots:
+            await self._healthy(slot)
+        info: CoreInfo = infos[0]
+        self.router.block_size = info.block_size
+        self.tokenizer = Tokenizer.from_state(info.tokenizer_state)
+        self._pullers = [asyncio.create_task(self._pull(s), name=f"stopline-replica-{s.index}")
+                         for s in self.slots]
+        log.info("%d replicas ready (pids %s)", self.n, [s.pid for s in self.slots])
+        return info
+
+    # ---- requests -------------------------------------------------------------------------
+    def healthy(self) -> list[int]:
+        return [s.index for s in self.slots if s.state is ReplicaState.HEALTHY]
+
+    async def add(self, request_id: str, incarnation: str, prompt_token_ids: list[int],
+                  params: SamplingParams, arrival: float) -> None:
+        from ray.exceptions import RayActorError
+
+        try:
+            r = self.router.choose(prompt_token_ids, self.healthy(), self.owners.load)
+        except NoReplica as exc:
+            raise EngineUnavailable(str(exc)) from None
+        self.owners.dispatch(incarnation, r)
+        self.samples[incarnation] = params.n
+        try:
+            refused = await self.slots[r].actor.add.remote(request_id, incarnation, prompt_token_ids,
+                                                           params, arrival)
+        except asyncio.CancelledError:
+            # The caller is gone while the add was in flight: the replica may admit it anyway,
+            # so an abort follows (Ray keeps it behind the add); its terminal output finds no
+            # stream and is dropped.
+            self._forget(incarnation)
+            self._send(r, "abort", [incarnation], AbortSource.DISCONNECT, time.monotonic())
+            raise
+        except RayActorError:
+            self._forget(incarnation)
+            raise EngineDead(f"replica {r} died while admitting the request") from None
+        if refused is not None:
+            self._forget(incarnation)
+            raise InvalidRequest(refused)
+        if incarnation in self.owners.live:
+            held = self.owners.admitted(incarnation)
+            if held is not None:
+                self._send(r, "abort", [incarnation], held[0], held[1])
+
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
+        for r, incs in self.owners.route_aborts(incarnations, source, t0).items():
+            self._send(r, "abort", incs, source, t0)
+
+    def pause(self, incarnations: list[str], paused: bool) -> None:
+        for r, incs in self.owners.running(incarnations).items():
+            self._send(r, "pause", incs, paused)
+
+    def _send(self, r: int, method: str, *args: Any) -> None:
+        slot = self.slots[r]
+        if slot.state is ReplicaState.HEALTHY:
+            getattr(slot.actor, method).remote(*args)  # fire and forget; ordered per caller
+
+    async def utility(self, method: Utility) -> list[Any]:
+        """Runs on every healthy replica; their results in replica order."""
+        return list(await asyncio.gather(*(self.slots[r].actor.utility.remote(method)
+                                           for r in self.healthy())))
+
+    def _forget(self, incarnation: str) -> None:
+        self.owners.end(incarnation)
+        self.samples.pop(incarnation, None)
+
+    # ---- from the replicas ----------------------------------------------------------------
+    async def _pull(self, slot: ReplicaSlot) -> None:
+        from ray.exceptions import RayActorError
+
+        while not self._closing:
+            try:
+                batches = await slot.actor.pull.remote()
+            except RayActorError as exc:
+                if self._closing:
+                    return
+                if slot.state is ReplicaState.HEALTHY:  # the pidfd watch may have seen it first
+                    self._lost(slot, f"replica {slot.index} died: {type(exc).__name__}")
+                await self._rejoin(slot)
+                continue
+            for batch in batches:
+                self._deliver(slot, batch)
+
+    def _deliver(self, slot: ReplicaSlot, batch: Batch) -> None:
+        if batch.snapshot is not None:
+            slot.snapshot = batch.snapshot
+        for out in batch.outputs:
+            if out.finished and out.incarnation in self.samples:
+                self.samples[out.incarnation] -= 1
+                if self.samples[out.incarnation] <= 0:
+                    self._forget(out.incarnation)
+        assert self._on_batch is not None
+        self._on_batch(batch)
+
+    async def _healthy(self, slot: ReplicaSlot) -> None:
+        slot.pid, node = await slot.actor.where.remote()
+        slot.state = ReplicaState.HEALTHY
+        self._unwatch(slot)
+        if node == self._node and hasattr(os, "pidfd_open"):
+            # Same machine: the kernel says at once when the process exits; Ray's own notice
+            # (the pending pull failing) can take about a second.
+            with contextlib.suppress(OSError):
+                fd = self._pidfds[slot.index] = os.pidfd_open(slot.pid)
+                asyncio.get_running_loop().add_reader(fd, self._exited, slot)
+
+    def _unwatch(self, slot: ReplicaSlot) -> None:
+        fd = self._pidfds.pop(slot.index, None)
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+
+    def _exited(self, slot: ReplicaSlot) -> None:
+        self._unwatch(slot)
+        if slot.state is ReplicaState.HEALTHY and not self._closing:
+            self._lost(slot, f"replica {slot.index} died: its process {slot.pid} exited")
+
+    def _lost(self, slot: ReplicaSlot, why: str) -> None:
+        slot.state = ReplicaState.DEAD
+        slot.deaths += 1
+        slot.last_error = why
+        incs = self.owners.owned_by(slot.index)
+        for inc in incs:
+            self._forget(inc)
+        log.error("%s; ending its %d open requests (not retried)", why, len(incs))
+        self.on_lost(incs, why)
+
+    async def _rejoin(self, slot: ReplicaSlot) -> None:
+        from ray.exceptions import RayActorError
+
+        while not self._closing:
+            await asyncio.sleep(REJOIN_POLL)
+            try:
+                await slot.actor.info.remote()
+                slot.snapshot = Snapshot()
+                await self._healthy(slot)
+            except RayActorError:
+                continue
+            log.info("replica %d rejoined (pid %d)", slot.index, slot.pid)
+            return
+
+    # ---- views ----------------------------------------------------------------------------
+    def health(self) -> list[dict[str, Any]]:
+        return [{"replica": s.index, "state": s.state.value, "pid": s.pid, "deaths": s.deaths,
+                 "open": self.owners.load(s.index), "last_error": s.last_error}
+                for s in self.slots]
+
+    def snapshots(self) -> dict[str, Snapshot]:
+        return {str(s.index): s.snapshot for s in self.slots}
+
+    # ---- stop -----------------------------------------------------------------------------
+    async def close(self) -> None:
+        import ray
+
+        self._closing = True
+        for slot in self.slots:
+            self._unwatch(slot)
+        for t in self._pullers:
+            t.cancel()
+        for s in self.slots:
+            s.state = ReplicaState.CLOSED
+            try:
+                await asyncio.wait_for(s.actor.stop.remote(), 10.0)
+            except Exception:  # noqa: BLE001 - a dead or wedged replica: kill below
+                pass
+            ray.kill(s.actor, no_restart=True)
+        if self._started_ray:
+            await asyncio.to_thread(ray.shutdown)
+
+
