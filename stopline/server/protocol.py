@@ -17,9 +17,8 @@ from stopline.grammar import tool_format
 from stopline.grammar.formats import response_format_grammar
 from stopline.grammar.tools import ToolPlan, tool_plan
 from stopline.request import InvalidRequest, SamplingParams
+from stopline.server import limits
 from stopline.server.errors import ApiError, param_of
-
-MAX_N = 64
 
 
 class _Strict(BaseModel):
@@ -131,8 +130,7 @@ def _unsupported(param: str, why: str) -> ApiError:
 def sampling_params(req: CompletionRequest | ChatRequest, *, default_max_tokens: int | None,
                     queue_timeout: float | None) -> SamplingParams:
     """Map a request to SamplingParams; range checks are SamplingParams.validate's job."""
-    if not 1 <= req.n <= MAX_N:
-        raise ApiError(400, f"n: must be between 1 and {MAX_N}, got {req.n}", param="n")
+    limits.check(req)
     if req.logit_bias:
         raise _unsupported("logit_bias", "not supported")
     if req.stream_options is not None and not req.stream:
@@ -223,7 +221,7 @@ def chat_messages(req: ChatRequest, tools: ToolPlan | None = None) -> list[dict[
                                        "is not supported (text only)")
                 texts.append(part.text)
             content = "".join(texts)
-        role = m.role
+        role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system
         if m.tool_calls:
             if role != "assistant":
                 raise ApiError(400, f"messages.{i}.tool_calls: only assistant messages call tools",

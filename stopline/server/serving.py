@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from stopline.engine.streams import EngineDead, EngineOverloaded, EngineUnavailable, RequestStream
 from stopline.request import AbortSource, InvalidRequest
+from stopline.server import limits
 from stopline.server.disconnect import watch_disconnect
 from stopline.server.errors import ApiError, param_of
 from stopline.server.format import SSE_DONE, Choice, Formatter, UsageSum, sse
@@ -72,6 +73,9 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
     engine = srv.engine
     if not engine.ready or engine.tokenizer is None:
         raise _unavailable(str(EngineUnavailable(engine.unavailable_why())))
+    limits.check(req)
+    if engine.info is not None:
+        limits.check_vocab(req.logit_bias, engine.info.vocab_size)
     params = sampling_params(req, queue_timeout=srv.settings.queue_timeout,
                              default_max_tokens=None if chat else COMPLETION_DEFAULT_MAX_TOKENS)
     tools = tools_of(req)
