@@ -79,7 +79,7 @@ def check(req: Any, limits: Limits = LIMITS) -> None:
         _count("prompt", prompt, limits.prompts)
     messages = getattr(req, "messages", None)
     if messages is not None:
-        _check_messages(messages, limits)
+        check_messages(messages, limits)
 
 
 def _check_logit_bias(bias: dict[str, float] | None, limits: Limits) -> None:
@@ -101,7 +101,7 @@ def check_vocab(bias: dict[str, float] | None, vocab_size: int) -> None:
             raise _bad("logit_bias", f"token id {key} is outside the vocabulary (size {vocab_size})")
 
 
-def _check_messages(messages: list[Any], limits: Limits) -> None:
+def check_messages(messages: list[Any], limits: Limits) -> None:
     _count("messages", messages, limits.messages)
     for i, m in enumerate(messages):
         if m.role not in ROLES:

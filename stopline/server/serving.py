@@ -9,6 +9,7 @@ disconnect aborts it at once (see disconnect.py), and so does any way the handle
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ from stopline.tokenizer.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
     from stopline.server.state import ServerState
+
+log = logging.getLogger("stopline.server")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
 _OFFLOAD_CHARS = 50_000  # tokenize longer prompts off the event loop
@@ -82,6 +85,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
     params.grammar = grammar_of(req, tools)
     prompt = await _prompt_ids(req, engine.tokenizer, tools)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    trace = _client_id(request) or rid  # the client's X-Request-Id, echoed; rid stays the cancel id
     try:
         stream = await engine.add(rid, prompt, params, arrival=arrival, incarnation=rid)
     except InvalidRequest as exc:
@@ -95,19 +99,40 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
                        headers={"Retry-After": "1"}) from None
     except (EngineUnavailable, EngineDead) as exc:
         raise _unavailable(str(exc)) from None
+    log.info("%s: admitted (request id %s), %d prompt tokens, n=%d", rid, trace, len(prompt), params.n)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     fmt = Formatter(chat=chat, request_id=rid, created=int(time.time()), model=srv.model_name,
                     n=params.n, token_text=srv.token_text, include_usage=include_usage,
                     tool_calls=tools.parses_calls)
 
     def abort(t0: float) -> None:
+        log.info("%s: client disconnected (request id %s)", rid, trace)
         engine.abort(rid, AbortSource.DISCONNECT, t0)
         stream.detach()
 
     if req.stream:
         return SSEResponse(_events(stream, fmt), on_disconnect=abort, wake=stream.detach,
-                           headers={"X-Request-Id": rid})
-    return await _whole(request, stream, fmt, abort)
+                           headers=_headers(rid, trace))
+    return await _whole(request, stream, fmt, abort, _headers(rid, trace))
+
+
+_TRACE_CHARS = 128
+
+
+def _client_id(request: Request) -> str | None:
+    value = request.headers.get("x-request-id")
+    if value is None:
+        return None
+    if not value or len(value) > _TRACE_CHARS or not value.isprintable():
+        raise ApiError(400, f"X-Request-Id: must be 1-{_TRACE_CHARS} printable characters",
+                       param="X-Request-Id", code="invalid_value")
+    return value
+
+
+def _headers(rid: str, trace: str) -> dict[str, str]:
+    # X-Request-Id: the client's id when it sent one (tracing), else ours; X-Stopline-Id: ours,
+    # always (the id the cancel endpoint takes, also the response body's `id`).
+    return {"X-Request-Id": trace, "X-Stopline-Id": rid}
 
 
 def _unavailable(why: str) -> ApiError:
@@ -164,7 +189,8 @@ async def _events(stream: RequestStream, fmt: Formatter):  # -> AsyncIterator[by
     yield SSE_DONE
 
 
-async def _whole(request: Request, stream: RequestStream, fmt: Formatter, abort: Any) -> Response:
+async def _whole(request: Request, stream: RequestStream, fmt: Formatter, abort: Any,
+                 headers: dict[str, str]) -> Response:
     """Race the engine against the client: whichever ends first decides."""
     collect = asyncio.ensure_future(_collect(stream, fmt.n))
     watch = asyncio.ensure_future(watch_disconnect(request.receive, abort))
@@ -184,7 +210,7 @@ async def _whole(request: Request, stream: RequestStream, fmt: Formatter, abort:
     except EngineDead as exc:
         raise ApiError(500, f"the engine core died: {exc}", code="engine_dead") from None
     fmt.check_outcome(choices)
-    return JSONResponse(fmt.response(choices, usage), headers={"X-Request-Id": stream.request_id})
+    return JSONResponse(fmt.response(choices, usage), headers=headers)
 
 
 async def _collect(stream: RequestStream, n: int) -> tuple[list[Choice], UsageSum]:

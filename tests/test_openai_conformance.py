@@ -1,0 +1,92 @@
+"""The OpenAI surface as users' tools drive it: the official `openai` client (and plain HTTP
+for vLLM's /tokenize and /detokenize) against a real `stopline serve` on the tiny model."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server_harness import ServerProcess
+
+KEY = "k"
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = ServerProcess("--model", str(tiny_model_dir), "--served-model-name", "tiny", api_key=KEY)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_models_retrieve(client):
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("gpt-9")
+    assert exc.value.body["param"] == "model" and exc.value.body["code"] == "model_not_found"
+
+
+def test_tokenize_detokenize_round_trip(server, client):
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.base + "/tokenize", json={"model": "tiny", "prompt": "hello world"}, headers=h)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] > 0
+    # The count is what a completion of that prompt bills as prompt tokens.
+    done = client.completions.create(model="tiny", prompt="hello world", max_tokens=1)
+    assert done.usage.prompt_tokens == body["count"]
+    back = httpx.post(server.base + "/detokenize", json={"model": "tiny", "tokens": body["tokens"]}, headers=h)
+    assert back.status_code == 200 and back.json()["prompt"].endswith("hello world")
+    # With messages: the chat template, as /v1/chat/completions applies it.
+    msgs = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chat = httpx.post(server.base + "/tokenize", json={"model": "tiny", "messages": msgs}, headers=h).json()
+    done = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
+    assert done.usage.prompt_tokens == chat["count"]
+    no_gen = httpx.post(server.base + "/tokenize", headers=h, json={
+        "model": "tiny", "messages": msgs, "add_generation_prompt": False}).json()
+    assert no_gen["count"] < chat["count"]
+    for path, body, param in [("/tokenize", {"model": "tiny"}, "prompt"),
+                              ("/tokenize", {"model": "tiny", "messages": [{"role": "wizard"}]},
+                               "messages.0.role"),
+                              ("/detokenize", {"model": "tiny", "tokens": [10**7]}, "tokens"),
+                              ("/detokenize", {"model": "nope", "tokens": [1]}, "model")]:
+        r = httpx.post(server.base + path, json=body, headers=h)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, r.text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_id_is_echoed(client, stream):
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=stream,
+        extra_headers={"X-Request-Id": "trace-123"})
+    assert raw.headers["x-request-id"] == "trace-123"
+    ours = raw.headers["x-stopline-id"]
+    parsed = raw.parse()
+    ids = {c.id for c in parsed} if stream else {parsed.id}
+    assert ids == {ours}  # the response id (what the cancel endpoint takes) stays ours
+    plain = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert plain.headers["x-request-id"] == plain.headers["x-stopline-id"] == plain.parse().id
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"logit_bias": {"5": 300}}, "logit_bias"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+])
+def test_bounds_are_400_naming_the_field(client, kw, param):
+    args = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(**args)
+    assert exc.value.body["param"] == param
