@@ -90,3 +90,41 @@ def test_bounds_are_400_naming_the_field(client, kw, param):
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(**args)
     assert exc.value.body["param"] == param
+
+
+def test_continuous_usage_on_every_chunk(client):
+    chunks = list(client.completions.create(
+        model="tiny", prompt="hi", max_tokens=6, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}))
+    text_chunks, final = chunks[:-1], chunks[-1]
+    assert text_chunks and all(c.usage is not None for c in text_chunks)
+    counts = [c.usage.completion_tokens for c in text_chunks]
+    assert counts == sorted(counts) and counts[-1] == 6  # running totals, ending at the total
+    assert final.choices == [] and final.usage.completion_tokens == 6
+    assert final.usage.prompt_tokens == text_chunks[0].usage.prompt_tokens > 0
+
+
+def test_usage_chunk_after_a_cancel(server, client):
+    """A stream cancelled by the admin endpoint still ends with its usage chunk."""
+    stream = client.completions.create(model="tiny", prompt="hi", max_tokens=5000, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    r = httpx.post(server.base + f"/v1/requests/{first.id}/cancel",
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200 and r.json()["cancelled"], r.text
+    rest = list(stream)
+    assert rest[-1].choices == [] and rest[-1].usage.completion_tokens >= 1
+    assert any(c.choices and c.choices[0].finish_reason == "abort" for c in rest)
+
+
+def test_usage_unsent_is_counted_on_disconnect(server, client):
+    before = server.metrics().get("stopline_usage_unsent_total", 0.0)
+    stream = client.completions.create(model="tiny", prompt="hi", max_tokens=5000, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()  # the client leaves before the end
+    server.wait_for(lambda m: m.get("stopline_usage_unsent_total", 0.0) == before + 1)
+    server.wait_idle()

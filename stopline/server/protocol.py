@@ -27,6 +27,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage (so far) on every chunk
 
 
 class _Sampling(_Strict):

@@ -100,10 +100,13 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
     except (EngineUnavailable, EngineDead) as exc:
         raise _unavailable(str(exc)) from None
     log.info("%s: admitted (request id %s), %d prompt tokens, n=%d", rid, trace, len(prompt), params.n)
-    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    opts = req.stream_options if req.stream else None
+    include_usage = bool(opts and opts.include_usage)
     fmt = Formatter(chat=chat, request_id=rid, created=int(time.time()), model=srv.model_name,
                     n=params.n, token_text=srv.token_text, include_usage=include_usage,
-                    tool_calls=tools.parses_calls)
+                    tool_calls=tools.parses_calls,
+                    continuous_usage=bool(opts and opts.continuous_usage_stats))
+    fmt.prompt_tokens = len(prompt)
 
     def abort(t0: float) -> None:
         log.info("%s: client disconnected (request id %s)", rid, trace)
@@ -111,7 +114,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
         stream.detach()
 
     if req.stream:
-        return SSEResponse(_events(stream, fmt), on_disconnect=abort, wake=stream.detach,
+        return SSEResponse(_events(stream, fmt, srv, trace), on_disconnect=abort, wake=stream.detach,
                            headers=_headers(rid, trace))
     return await _whole(request, stream, fmt, abort, _headers(rid, trace))
 
@@ -164,9 +167,11 @@ async def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[i
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-async def _events(stream: RequestStream, fmt: Formatter):  # -> AsyncIterator[bytes]
+async def _events(stream: RequestStream, fmt: Formatter, srv: ServerState | None = None,
+                  trace: str = ""):  # -> AsyncIterator[bytes]
     usage = UsageSum(stream.prompt_tokens)
     ended = 0
+    sent = False
     try:
         for chunk in fmt.first_chunks():
             yield sse(chunk)
@@ -180,11 +185,23 @@ async def _events(stream: RequestStream, fmt: Formatter):  # -> AsyncIterator[by
     except EngineDead as exc:
         # The terminal message of a stream whose engine died: an error event, then [DONE].
         yield sse(ApiError(500, f"the engine core died: {exc}", code="engine_dead").body())
+        if fmt.include_usage:  # what was generated before the death, still billed
+            usage.completion_tokens = max(usage.completion_tokens, fmt.streamed)
+            yield sse(fmt.usage_chunk(usage))
+            sent = True
         yield SSE_DONE
         return
+    finally:
+        if fmt.include_usage and not sent and ended < fmt.n:
+            # The client left (or the response was cancelled) first: nobody to send it to.
+            log.info("%s: usage not sent, the client is gone (request id %s): %d completion "
+                     "tokens so far", fmt.id, trace, fmt.streamed)
+            if srv is not None:
+                srv.metrics.usage_unsent.inc()
     if ended < fmt.n:
         return  # detached: the client is gone, nobody reads further
     if fmt.include_usage:
+        sent = True
         yield sse(fmt.usage_chunk(usage))
     yield SSE_DONE
 
