@@ -128,3 +128,44 @@ def test_usage_unsent_is_counted_on_disconnect(server, client):
     stream.close()  # the client leaves before the end
     server.wait_for(lambda m: m.get("stopline_usage_unsent_total", 0.0) == before + 1)
     server.wait_idle()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_several_prompts_in_one_request(client, stream):
+    prompts = ["one two", "three", "four five six"]
+    args = dict(model="tiny", max_tokens=3, n=2, seed=7, temperature=1.0,
+                extra_body={"ignore_eos": True})
+    singles = [client.completions.create(prompt=p, **args) for p in prompts]
+    if stream:
+        chunks = list(client.completions.create(prompt=prompts, stream=True,
+                                                stream_options={"include_usage": True}, **args))
+        assert len({c.id for c in chunks}) == 1
+        texts: dict[int, str] = {}
+        for c in chunks:
+            for ch in c.choices:
+                texts[ch.index] = texts.get(ch.index, "") + ch.text
+        usage = chunks[-1].usage
+    else:
+        done = client.completions.create(prompt=prompts, **args)
+        assert [c.index for c in done.choices] == list(range(6))
+        texts = {c.index: c.text for c in done.choices}
+        usage = done.usage
+    # Choice i*n + j is prompt i's sample j: the same text as prompt i alone (seeded).
+    assert texts == {i * 2 + j: singles[i].choices[j].text for i in range(3) for j in range(2)}
+    assert usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert usage.completion_tokens == 18
+    tokens = client.completions.create(prompt=[[1, 2, 3], [4, 5]], model="tiny", max_tokens=1)
+    assert [c.index for c in tokens.choices] == [0, 1] and tokens.usage.prompt_tokens == 5
+
+
+def test_cancel_by_response_id_ends_every_prompt(server, client):
+    stream = client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=5000, stream=True,
+                                       extra_body={"ignore_eos": True})
+    it = iter(stream)
+    first = next(it)
+    r = httpx.post(server.base + f"/v1/requests/{first.id}/cancel",
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200 and r.json()["cancelled"], r.text
+    reasons = {ch.index: ch.finish_reason for c in it for ch in c.choices if ch.finish_reason}
+    assert reasons == {0: "abort", 1: "abort"}
+    server.wait_idle()

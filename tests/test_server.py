@@ -378,7 +378,8 @@ BAD = [
     ("prompt larger than the pool", "/v1/completions", _comp(prompt=[5] * 7600), AUTH, 400, "prompt"),
     ("chat prompt longer than context", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": "hello " * 9000}]), AUTH, 400, "messages"),
-    ("batched prompts", "/v1/completions", _comp(prompt=["a", "b"]), AUTH, 400, "prompt"),
+    ("batched prompt outside vocab", "/v1/completions", _comp(prompt=[[1], [99999]]), AUTH, 400, "prompt"),
+    ("batched prompt empty", "/v1/completions", _comp(prompt=["a", ""]), AUTH, 400, "prompt"),
     ("echo", "/v1/completions", _comp(echo=True), AUTH, 400, "echo"),
     ("tools", "/v1/chat/completions", _chat(tools=[{"type": "function"}]), AUTH, 400, "tools.0.function"),  # a tool without its function
     ("stream_options without stream", "/v1/completions",

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from stopline import __version__
 from stopline.request import AbortSource
-from stopline.server import console, errors, memtrace, tokenize
+from stopline.server import batch, console, errors, memtrace, tokenize
 from stopline.server.errors import ApiError
 from stopline.server.protocol import CancelRequest, parse
 from stopline.server.serving import create, read_body
@@ -107,8 +107,9 @@ def build_app(state: ServerState) -> FastAPI:
         if status is None:
             raise ApiError(404, f"no request with id {request_id!r} (unknown, or ended long ago)",
                            param="request_id", code="request_not_found")
-        if status == "open":
-            ended = await engine.abort_and_wait([request_id], AbortSource.CANCEL, timeout=CANCEL_TIMEOUT)
+        ids = batch.members(request_id, engine.status)  # several prompts: one id each
+        if any(engine.status(i) == "open" for i in ids):
+            ended = await engine.abort_and_wait(ids, AbortSource.CANCEL, timeout=CANCEL_TIMEOUT)
             reasons = ended.get(request_id) or engine.status(request_id)
         else:
             reasons = status  # already over: nothing to do, nothing changes
