@@ -169,3 +169,19 @@ def test_cancel_by_response_id_ends_every_prompt(server, client):
     reasons = {ch.index: ch.finish_reason for c in it for ch in c.choices if ch.finish_reason}
     assert reasons == {0: "abort", 1: "abort"}
     server.wait_idle()
+
+
+def test_logit_bias(client):
+    """Forcing through the API; banning and batch invariance: tests/test_engine_sampling.py."""
+    args = dict(model="tiny", prompt="hi", max_tokens=4, temperature=0.0, logprobs=0,
+                extra_body={"ignore_eos": True})
+    plain = client.completions.create(**args)
+    forced = client.completions.create(logit_bias={"42": 100}, **args)
+    assert forced.choices[0].logprobs.tokens == [client_token(client, 42)] * 4
+    assert plain.choices[0].logprobs.tokens != forced.choices[0].logprobs.tokens
+
+
+def client_token(client, tid: int) -> str:
+    base = str(client.base_url).removesuffix("/v1/")
+    r = httpx.post(base + "/detokenize", json={"tokens": [tid]}, headers={"Authorization": f"Bearer {KEY}"})
+    return r.json()["prompt"]

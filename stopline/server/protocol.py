@@ -132,8 +132,6 @@ def sampling_params(req: CompletionRequest | ChatRequest, *, default_max_tokens:
                     queue_timeout: float | None) -> SamplingParams:
     """Map a request to SamplingParams; range checks are SamplingParams.validate's job."""
     limits.check(req)
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "not supported")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
     max_tokens = req.max_tokens
@@ -172,6 +170,8 @@ def sampling_params(req: CompletionRequest | ChatRequest, *, default_max_tokens:
             setattr(p, name, value)
     if req.stop_token_ids is not None:
         p.stop_token_ids = list(req.stop_token_ids)
+    if req.logit_bias:
+        p.logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
     return p
 
 
