@@ -11,7 +11,7 @@ import enum
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -95,6 +95,8 @@ class SamplingParams:
     # An llguidance grammar (stopline.grammar.formats / tools make one from response_format
     # and tools): every sampled token must keep the output a prefix of its language.
     grammar: str | None = None
+    # token id -> added to its logit before sampling (OpenAI's logit_bias: <= 300, [-100, 100])
+    logit_bias: Mapping[int, float] | None = None
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> InvalidRequest:
@@ -128,6 +130,12 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             raise bad("grammar", "must be a non-empty grammar string")
+        if self.logit_bias:
+            if len(self.logit_bias) > 300:
+                raise bad("logit_bias", f"at most 300 entries, got {len(self.logit_bias)}")
+            for tok, v in self.logit_bias.items():
+                if not isinstance(tok, int) or tok < 0 or not (-100 <= v <= 100):
+                    raise bad("logit_bias", f"token ids >= 0 with values in [-100, 100], got {tok!r}: {v!r}")
         for name in ("queue_timeout", "deadline"):
             v = getattr(self, name)
             if v is not None and not v > 0:

@@ -328,3 +328,44 @@ def test_draw_c_equals_torch_and_ignores_other_rows():
         alone = [draw_rows(x, [i], [inv[i]], [keys[i]])[0] for i in (0, 17, 39)]
         assert alone == [c[0], c[17], c[39]]
         assert len(set(c)) > 20  # different keys and rows: different tokens
+
+
+# ---- logit_bias -----------------------------------------------------------------------------
+
+def test_logit_bias_forces_and_bans(llm: LLM, prompts, greedy_tokens) -> None:
+    forced = _tokens(llm, prompts[:2], greedy(8, logit_bias={7: 100.0}))
+    assert forced == [[7] * 8, [7] * 8]
+    first = greedy_tokens[0][0]
+    banned = _tokens(llm, prompts[:1], greedy(1, logit_bias={first: -100.0}))[0]
+    assert banned != [first]
+
+
+def test_logit_bias_is_per_row(model_dir: Path, prompts, llm: LLM) -> None:
+    """A request's tokens don't depend on what shares its step, biased or not."""
+    target = prompts[1]
+    params = _sampled(seed=77, logit_bias={3: 5.0, 9: -3.0})
+    alone = _tokens(llm, [target], params)[0]
+    plain_alone = _tokens(llm, [target], _sampled(seed=77))[0]
+    assert alone != plain_alone  # the bias is really used
+    others = random_prompts(6, [3, 30, 11], seed=5)
+    mix = [_sampled(seed=None, logit_bias={1: 50.0}), greedy(MAX_NEW, logit_bias={2: 100.0}),
+           _sampled(seed=4)]
+    other_params = [mix[i % 3] for i in range(6)]
+    res = llm.generate([*others[:3], target, *others[3:]], [*other_params[:3], params, *other_params[3:]])
+    assert res[3].outputs[0].token_ids == alone
+    res = llm.generate([*others[:3], target, *others[3:]],
+                       [*other_params[:3], _sampled(seed=77), *other_params[3:]])
+    assert res[3].outputs[0].token_ids == plain_alone
+
+
+def test_logit_bias_under_speculation(model_dir: Path) -> None:
+    """Verify samples from the same biased distribution: speculation changes no token."""
+    loop = [[5, 6, 7, 8] * 12, [9, 10, 11] * 15]  # repetitive: the n-gram index drafts
+    out = []
+    for params in (greedy(MAX_NEW, logit_bias={6: 3.0, 10: -2.0}),
+                   _sampled(seed=11, temperature=0.3, logit_bias={6: 3.0, 10: -2.0})):
+        plain = _tokens(_llm(model_dir), loop, params)
+        spec = _llm(model_dir, speculative="on")
+        assert _tokens(spec, loop, params) == plain
+        out.append(spec.engine.lifecycle.stats.spec_verify_steps)
+    assert sum(out) > 0, out  # drafts were really verified

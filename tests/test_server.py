@@ -383,11 +383,37 @@ BAD = [
     ("prompt larger than the pool", "/v1/completions", _comp(prompt=[5] * 7600), AUTH, 400, "prompt"),
     ("chat prompt longer than context", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": "hello " * 9000}]), AUTH, 400, "messages"),
-    ("batched prompts", "/v1/completions", _comp(prompt=["a", "b"]), AUTH, 400, "prompt"),
+    ("batched prompt outside vocab", "/v1/completions", _comp(prompt=[[1], [99999]]), AUTH, 400, "prompt"),
+    ("batched prompt empty", "/v1/completions", _comp(prompt=["a", ""]), AUTH, 400, "prompt"),
     ("echo", "/v1/completions", _comp(echo=True), AUTH, 400, "echo"),
     ("tools", "/v1/chat/completions", _chat(tools=[{"type": "function"}]), AUTH, 400, "tools.0.function"),  # a tool without its function
     ("stream_options without stream", "/v1/completions",
      _comp(stream_options={"include_usage": True}), AUTH, 400, "stream_options"),
+    # the documented bounds (stopline/server/limits.py, docs/api.md)
+    ("five stop sequences", "/v1/completions", _comp(stop=list("abcde")), AUTH, 400, "stop"),
+    ("stop sequence too long", "/v1/completions", _comp(stop=["x" * 257]), AUTH, 400, "stop"),
+    ("too many stop_token_ids", "/v1/completions", _comp(stop_token_ids=[1] * 257), AUTH, 400, "stop_token_ids"),
+    ("logit_bias 301 entries", "/v1/completions",
+     _comp(logit_bias={str(i): 1 for i in range(301)}), AUTH, 400, "logit_bias"),
+    ("logit_bias value 101", "/v1/completions", _comp(logit_bias={"5": 101}), AUTH, 400, "logit_bias"),
+    ("logit_bias key not a token id", "/v1/completions", _comp(logit_bias={"a": 1}), AUTH, 400, "logit_bias"),
+    ("logit_bias token outside vocab", "/v1/completions", _comp(logit_bias={"99999": 1}), AUTH, 400, "logit_bias"),
+    ("n 65", "/v1/completions", _comp(n=65), AUTH, 400, "n"),
+    ("best_of 65", "/v1/completions", _comp(best_of=65, n=1), AUTH, 400, "best_of"),
+    ("best_of above n", "/v1/completions", _comp(best_of=2), AUTH, 400, "best_of"),
+    ("max_tokens 2**21", "/v1/completions", _comp(max_tokens=2**21), AUTH, 400, "max_tokens"),
+    ("top_logprobs 21", "/v1/chat/completions", _chat(logprobs=True, top_logprobs=21), AUTH, 400, "top_logprobs"),
+    ("65 prompts", "/v1/completions", _comp(prompt=["a"] * 65), AUTH, 400, "prompt"),
+    ("2049 messages", "/v1/chat/completions",
+     json.dumps(_chat(messages=[{"role": "user", "content": "x"}] * 2049), separators=(",", ":")).encode(),
+     AUTH, 400, "messages"),  # compact, to stay under MAX_BODY
+    ("role wizard", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": "x"}, {"role": "wizard", "content": "x"}]), AUTH, 400,
+     "messages.1.role"),
+    ("name too long", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": "x", "name": "n" * 257}]), AUTH, 400, "messages.0.name"),
+    ("user too long", "/v1/completions", _comp(user="u" * 257), AUTH, 400, "user"),
+    ("suffix", "/v1/completions", _comp(suffix="!"), AUTH, 400, "suffix"),
     ("image content part", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), AUTH, 400, "messages.0.content"),
 ]
@@ -409,6 +435,19 @@ def test_bad_input(server, baseline, name, path, body, headers, status, param):
                 "stopline_requests_open"):
         assert after[key] == before[key], key
     assert total(after, "stopline_request_finished_total") == total(before, "stopline_request_finished_total")
+
+
+def test_developer_role_is_system(server, baseline):
+    """A developer message is rendered as a system one (OpenAI's newer name for it)."""
+    def ids(role: str) -> int:
+        r = httpx.post(server.base + "/v1/chat/completions", headers=server.headers, timeout=60,
+                       json=_chat(messages=[{"role": role, "content": "be brief"},
+                                            {"role": "user", "content": "hi"}], max_tokens=1))
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    assert ids("developer") == ids("system")
+    server.wait_idle(baseline)
 
 
 def test_queue_timeout_is_503(server, baseline):

@@ -163,6 +163,9 @@ class EngineCore:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequest(f"logit_bias: token id {max(params.logit_bias)} is outside the "
+                                 f"vocabulary (0..{vocab - 1})")
         if len(prompt) >= self.max_model_len:
             raise InvalidRequest(f"prompt: {len(prompt)} tokens; the model's context is "
                                  f"{self.max_model_len} tokens (prompt plus at least one new token)")

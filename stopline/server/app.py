@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from stopline import __version__
 from stopline.request import AbortSource
-from stopline.server import console, errors, memtrace
+from stopline.server import batch, console, errors, memtrace, tokenize
 from stopline.server.errors import ApiError
 from stopline.server.protocol import CancelRequest, parse
 from stopline.server.serving import create, read_body
@@ -55,14 +55,31 @@ def build_app(state: ServerState) -> FastAPI:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
+    def card() -> dict:
+        out = {"id": state.model_name, "object": "model", "created": state.created,
+               "owned_by": "stopline"}
+        if engine.info is not None:
+            out["max_model_len"] = engine.info.max_model_len
+        return out
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         state.authorize(request)
-        card = {"id": state.model_name, "object": "model", "created": state.created,
-                "owned_by": "stopline"}
-        if engine.info is not None:
-            card["max_model_len"] = engine.info.max_model_len
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
+        state.authorize(request)
+        state.check_model(model_id)
+        return card()
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict:
+        return await tokenize.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict:
+        return await tokenize.detokenize(request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -95,8 +112,9 @@ def build_app(state: ServerState) -> FastAPI:
         if status is None:
             raise ApiError(404, f"no request with id {request_id!r} (unknown, or ended long ago)",
                            param="request_id", code="request_not_found")
-        if status == "open":
-            ended = await engine.abort_and_wait([request_id], AbortSource.CANCEL, timeout=CANCEL_TIMEOUT)
+        ids = batch.members(request_id, engine.status)  # several prompts: one id each
+        if any(engine.status(i) == "open" for i in ids):
+            ended = await engine.abort_and_wait(ids, AbortSource.CANCEL, timeout=CANCEL_TIMEOUT)
             reasons = ended.get(request_id) or engine.status(request_id)
         else:
             reasons = status  # already over: nothing to do, nothing changes

@@ -84,7 +84,8 @@ class UsageSum:
 
 class Formatter:
     def __init__(self, *, chat: bool, request_id: str, created: int, model: str, n: int,
-                 token_text: TokenText, include_usage: bool = False, tool_calls: bool = False) -> None:
+                 token_text: TokenText, include_usage: bool = False, tool_calls: bool = False,
+                 continuous_usage: bool = False) -> None:
         """tool_calls: the request has tools, so the output is read for tool calls
         (tool_format.py): `message.tool_calls` / `delta.tool_calls`, and finish_reason
         "tool_calls" when the model stopped after calling."""
@@ -97,13 +98,19 @@ class Formatter:
         self.n = n
         self.token_text = token_text
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage and include_usage
+        self.prompt_tokens = 0  # set by the caller for continuous usage
+        self.streamed = 0  # completion tokens sent so far (continuous usage)
         self._offsets = [0] * n  # text offset per sample, for completion logprobs
 
     # ---- streaming --------------------------------------------------------------------------
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": choices}
-        if self.include_usage:
+        if self.continuous_usage:
+            obj["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.streamed,
+                            "total_tokens": self.prompt_tokens + self.streamed}
+        elif self.include_usage:
             obj["usage"] = None
         return obj
 
@@ -115,6 +122,7 @@ class Formatter:
                               "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
 
     def chunk(self, out: RequestOutput) -> dict[str, Any] | None:
+        self.streamed += len(out.new_token_ids)
         if not out.new_text and not out.new_token_ids and not out.finished:
             return None
         choice: dict[str, Any] = {"index": out.index}

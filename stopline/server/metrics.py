@@ -104,6 +104,9 @@ class ServerMetrics(EngineObserver):
         self.rejected = Counter("stopline_requests_rejected",
                                 "Generation requests refused before admission, by HTTP status.",
                                 ["status"], registry=r)
+        self.usage_unsent = Counter("stopline_usage_unsent",
+                                    "Streams that asked for usage but whose client left before the "
+                                    "final usage chunk could be sent.", registry=r)
         # For the web console: recent latencies and the last few aborts' timings.
         self.recent_ttft = Recent(512)
         self.recent_itl = Recent(4096)

@@ -17,9 +17,8 @@ from stopline.grammar import tool_format
 from stopline.grammar.formats import response_format_grammar
 from stopline.grammar.tools import ToolPlan, tool_plan
 from stopline.request import InvalidRequest, SamplingParams
+from stopline.server import limits
 from stopline.server.errors import ApiError, param_of
-
-MAX_N = 64
 
 
 class _Strict(BaseModel):
@@ -28,6 +27,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage (so far) on every chunk
 
 
 class _Sampling(_Strict):
@@ -131,10 +131,7 @@ def _unsupported(param: str, why: str) -> ApiError:
 def sampling_params(req: CompletionRequest | ChatRequest, *, default_max_tokens: int | None,
                     queue_timeout: float | None) -> SamplingParams:
     """Map a request to SamplingParams; range checks are SamplingParams.validate's job."""
-    if not 1 <= req.n <= MAX_N:
-        raise ApiError(400, f"n: must be between 1 and {MAX_N}, got {req.n}", param="n")
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "not supported")
+    limits.check(req)
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options")
     max_tokens = req.max_tokens
@@ -173,6 +170,8 @@ def sampling_params(req: CompletionRequest | ChatRequest, *, default_max_tokens:
             setattr(p, name, value)
     if req.stop_token_ids is not None:
         p.stop_token_ids = list(req.stop_token_ids)
+    if req.logit_bias:
+        p.logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
     return p
 
 
@@ -223,7 +222,7 @@ def chat_messages(req: ChatRequest, tools: ToolPlan | None = None) -> list[dict[
                                        "is not supported (text only)")
                 texts.append(part.text)
             content = "".join(texts)
-        role = m.role
+        role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system
         if m.tool_calls:
             if role != "assistant":
                 raise ApiError(400, f"messages.{i}.tool_calls: only assistant messages call tools",

@@ -9,6 +9,7 @@ disconnect aborts it at once (see disconnect.py), and so does any way the handle
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from stopline.engine.streams import EngineDead, EngineOverloaded, EngineUnavailable, RequestStream
 from stopline.request import AbortSource, InvalidRequest
+from stopline.server import batch, limits
 from stopline.server.disconnect import watch_disconnect
 from stopline.server.errors import ApiError, param_of
 from stopline.server.format import SSE_DONE, Choice, Formatter, UsageSum, sse
@@ -35,6 +37,8 @@ from stopline.tokenizer.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
     from stopline.server.state import ServerState
+
+log = logging.getLogger("stopline.server")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
 _OFFLOAD_CHARS = 50_000  # tokenize longer prompts off the event loop
@@ -72,61 +76,112 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
     engine = srv.engine
     if not engine.ready or engine.tokenizer is None:
         raise _unavailable(str(EngineUnavailable(engine.unavailable_why())))
+    limits.check(req)
+    if engine.info is not None:
+        limits.check_vocab(req.logit_bias, engine.info.vocab_size)
     params = sampling_params(req, queue_timeout=srv.settings.queue_timeout,
                              default_max_tokens=None if chat else COMPLETION_DEFAULT_MAX_TOKENS)
     tools = tools_of(req)
     params.grammar = grammar_of(req, tools)
-    prompt = await _prompt_ids(req, engine.tokenizer, tools)
+    prompts = await _prompt_ids(req, engine.tokenizer, tools)
+    if len(prompts) > 1 and engine.info is not None:
+        _precheck(prompts, engine.info.vocab_size, engine.info.max_model_len)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    trace = _client_id(request) or rid  # the client's X-Request-Id, echoed; rid stays the cancel id
+    streams: list[RequestStream] = []
     try:
-        stream = await engine.add(rid, prompt, params, arrival=arrival, incarnation=rid)
-    except InvalidRequest as exc:
-        msg = str(exc)
-        param = param_of(msg)
-        if chat and param == "prompt":
-            param, msg = "messages", "messages" + msg.removeprefix("prompt")
-        raise ApiError(400, msg, param=param, code="invalid_value") from None
-    except EngineOverloaded as exc:
-        raise ApiError(429, f"the server is busy: {exc}", code="queue_full",
-                       headers={"Retry-After": "1"}) from None
-    except (EngineUnavailable, EngineDead) as exc:
-        raise _unavailable(str(exc)) from None
-    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        for k, prompt in enumerate(prompts):
+            mid = batch.member_id(rid, k)
+            streams.append(await engine.add(mid, prompt, params, arrival=arrival, incarnation=mid))
+    except BaseException as exc:
+        for s_ in streams:  # a later prompt was refused: the earlier ones end (aborted) with it
+            engine.abort(s_.request_id, AbortSource.CANCEL, time.monotonic())
+            s_.detach()
+        if isinstance(exc, InvalidRequest):
+            msg = str(exc)
+            param = param_of(msg)
+            if chat and param == "prompt":
+                param, msg = "messages", "messages" + msg.removeprefix("prompt")
+            raise ApiError(400, msg, param=param, code="invalid_value") from None
+        if isinstance(exc, EngineOverloaded):
+            raise ApiError(429, f"the server is busy: {exc}", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        if isinstance(exc, (EngineUnavailable, EngineDead)):
+            raise _unavailable(str(exc)) from None
+        raise
+    stream: Any = streams[0] if len(streams) == 1 else batch.MergedStream(streams, params.n)
+    prompt_len = sum(len(p) for p in prompts)
+    log.info("%s: admitted (request id %s), %d prompt(s), %d prompt tokens, n=%d", rid, trace,
+             len(prompts), prompt_len, params.n)
+    opts = req.stream_options if req.stream else None
+    include_usage = bool(opts and opts.include_usage)
     fmt = Formatter(chat=chat, request_id=rid, created=int(time.time()), model=srv.model_name,
-                    n=params.n, token_text=srv.token_text, include_usage=include_usage,
-                    tool_calls=tools.parses_calls)
+                    n=params.n * len(prompts), token_text=srv.token_text, include_usage=include_usage,
+                    tool_calls=tools.parses_calls,
+                    continuous_usage=bool(opts and opts.continuous_usage_stats))
+    fmt.prompt_tokens = prompt_len
 
     def abort(t0: float) -> None:
-        engine.abort(rid, AbortSource.DISCONNECT, t0)
+        log.info("%s: client disconnected (request id %s)", rid, trace)
+        for s_ in streams:
+            engine.abort(s_.request_id, AbortSource.DISCONNECT, t0)
         stream.detach()
 
     if req.stream:
-        return SSEResponse(_events(stream, fmt), on_disconnect=abort, wake=stream.detach,
-                           headers={"X-Request-Id": rid})
-    return await _whole(request, stream, fmt, abort)
+        return SSEResponse(_events(stream, fmt, srv, trace), on_disconnect=abort, wake=stream.detach,
+                           headers=_headers(rid, trace))
+    return await _whole(request, stream, fmt, abort, _headers(rid, trace))
+
+
+_TRACE_CHARS = 128
+
+
+def _client_id(request: Request) -> str | None:
+    value = request.headers.get("x-request-id")
+    if value is None:
+        return None
+    if not value or len(value) > _TRACE_CHARS or not value.isprintable():
+        raise ApiError(400, f"X-Request-Id: must be 1-{_TRACE_CHARS} printable characters",
+                       param="X-Request-Id", code="invalid_value")
+    return value
+
+
+def _headers(rid: str, trace: str) -> dict[str, str]:
+    # X-Request-Id: the client's id when it sent one (tracing), else ours; X-Stopline-Id: ours,
+    # always (the id the cancel endpoint takes, also the response body's `id`).
+    return {"X-Request-Id": trace, "X-Stopline-Id": rid}
 
 
 def _unavailable(why: str) -> ApiError:
     return ApiError(503, why, code="unavailable", headers={"Retry-After": "1"})
 
 
-async def _prompt_ids(req: CompletionRequest | ChatRequest, tokenizer: Any, tools: Any = None) -> list[int]:
+def _precheck(prompts: list[list[int]], vocab: int, max_model_len: int) -> None:
+    """The engine's prompt checks, for every prompt before the first is admitted."""
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if not 0 <= t < vocab]
+        if not p or bad or len(p) >= max_model_len:
+            why = ("empty" if not p else f"token ids {bad[:5]} outside the vocabulary" if bad
+                   else f"{len(p)} tokens; the context is {max_model_len}")
+            raise ApiError(400, f"prompt: prompt {i} is {why}", param="prompt", code="invalid_value")
+
+
+async def _prompt_ids(req: CompletionRequest | ChatRequest, tokenizer: Any,
+                      tools: Any = None) -> list[list[int]]:
+    """The request's prompts as token ids: one for chat, one or more for completions."""
     if isinstance(req, ChatRequest):
         messages = chat_messages(req, tools)
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ChatTemplateError as exc:
             raise ApiError(400, f"messages: {exc}", param="messages", code="chat_template") from None
-        return await _encode(tokenizer, text, add_special_tokens=False)
+        return [await _encode(tokenizer, text, add_special_tokens=False)]
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise ApiError(400, f"prompt: {len(prompt)} prompts in one request; batched prompts are "
-                           "not supported, send one request per prompt", param="prompt", code="unsupported")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return await _encode(tokenizer, prompt, add_special_tokens=True)
-    return list(prompt)
+    many = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    out = []
+    for p in many:
+        out.append(await _encode(tokenizer, p, add_special_tokens=True) if isinstance(p, str) else list(p))
+    return out
 
 
 async def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
@@ -135,9 +190,11 @@ async def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[i
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-async def _events(stream: RequestStream, fmt: Formatter):  # -> AsyncIterator[bytes]
+async def _events(stream: RequestStream, fmt: Formatter, srv: ServerState | None = None,
+                  trace: str = ""):  # -> AsyncIterator[bytes]
     usage = UsageSum(stream.prompt_tokens)
     ended = 0
+    sent = False
     try:
         for chunk in fmt.first_chunks():
             yield sse(chunk)
@@ -151,16 +208,29 @@ async def _events(stream: RequestStream, fmt: Formatter):  # -> AsyncIterator[by
     except EngineDead as exc:
         # The terminal message of a stream whose engine died: an error event, then [DONE].
         yield sse(ApiError(500, f"the engine core died: {exc}", code="engine_dead").body())
+        if fmt.include_usage:  # what was generated before the death, still billed
+            usage.completion_tokens = max(usage.completion_tokens, fmt.streamed)
+            yield sse(fmt.usage_chunk(usage))
+            sent = True
         yield SSE_DONE
         return
+    finally:
+        if fmt.include_usage and not sent and ended < fmt.n:
+            # The client left (or the response was cancelled) first: nobody to send it to.
+            log.info("%s: usage not sent, the client is gone (request id %s): %d completion "
+                     "tokens so far", fmt.id, trace, fmt.streamed)
+            if srv is not None:
+                srv.metrics.usage_unsent.inc()
     if ended < fmt.n:
         return  # detached: the client is gone, nobody reads further
     if fmt.include_usage:
+        sent = True
         yield sse(fmt.usage_chunk(usage))
     yield SSE_DONE
 
 
-async def _whole(request: Request, stream: RequestStream, fmt: Formatter, abort: Any) -> Response:
+async def _whole(request: Request, stream: RequestStream, fmt: Formatter, abort: Any,
+                 headers: dict[str, str]) -> Response:
     """Race the engine against the client: whichever ends first decides."""
     collect = asyncio.ensure_future(_collect(stream, fmt.n))
     watch = asyncio.ensure_future(watch_disconnect(request.receive, abort))
@@ -180,7 +250,7 @@ async def _whole(request: Request, stream: RequestStream, fmt: Formatter, abort:
     except EngineDead as exc:
         raise ApiError(500, f"the engine core died: {exc}", code="engine_dead") from None
     fmt.check_outcome(choices)
-    return JSONResponse(fmt.response(choices, usage), headers={"X-Request-Id": stream.request_id})
+    return JSONResponse(fmt.response(choices, usage), headers=headers)
 
 
 async def _collect(stream: RequestStream, n: int) -> tuple[list[Choice], UsageSum]:

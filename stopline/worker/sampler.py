@@ -53,6 +53,12 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return logits
 
 
+def apply_logit_bias(row: torch.Tensor, bias: Mapping[int, float]) -> None:
+    """Add each bias to its token's logit (in place, on the task's own row copy)."""
+    ids = torch.tensor(list(bias), dtype=torch.long)
+    row[ids] += torch.tensor(list(bias.values()), dtype=row.dtype)
+
+
 def suppressed_ids(req: Request, eos_token_ids: Collection[int], vocab: int) -> list[int]:
     """Tokens the request may not sample yet: below min_tokens, EOS (unless ignore_eos) and its
     stop tokens. Masking them, as vLLM and HF do, keeps an early EOS out of the output rather
@@ -177,10 +183,12 @@ def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
         mask = suppressed_ids(t.req, eos_token_ids, vocab)
         filters = not p.greedy and (p.top_k or p.min_p > 0 or p.top_p < 1.0)
         gmask = grammar_masks.get(i)
-        if p.needs_penalties or mask or filters or gmask is not None:
-            row = logits[t.row].clone()
+        if p.needs_penalties or p.logit_bias or mask or filters or gmask is not None:
+            row = logits[t.row].clone()  # this task's own copy: no other row sees its edits
             if p.needs_penalties:
                 row = apply_penalties(row, t.req)
+            if p.logit_bias:
+                apply_logit_bias(row, p.logit_bias)
             if gmask is not None:
                 bitmask.apply(row, gmask)
             if mask:
