@@ -33,6 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "cluster": BASE | {"engine", "tokenizer"},
     "bench": BASE | {"cluster", "engine", "model", "tokenizer", "server", "cli", "kv", "__init__"},
     "cli": BASE | {"cluster", "engine", "model", "server", "bench", "tokenizer"},
+    "disagg": BASE | {"kv", "lifecycle", "engine"},
     "__init__": BASE | {"engine"},
 }
 
