@@ -31,8 +31,9 @@ ALLOWED: dict[str, set[str]] = {
     "engine": BASE | {"kv", "lifecycle", "sched", "spec", "worker", "model", "tokenizer", "grammar"},
     "server": BASE | {"engine", "tokenizer", "grammar", "__init__"},
     "cluster": BASE | {"engine", "tokenizer"},
-    "bench": BASE | {"cluster", "engine", "model", "tokenizer", "server", "cli", "kv", "__init__"},
+    "bench": BASE | {"cluster", "disagg", "engine", "model", "tokenizer", "server", "cli", "kv", "__init__"},
     "cli": BASE | {"cluster", "engine", "model", "server", "bench", "tokenizer"},
+    "disagg": BASE | {"kv", "lifecycle", "engine"},
     "__init__": BASE | {"engine"},
 }
 

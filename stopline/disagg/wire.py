@@ -1,0 +1,79 @@
+"""The KV transfer on the wire: one msgspec header frame, then one raw frame per layer
+and kind (K then V), so block bytes go to ZMQ without a copy through the encoder.
+
+The sender checks its refs' epochs before reading and the receiver checks its own before
+writing: a block freed and reused on either side makes the transfer fail loudly, never
+decode garbage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+from stopline.disagg.epochs import BlockEpochs, BlockRef
+from stopline.kv.kv_cache import KVCache
+
+
+class TransferHeader(msgspec.Struct, frozen=True):
+    request_id: str
+    refs: list[BlockRef]  # the sender's blocks, named with their epochs
+    dtype: str
+    shapes: list[list[int]]
+
+
+class BadTransfer(ValueError):
+    """The frames do not describe a transfer this cache can take."""
+
+
+_ENC = msgspec.msgpack.Encoder()
+_DEC = msgspec.msgpack.Decoder(TransferHeader)
+
+
+def pack(request_id: str, cache: KVCache, epochs: BlockEpochs, refs: Sequence[BlockRef]) -> list[bytes | memoryview]:
+    epochs.check(refs)  # a stale ref fails before any byte is read
+    data = cache.read_blocks([r.block for r in refs])
+    head = TransferHeader(request_id, list(refs), str(data[0].dtype).removeprefix("torch."),
+                          [list(t.shape) for t in data])
+    return [_ENC.encode(head)] + [memoryview(t.contiguous().numpy()).cast("B") for t in data]
+
+
+def unpack(frames: Sequence[bytes | memoryview]) -> tuple[TransferHeader, list[torch.Tensor]]:
+    if not frames:
+        raise BadTransfer("no frames")
+    try:
+        head = _DEC.decode(frames[0])
+    except msgspec.DecodeError as e:
+        raise BadTransfer(f"bad transfer header: {e}") from e
+    dtype = getattr(torch, head.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise BadTransfer(f"unknown dtype {head.dtype!r}")
+    if len(frames) - 1 != len(head.shapes):
+        raise BadTransfer(f"header names {len(head.shapes)} tensors, got {len(frames) - 1} frames")
+    out = []
+    for f, shape in zip(frames[1:], head.shapes, strict=True):
+        t = torch.frombuffer(bytearray(f), dtype=dtype)
+        if t.numel() != _numel(shape):
+            raise BadTransfer(f"frame of {t.numel()} values for shape {shape}")
+        out.append(t.view(shape))
+    return head, out
+
+
+def write(cache: KVCache, epochs: BlockEpochs, dst: Sequence[BlockRef], head: TransferHeader,
+          data: Sequence[torch.Tensor]) -> None:
+    """Write received blocks into the receiver's reserved blocks, checking their epochs."""
+    if len(dst) != len(head.refs):
+        raise BadTransfer(f"{len(head.refs)} blocks sent for {len(dst)} reserved")
+    if len(data) != len(cache.k) + len(cache.v):
+        raise BadTransfer(f"{len(data)} tensors for a cache of {len(cache.k)} layers")
+    epochs.check(dst)
+    cache.write_blocks([r.block for r in dst], data)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
