@@ -1,0 +1,89 @@
+"""Linear weights as bf16 for the "fast" numerics mode (docs/numerics.md).
+
+y = x @ w.T with x and w rounded to bf16 (round to nearest even) and every product summed in
+fp32 by AVX512-BF16's vdpbf16ps, one chain per output element in k order (csrc/bf16_gemm.c),
+so a row's result never depends on the other rows, the chunking or the batch size. The weight
+is packed at start into panels of 32 output features, one 128-byte record per pair of inputs;
+output features are zero padded to a multiple of 32 and inputs to an even count (a zero pair
+adds an exact zero).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from stopline.model.kernels.native import has_bf16, kernels
+
+PANEL = 32
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of w ([N, K], any float dtype) as bf16."""
+    n, k = w.shape
+    n_pad, k_pad = -(-n // PANEL) * PANEL, k + (k & 1)
+    wb = torch.zeros(n_pad, k_pad, dtype=torch.bfloat16)
+    wb[:n, :k] = w.detach().to("cpu", torch.bfloat16)
+    # [P, 32, K/2, 2] -> [P, K/2, 32, 2]: per pair, each column's two weights side by side.
+    return wb.reshape(n_pad // PANEL, PANEL, k_pad // 2, 2).transpose(1, 2).contiguous().reshape(-1)
+
+
+@dataclass(frozen=True)
+class BF16Weight:
+    """A packed [out_features, in_features] bf16 weight and the kernel that multiplies by it."""
+
+    out_features: int
+    in_features: int
+    packed: torch.Tensor  # bfloat16, flat
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> BF16Weight:
+        return cls(w.shape[0], w.shape[1], pack(w))
+
+    @property
+    def _k(self) -> int:
+        return self.in_features + (self.in_features & 1)
+
+    @property
+    def _n(self) -> int:
+        return -(-self.out_features // PANEL) * PANEL
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T, x: [M, in] float32 or bfloat16 on the CPU; returns float32 [M, out]."""
+        if x.device.type != "cpu" or x.dim() != 2 or x.shape[-1] != self.in_features:
+            raise ValueError(f"bf16 linear takes 2-d CPU rows of {self.in_features}, "
+                             f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+        m = x.shape[0]
+        if self._k != self.in_features:
+            xb = torch.zeros(m, self._k, dtype=torch.bfloat16)
+            xb[:, :self.in_features] = x
+        else:
+            xb = x.to(torch.bfloat16).contiguous()
+        y = torch.empty(m, self._n)
+        if m:
+            self._fn(xb.data_ptr(), self.packed.data_ptr(), y.data_ptr(), m, self._k, self._n)
+        return y if self._n == self.out_features else y[:, :self.out_features].contiguous()
+
+    @functools.cached_property
+    def _fn(self):  # looked up once: called ~120 times a step
+        if not has_bf16():
+            raise RuntimeError("this CPU lacks AVX512-BF16; the fast numerics kernel cannot run")
+        return kernels().stopline_bf16_gemm
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in plain torch, for tests: bf16-rounded inputs, each output one
+    fp32 chain over the k-pairs in order, each pair added as vdpbf16ps does (odd product first,
+    then even, each add rounded to fp32; bf16 products are exact in fp32)."""
+    xb = x.to(torch.bfloat16).float()
+    wb = w.to(torch.bfloat16).float()
+    k = x.shape[1]
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for p in range(0, k - 1, 2):
+        acc = acc + xb[:, p + 1:p + 2] * wb[:, p + 1][None, :]
+        acc = acc + xb[:, p:p + 1] * wb[:, p][None, :]
+    if k & 1:
+        acc = acc + xb[:, k - 1:k] * wb[:, k - 1][None, :]
+    return acc
