@@ -11,11 +11,15 @@ adds an exact zero).
 from __future__ import annotations
 
 import functools
+import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from stopline.model.kernels.native import has_bf16, kernels
+
+log = logging.getLogger("stopline.numerics")
 
 PANEL = 32
 
@@ -87,3 +91,30 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if k & 1:
         acc = acc + xb[:, k - 1:k] * wb[:, k - 1][None, :]
     return acc
+
+
+def resolve(numerics: str, device: str) -> str:
+    """The numerics a model on `device` runs: "fast" only where the bf16 kernel can run (a CPU
+    with AVX512-BF16 and the C kernels built); otherwise "exact", with a loud warning, so the
+    results stay correct everywhere. On CUDA fast falls back to exact too: torch's bf16 matmul
+    there would not be batch-invariant."""
+    if str(numerics) != "fast":
+        return "exact"
+    why = None
+    if torch.device(device).type != "cpu":
+        why = f"the model is on {device} (the fast kernel is CPU-only)"
+    elif not has_bf16():
+        why = "this CPU lacks AVX512-BF16"
+    else:
+        from stopline.model.kernels.native import NativeUnavailable
+
+        try:
+            kernels()
+        except NativeUnavailable as e:
+            why = f"the C kernels are off ({e})"
+    if why is None:
+        return "fast"
+    warnings.warn(f"numerics 'fast' is not available: {why}; running 'exact' (float32) instead",
+                  RuntimeWarning, stacklevel=2)
+    log.warning("numerics 'fast' unavailable (%s): running exact", why)
+    return "exact"

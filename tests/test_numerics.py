@@ -1,0 +1,98 @@
+"""The fast numerics mode (docs/numerics.md): its kernel equals a plain torch reference of the
+same arithmetic bit for bit, and an engine in fast mode is batch-invariant (alone vs 24
+concurrent, chunked, preempted), like exact mode (tests/test_engine_invariance.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stopline import LLM
+from stopline.config import EngineConfig, Numerics
+from stopline.model.kernels.bf16_linear import BF16Weight, reference, resolve
+from stopline.model.kernels.native import has_bf16, try_kernels
+from tests.engine_support import greedy, random_prompts, record_plans, sharp_tiny_dir
+
+FAST = has_bf16() and try_kernels() is not None
+needs_fast = pytest.mark.skipif(not FAST, reason="no AVX512-BF16 or no C kernels on this host")
+MAX_NEW = 24
+LENGTHS = [1, 3, 5, 8, 12, 16, 17, 20, 24, 31, 32, 33, 40, 47, 50, 63, 64, 65, 70, 80, 96, 100, 120, 150]
+
+
+@needs_fast
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (13, 577, 70), (30, 576, 96), (25, 1536, 64)])
+def test_kernel_equals_reference(m: int, k: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(m * k + n)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    y = BF16Weight.from_float(w)(x)
+    assert y.shape == (m, n)
+    assert torch.equal(y, reference(x, w))
+    # Rows alone and in every split equal the batch: no row depends on its neighbours.
+    assert torch.equal(torch.cat([BF16Weight.from_float(w)(x[i:i + 1]) for i in range(m)]), y)
+    assert not torch.equal(y, x @ w.T)  # it really rounds to bf16: not the fp32 product
+
+
+def test_numerics_setting_is_checked() -> None:
+    assert EngineConfig(numerics="fast").numerics is Numerics.FAST
+    with pytest.raises(ValueError, match="numerics"):
+        EngineConfig(numerics="fastest")
+
+
+def test_fast_off_cpu_falls_back_loudly() -> None:
+    with pytest.warns(RuntimeWarning, match="running 'exact'"):
+        assert resolve("fast", "meta") == "exact"
+    assert resolve("exact", "cpu") == "exact"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return sharp_tiny_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(len(LENGTHS), LENGTHS, seed=7)
+
+
+def _engine(model_dir: Path, **kw) -> LLM:
+    kw.setdefault("num_blocks", 2048)
+    kw.setdefault("target_step_ms", None)
+    return LLM(model=str(model_dir), progress=False, numerics="fast", enable_prefix_caching=False, **kw)
+
+
+def _signature(c) -> list[tuple]:
+    return [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in c.logprobs]
+
+
+@pytest.fixture(scope="module")
+def alone(model_dir: Path, prompts) -> list[list[tuple]]:
+    llm = _engine(model_dir)
+    assert llm.engine.model.numerics == "fast"
+    return [_signature(llm.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts]
+
+
+@needs_fast
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 5}, {"num_blocks": 40}],
+                         ids=["concurrent", "chunked", "preempted"])
+def test_fast_alone_vs_24_concurrent(model_dir: Path, prompts, alone, kw: dict) -> None:
+    llm = _engine(model_dir, **kw)
+    plans = record_plans(llm.engine)
+    res = llm.generate(prompts, greedy(MAX_NEW, logprobs=3))
+    assert max(len(p) for p in plans) > 1
+    if "num_blocks" in kw:
+        assert sum(llm.engine.lifecycle.stats.preemptions.values()) > 0, "the pool was never short"
+    differ = [i for i, r in enumerate(res) if _signature(r.outputs[0]) != alone[i]]
+    assert differ == [], f"{len(differ)} of 24 requests changed when batched: {differ}"
+
+
+@needs_fast
+def test_fast_differs_from_exact_but_agrees_mostly(model_dir: Path, prompts, alone) -> None:
+    """Fast really runs other arithmetic (its logprobs differ from exact's), yet on the tiny
+    model's sharp logits its greedy tokens mostly agree."""
+    exact = LLM(model=str(model_dir), progress=False, num_blocks=2048, enable_prefix_caching=False)
+    sigs = [_signature(exact.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts[:6]]
+    assert sigs != alone[:6]
+    first = sum(s[0][0] == a[0][0] for s, a in zip(sigs, alone[:6], strict=True))
+    assert first >= 5, f"only {first} of 6 first tokens agree between exact and fast"
