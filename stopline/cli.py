@@ -329,6 +329,27 @@ def bench_soak(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _floors_bench_args(p: argparse.ArgumentParser) -> None:
+    from stopline.bench.floors import configure
+
+    configure(p)
+
+
+@bench_command("floors", "host floors (read bandwidth, GEMM rates) and decode step time against them, "
+               "per numerics mode; --accuracy: fast vs exact under teacher forcing", _floors_bench_args)
+def bench_floors(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from stopline.bench import floors
+
+    result = floors.run(args)
+    result["command"] = "stopline bench floors " + " ".join(sys.argv[3:])
+    floors.write(result, Path(args.out))
+    print(floors.summary(result))
+    print(f"results: {args.out}")
+    return 0
+
+
 def _bench_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", required=True)
     for name, help_, configure, fn in _BENCHES:
