@@ -34,6 +34,27 @@ def test_kernel_equals_reference(m: int, k: int, n: int) -> None:
     assert not torch.equal(y, x @ w.T)  # it really rounds to bf16: not the fp32 product
 
 
+@needs_fast
+@pytest.mark.parametrize("n,k", [(32, 32), (96, 64), (960, 576), (64, 1536)])
+def test_q4_1_kernel_gives_the_bf16_kernels_bits(n: int, k: int) -> None:
+    """Few rows read a Q4_1 weight from its blocks, more its bf16 copy: the same bits, so the
+    switch between them is invisible to a row."""
+    import dataclasses
+
+    import gguf
+    import numpy as np
+
+    w = np.random.default_rng(n + k).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    deq = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1)))
+    weight = BF16Weight.from_float(deq, raw)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(k))
+    from_blocks = dataclasses.replace(weight, q4_max_rows=64)(x)
+    assert torch.equal(from_blocks, dataclasses.replace(weight, q4=None)(x))
+    assert torch.equal(from_blocks, reference(x, deq))
+    assert torch.equal(weight(x[:3]), from_blocks[:3])  # 3 rows take the blocks by default
+
+
 def test_numerics_setting_is_checked() -> None:
     assert EngineConfig(numerics="fast").numerics is Numerics.FAST
     with pytest.raises(ValueError, match="numerics"):

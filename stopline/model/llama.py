@@ -21,7 +21,7 @@ from stopline.model.kernels.bf16_linear import resolve as fast_numerics
 from stopline.model.kernels.layer_ops import add_rms_norm, rope_store, silu_mul
 from stopline.model.kernels.paged_attention import PagedRows, paged_attention
 from stopline.model.kernels.paged_attention import pick as pick_attention
-from stopline.model.kernels.quant_linear import Blocks, QuantWeight, from_raw_rows
+from stopline.model.kernels.quant_linear import Blocks, QuantWeight, can_pack, from_raw_rows
 
 
 class StepInterrupted(Exception):
@@ -81,8 +81,6 @@ class LlamaModel:
 
         blocks = blocks if device == "cpu" and quant_max_rows > 0 else {}
         self.numerics = fast_numerics(numerics, device)
-        if self.numerics == "fast":
-            blocks = {}  # every batch runs the bf16 kernel; the exact kernels' blocks are not kept
 
         def quant(names: tuple[str, ...]) -> QuantWeight | None:
             found = [blocks.get(n) for n in names]
@@ -94,8 +92,13 @@ class LlamaModel:
 
         def linear(*names: str, rows: int = max_rows) -> InvariantLinear:
             full = torch.cat([w(n) for n in names])
-            if self.numerics == "fast":
-                return InvariantLinear(full, rows, fast=BF16Weight.from_float(full))
+            if self.numerics == "fast":  # bf16 weights, and Q4_1 blocks for few rows (same bits)
+                found = [blocks.get(n) for n in names]
+                raw = None
+                if all(f is not None and f[0] == "q4_1" for f in found) and can_pack(
+                        "q4_1", full.shape[0], full.shape[1]):
+                    raw = torch.cat([f[1] for f in found if f is not None])
+                return InvariantLinear(full, rows, fast=BF16Weight.from_float(full, raw))
             return InvariantLinear(full, rows, linear_backend,
                                    quant=quant(names), quant_max_rows=quant_max_rows)
 

@@ -15,9 +15,11 @@ import logging
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from stopline.model.kernels.native import has_bf16, kernels
+from stopline.model.kernels.quant_linear import _f16_by_panel, can_pack
 
 log = logging.getLogger("stopline.numerics")
 
@@ -34,17 +36,47 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return wb.reshape(n_pad // PANEL, PANEL, k_pad // 2, 2).transpose(1, 2).contiguous().reshape(-1)
 
 
+def pack_q4_1(raw: np.ndarray, in_features: int) -> torch.Tensor:
+    """The Q4_1 kernel's layout (csrc/bf16_gemm.c) of GGML Q4_1 blocks [out, groups * 20]."""
+    n, k = raw.shape[0], in_features
+    if not can_pack("q4_1", n, k) or raw.shape[1] != k // 32 * 20:
+        raise ValueError(f"cannot pack a q4_1 weight of {tuple(raw.shape)} bytes for {n} x {k}")
+    panels, groups = n // PANEL, k // 32
+    b = raw.reshape(n, groups, 20)
+    d, m = _f16_by_panel(b, 0, panels, groups), _f16_by_panel(b, 2, panels, groups)
+    qs = b[..., 4:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [N, G, 32] in k order
+    # [P, 4 vectors, 8 columns, G, 16 pairs, 2] -> [P, G, 16 pairs, 4 vectors, 16 lanes]
+    lanes = q.reshape(panels, 4, 8, groups, 16, 2).transpose(0, 3, 4, 1, 2, 5).reshape(panels, groups, 16, 4, 16)
+    nib = (lanes[:, :, :, 0::2] | (lanes[:, :, :, 1::2] << 4)).astype(np.uint8)  # (A|B<<4), (C|D<<4)
+    rec = np.concatenate([d, m, nib.reshape(panels, groups, -1)], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(rec).reshape(-1))
+
+
+# Row counts up to which a Q4_1 weight runs from its blocks rather than its bf16 copy: both give
+# the same bits, so this is a speed choice only (bench/bf16_time.py).
+Q4_MAX_ROWS = 8
+
+
 @dataclass(frozen=True)
 class BF16Weight:
-    """A packed [out_features, in_features] bf16 weight and the kernel that multiplies by it."""
+    """A packed [out_features, in_features] bf16 weight and the kernel that multiplies by it;
+    q4: the same weight's Q4_1 blocks in that kernel's layout, read by batches of up to
+    q4_max_rows rows (fewer bytes, the same bits)."""
 
     out_features: int
     in_features: int
     packed: torch.Tensor  # bfloat16, flat
+    q4: torch.Tensor | None = None
+    q4_max_rows: int = Q4_MAX_ROWS
 
     @classmethod
-    def from_float(cls, w: torch.Tensor) -> BF16Weight:
-        return cls(w.shape[0], w.shape[1], pack(w))
+    def from_float(cls, w: torch.Tensor, q4_raw: np.ndarray | torch.Tensor | None = None) -> BF16Weight:
+        q4 = None
+        if q4_raw is not None:
+            raw = q4_raw.numpy() if isinstance(q4_raw, torch.Tensor) else np.asarray(q4_raw)
+            q4 = pack_q4_1(raw, w.shape[1])
+        return cls(w.shape[0], w.shape[1], pack(w), q4)
 
     @property
     def _k(self) -> int:
@@ -66,7 +98,9 @@ class BF16Weight:
         else:
             xb = x.to(torch.bfloat16).contiguous()
         y = torch.empty(m, self._n)
-        if m:
+        if m and self.q4 is not None and m <= self.q4_max_rows:
+            self._q4_fn(xb.data_ptr(), self.q4.data_ptr(), y.data_ptr(), m, self._k, self._n)
+        elif m:
             self._fn(xb.data_ptr(), self.packed.data_ptr(), y.data_ptr(), m, self._k, self._n)
         return y if self._n == self.out_features else y[:, :self.out_features].contiguous()
 
@@ -75,6 +109,11 @@ class BF16Weight:
         if not has_bf16():
             raise RuntimeError("this CPU lacks AVX512-BF16; the fast numerics kernel cannot run")
         return kernels().stopline_bf16_gemm
+
+    @functools.cached_property
+    def _q4_fn(self):
+        self._fn  # noqa: B018  (the same check)
+        return kernels().stopline_q4_1_bf16_gemm
 
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

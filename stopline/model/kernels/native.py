@@ -160,6 +160,8 @@ def _load() -> ctypes.CDLL:
     lib.stopline_decoder_layers.restype = c_int
     lib.stopline_bf16_gemm.argtypes = [ptr, ptr, ptr, c_int, c_int, c_int]
     lib.stopline_bf16_gemm.restype = None
+    lib.stopline_q4_1_bf16_gemm.argtypes = [ptr, ptr, ptr, c_int, c_int, c_int]
+    lib.stopline_q4_1_bf16_gemm.restype = None
     return lib
 
 
