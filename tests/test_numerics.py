@@ -14,6 +14,7 @@ from stopline.config import EngineConfig, Numerics
 from stopline.model.kernels.bf16_linear import BF16Weight, reference, resolve
 from stopline.model.kernels.native import has_bf16, try_kernels
 from tests.engine_support import greedy, random_prompts, record_plans, sharp_tiny_dir
+from tests.tiny_model import make_tiny_gguf
 
 FAST = has_bf16() and try_kernels() is not None
 needs_fast = pytest.mark.skipif(not FAST, reason="no AVX512-BF16 or no C kernels on this host")
@@ -67,9 +68,14 @@ def test_fast_off_cpu_falls_back_loudly() -> None:
     assert resolve("exact", "cpu") == "exact"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return sharp_tiny_dir(tmp_path_factory)
+@pytest.fixture(scope="module", params=["f32", "q4_1"])
+def model_dir(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model as float32 (every batch on the bf16 weights) and as a Q4_1 GGUF (batches
+    of up to Q4_MAX_ROWS rows on its blocks, larger ones on the bf16 copy)."""
+    hf = sharp_tiny_dir(tmp_path_factory)
+    if request.param == "f32":
+        return hf
+    return make_tiny_gguf(hf, tmp_path_factory.mktemp("q4") / "tiny-q4_1.gguf", qtype="Q4_1")
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +97,8 @@ def _signature(c) -> list[tuple]:
 def alone(model_dir: Path, prompts) -> list[list[tuple]]:
     llm = _engine(model_dir)
     assert llm.engine.model.numerics == "fast"
+    q4 = llm.engine.model.layers[0]["gate_up"].fast.q4 is not None
+    assert q4 == (model_dir.suffix == ".gguf")
     return [_signature(llm.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts]
 
 
