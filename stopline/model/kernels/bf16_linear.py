@@ -54,8 +54,10 @@ def pack_q4_1(raw: np.ndarray, in_features: int) -> torch.Tensor:
 
 
 # Row counts up to which a Q4_1 weight runs from its blocks rather than its bf16 copy: both give
-# the same bits, so this is a speed choice only (bench/bf16_time.py).
-Q4_MAX_ROWS = 8
+# the same bits, so this is a speed choice only. Measured on SmolLM2's decode step, 2 cores
+# (bench/bf16_time.py, interleaved): blocks/bf16 time 0.86 at 1 and 2 streams, 0.89 at 4,
+# 1.01 at 8, 1.06 at 12, 1.12 at 16.
+Q4_MAX_ROWS = 6
 
 
 @dataclass(frozen=True)
