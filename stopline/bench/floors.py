@@ -60,13 +60,22 @@ def gemm_rates(shapes: list[tuple[int, int, int]], rows: int, reps: int) -> dict
 
     gen = torch.Generator().manual_seed(0)
     out: dict[str, float] = {}
-    kinds = ["torch fp32", "torch bf16"] + (["bf16 kernel"] if has_bf16() and try_kernels() else [])
+    kinds = ["torch fp32", "torch bf16"] + (["q4_1 fp32 kernel"] if try_kernels() else []) + \
+        (["bf16 kernel"] if has_bf16() and try_kernels() else [])
     for kind in kinds:
         flops = secs = 0.0
         for k, n, count in shapes:
             x = torch.randn(rows, k, generator=gen)
             w = torch.randn(n, k, generator=gen)
-            if kind == "bf16 kernel":
+            if kind == "q4_1 fp32 kernel":  # the exact mode's own kernel, blocks of random weights
+                import gguf
+
+                from stopline.model.kernels.quant_linear import QuantWeight
+
+                raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
+                qw = QuantWeight.from_raw("q4_1", raw, k)
+                fn = lambda qw=qw, x=x, k=k: qw(x, k)  # noqa: E731
+            elif kind == "bf16 kernel":
                 bw = BF16Weight.from_float(w)
                 fn = lambda bw=bw, x=x: bw(x)  # noqa: E731
             else:
