@@ -125,3 +125,17 @@ def test_fast_differs_from_exact_but_agrees_mostly(model_dir: Path, prompts, alo
     assert sigs != alone[:6]
     first = sum(s[0][0] == a[0][0] for s, a in zip(sigs, alone[:6], strict=True))
     assert first >= 5, f"only {first} of 6 first tokens agree between exact and fast"
+
+
+def test_fast_without_bf16_runs_exact_with_a_warning(model_dir: Path, prompts, monkeypatch) -> None:
+    """A CPU without AVX512-BF16: the engine says so and runs exact, whose tokens it then gives."""
+    import stopline.model.kernels.bf16_linear as bf16_linear
+
+    monkeypatch.setattr(bf16_linear, "has_bf16", lambda: False)
+    with pytest.warns(RuntimeWarning, match="lacks AVX512-BF16"):
+        llm = _engine(model_dir)
+    assert llm.engine.model.numerics == "exact"
+    exact = LLM(model=str(model_dir), progress=False, num_blocks=2048, enable_prefix_caching=False)
+    p = greedy(8, logprobs=3)
+    assert _signature(llm.generate([prompts[5]], p)[0].outputs[0]) == \
+        _signature(exact.generate([prompts[5]], p)[0].outputs[0])
