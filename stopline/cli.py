@@ -76,6 +76,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-max-rows", type=int, default=EngineConfig.quant_max_rows,
                    help="batches of up to this many rows read a GGUF's Q4_1/Q8_0 weights in their "
                         "blocks through stopline's C kernel (same bits as float32; 0: never)")
+    g.add_argument("--numerics", default=EngineConfig.numerics.value, choices=["exact", "fast"],
+                   help="linear layers in float32 bits (exact) or bf16 inputs with fp32 sums on "
+                        "AVX512-BF16 (fast); both batch-invariant (docs/numerics.md)")
 
 
 def engine_config(args: argparse.Namespace):
@@ -90,7 +93,7 @@ def engine_config(args: argparse.Namespace):
         grammar_deadline=args.grammar_deadline,
         attention_backend=args.attention_backend, decode_rows=args.decode_rows,
         linear_backend=args.linear_backend,
-        quant_max_rows=args.quant_max_rows,
+        quant_max_rows=args.quant_max_rows, numerics=getattr(args, "numerics", "exact"),
         speculative=args.speculative, speculative_tokens=args.speculative_tokens,
     )
 
@@ -366,6 +369,27 @@ def bench_soak(args: argparse.Namespace) -> int:
     from stopline.bench.soak import main
 
     return main(args)
+
+
+def _floors_bench_args(p: argparse.ArgumentParser) -> None:
+    from stopline.bench.floors import configure
+
+    configure(p)
+
+
+@bench_command("floors", "host floors (read bandwidth, GEMM rates) and decode step time against them, "
+               "per numerics mode; --accuracy: fast vs exact under teacher forcing", _floors_bench_args)
+def bench_floors(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from stopline.bench import floors
+
+    result = floors.run(args)
+    result["command"] = "stopline bench floors " + " ".join(sys.argv[3:])
+    floors.write(result, Path(args.out))
+    print(floors.summary(result))
+    print(f"results: {args.out}")
+    return 0
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:

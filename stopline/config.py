@@ -54,6 +54,13 @@ class SpecMode(Choice):
     AUTO = "auto"  # draft only where the measured acceptance and step costs say it pays
 
 
+class Numerics(Choice):
+    """Arithmetic of the linear layers (docs/numerics.md); both are batch-invariant."""
+
+    EXACT = "exact"  # float32 bits: greedy equals the HF oracle
+    FAST = "fast"  # bf16 inputs, fp32 sums (AVX512-BF16); exact where the CPU lacks it
+
+
 LINEAR_BACKENDS = tuple(b.value for b in LinearBackend)
 ATTENTION_BACKENDS = tuple(b.value for b in AttentionBackend)
 
@@ -107,6 +114,8 @@ class EngineConfig:
     # runs on the kernel. (On the Intel host before, the earlier tall kernel lost to the
     # library from about 96 rows.)
     quant_max_rows: int = 512
+    # "exact" or "fast" (docs/numerics.md; the default is chosen there by measurement).
+    numerics: Numerics = Numerics.EXACT
     # Seconds a request may wait for its grammar to compile (compiles are shared and cached;
     # one that runs past this is stopped and its grammar refused from then on).
     grammar_deadline: float = 5.0
@@ -145,6 +154,9 @@ class EngineConfig:
         if self.speculative_tokens < 1:
             raise ValueError(f"EngineConfig.speculative_tokens must be >= 1, got {self.speculative_tokens}")
         self.attention_backend = AttentionBackend(self.attention_backend)
+        if self.numerics not in tuple(m.value for m in Numerics):
+            raise ValueError(f"EngineConfig.numerics must be one of exact, fast, got {self.numerics!r}")
+        self.numerics = Numerics(self.numerics)
         if not 0 <= self.admission_headroom < 1:
             raise ValueError("EngineConfig.admission_headroom must be in [0, 1)")
         if not self.grammar_deadline > 0:

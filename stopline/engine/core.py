@@ -94,7 +94,8 @@ class EngineCore:
             self.model = LlamaModel(mc, loaded.weights, max_rows=cfg.max_num_batched_tokens,
                                     max_logit_rows=cfg.max_num_seqs, device=cfg.device,
                                     linear_backend=cfg.linear_backend, blocks=loaded.blocks,
-                                    quant_max_rows=cfg.quant_max_rows, attention=cfg.attention_backend)
+                                    quant_max_rows=cfg.quant_max_rows, attention=cfg.attention_backend,
+                                    numerics=cfg.numerics)
             self.model.calibrate()
             runner = ModelRunner(self.model, self.kv, cfg)
         if self.model is None or self.model.attention == "torch":

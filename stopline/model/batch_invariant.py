@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from stopline.config import LINEAR_BACKENDS
+from stopline.model.kernels.bf16_linear import BF16Weight
 from stopline.model.kernels.native import try_kernels
 from stopline.model.kernels.quant_linear import QuantWeight
 
@@ -164,11 +165,20 @@ class InvariantLinear:
     quant: the same weight in a GGUF block format; batches of up to `quant_max_rows` rows
     then run through the quantized-weight kernel, which reads a fraction of the bytes and
     sums in the library's order, so its rows carry the library's bits (checked at first use;
-    where they would not, the kernel is not used)."""
+    where they would not, the kernel is not used).
+
+    fast: the weight as bf16 (the fast numerics mode); every batch then runs through its
+    kernel, whose rows are invariant by construction, and no library path is built."""
 
     def __init__(self, w: torch.Tensor, max_rows: int, backend: str = "auto",
-                 quant: QuantWeight | None = None, quant_max_rows: int = 16) -> None:
+                 quant: QuantWeight | None = None, quant_max_rows: int = 16,
+                 fast: BF16Weight | None = None) -> None:
         self.out_features, self.in_features = w.shape
+        self.fast = fast
+        if fast is not None:
+            self.device, self.dtype, self.max_rows, self.backend = w.device, w.dtype, max(2, max_rows), "bf16"
+            self.quant, self.quant_max_rows, self._kc, self._heights = None, 0, {}, {}
+            return
         self.device, self.dtype = w.device, w.dtype
         self.max_rows = max(2, max_rows)
         self.backend = pick_backend(w, backend)
@@ -238,6 +248,8 @@ class InvariantLinear:
         return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast is not None:
+            return self.fast(x)
         n = x.shape[0]
         if 0 < n <= self.quant_max_rows and self.quant is not None:
             kc = self.kc()

@@ -16,10 +16,12 @@ from stopline.model.attention import probe as attention_probe
 from stopline.model.batch_invariant import InvariantLinear, rms_norm
 from stopline.model.config import ModelConfig
 from stopline.model.decoder_native import DecoderLoop
+from stopline.model.kernels.bf16_linear import BF16Weight
+from stopline.model.kernels.bf16_linear import resolve as fast_numerics
 from stopline.model.kernels.layer_ops import add_rms_norm, rope_store, silu_mul
 from stopline.model.kernels.paged_attention import PagedRows, paged_attention
 from stopline.model.kernels.paged_attention import pick as pick_attention
-from stopline.model.kernels.quant_linear import Blocks, QuantWeight, from_raw_rows
+from stopline.model.kernels.quant_linear import Blocks, QuantWeight, can_pack, from_raw_rows
 
 
 class StepInterrupted(Exception):
@@ -59,7 +61,8 @@ class StepInputs:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, max_rows: int,
                  max_logit_rows: int, device: str = "cpu", linear_backend: str = "auto",
-                 blocks: Blocks | None = None, quant_max_rows: int = 0, attention: str = "torch") -> None:
+                 blocks: Blocks | None = None, quant_max_rows: int = 0, attention: str = "torch",
+                 numerics: str = "exact") -> None:
         """max_rows: most rows a step carries; max_logit_rows: most rows that need logits;
         linear_backend: see `batch_invariant.pick_backend`; attention: see
         `paged_attention.pick` (the chosen one is `self.attention`); blocks: the GGML blocks of
@@ -77,6 +80,7 @@ class LlamaModel:
             return weights[name].to(device=device, dtype=torch.float32).clone()
 
         blocks = blocks if device == "cpu" and quant_max_rows > 0 else {}
+        self.numerics = fast_numerics(numerics, device)
 
         def quant(names: tuple[str, ...]) -> QuantWeight | None:
             found = [blocks.get(n) for n in names]
@@ -87,7 +91,15 @@ class LlamaModel:
                                  weights[names[0]].shape[1])
 
         def linear(*names: str, rows: int = max_rows) -> InvariantLinear:
-            return InvariantLinear(torch.cat([w(n) for n in names]), rows, linear_backend,
+            full = torch.cat([w(n) for n in names])
+            if self.numerics == "fast":  # bf16 weights, and Q4_1 blocks for few rows (same bits)
+                found = [blocks.get(n) for n in names]
+                raw = None
+                if all(f is not None and f[0] == "q4_1" for f in found) and can_pack(
+                        "q4_1", full.shape[0], full.shape[1]):
+                    raw = torch.cat([f[1] for f in found if f is not None])
+                return InvariantLinear(full, rows, fast=BF16Weight.from_float(full, raw))
+            return InvariantLinear(full, rows, linear_backend,
                                    quant=quant(names), quant_max_rows=quant_max_rows)
 
         self.embed = w("model.embed_tokens.weight")
@@ -135,9 +147,10 @@ class LlamaModel:
         linears = [v for v in (self.lm_head, *(v for layer in self.layers for v in layer.values()))
                    if isinstance(v, InvariantLinear)]
         for lin in linears:
-            lin.heights()
-            lin.kc()  # each weight checks its own packing against the library once
-        self.one_row_ok = all(lin.kc() is not None for lin in linears)
+            if lin.fast is None:
+                lin.heights()
+                lin.kc()  # each weight checks its own packing against the library once
+        self.one_row_ok = all(lin.kc() is not None or lin.fast is not None for lin in linears)
         if self.attention == "native" and DecoderLoop.supports(self):
             self.decoder = DecoderLoop(self)
         rms_norm(self.embed[:2], self.final_norm, self.config.rms_norm_eps)

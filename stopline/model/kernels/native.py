@@ -158,7 +158,16 @@ def _load() -> ctypes.CDLL:
     lib.stopline_paged_attention.restype = c_int
     lib.stopline_decoder_layers.argtypes = [ptr, c_int, ptr, ptr, ptr]
     lib.stopline_decoder_layers.restype = c_int
+    lib.stopline_bf16_gemm.argtypes = [ptr, ptr, ptr, c_int, c_int, c_int]
+    lib.stopline_bf16_gemm.restype = None
+    lib.stopline_q4_1_bf16_gemm.argtypes = [ptr, ptr, ptr, c_int, c_int, c_int]
+    lib.stopline_q4_1_bf16_gemm.restype = None
     return lib
+
+
+def has_bf16() -> bool:
+    """Whether this CPU runs AVX512-BF16 (the fast numerics mode's kernel, csrc/bf16_gemm.c)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and "avx512_bf16" in _cpu_flags()
 
 
 def try_kernels() -> ctypes.CDLL | None:

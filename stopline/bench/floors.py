@@ -1,0 +1,273 @@
+"""`stopline bench floors`: this host's floors, and the engine's decode step against them.
+
+- read bandwidth: a streaming sum over a float32 buffer well above the L3 cache, on torch's
+  threads (the engine's), best of N;
+- GEMM rates: torch's fp32 and bf16 `x @ w_t` at the 32-stream step's shapes (the model's
+  linears, 32 rows), and the fast mode's bf16 kernel at the same shapes;
+- decode step time at 1 and 32 streams for each numerics mode (engines stepped alternately,
+  so a slow spell of the host lands on all alike), against the floor: max(bytes of weights
+  and KV the step reads / bandwidth, FMAs of the step / GEMM rate of its arithmetic);
+- with --accuracy: the fast mode's distance from exact (the fp32 oracle) under teacher
+  forcing on a held-out text (bench/heldout.txt): per-token top-1 agreement and perplexity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+HELDOUT = Path(__file__).resolve().parents[2] / "bench" / "heldout.txt"
+
+
+def bandwidth(mib: int, reps: int) -> float:
+    """Bytes per second of a streaming read over `mib` MiB (best of reps)."""
+    buf = torch.ones(mib * 2**20 // 4)
+    buf.sum()  # faults the pages in
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best
+
+
+def _best(fn, reps: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def linear_shapes(model) -> list[tuple[int, int, int]]:
+    """(in, out, count) of the model's linears: each layer's, then the LM head."""
+    first = model.layers[0]
+    shapes = [(first[n].in_features, first[n].out_features, len(model.layers)) for n in ("qkv", "o", "gate_up", "down")]
+    return shapes + [(model.lm_head.in_features, model.lm_head.out_features, 1)]
+
+
+def gemm_rates(shapes: list[tuple[int, int, int]], rows: int, reps: int) -> dict[str, float]:
+    """FLOP/s (2 per FMA) of each arithmetic over the step's linears, weighted by their count."""
+    from stopline.model.kernels.bf16_linear import BF16Weight
+    from stopline.model.kernels.native import has_bf16, try_kernels
+
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, float] = {}
+    kinds = ["torch fp32", "torch bf16"] + (["q4_1 fp32 kernel"] if try_kernels() else []) + \
+        (["bf16 kernel"] if has_bf16() and try_kernels() else [])
+    for kind in kinds:
+        flops = secs = 0.0
+        for k, n, count in shapes:
+            x = torch.randn(rows, k, generator=gen)
+            w = torch.randn(n, k, generator=gen)
+            if kind == "q4_1 fp32 kernel":  # the exact mode's own kernel, blocks of random weights
+                import gguf
+
+                from stopline.model.kernels.quant_linear import QuantWeight
+
+                raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
+                qw = QuantWeight.from_raw("q4_1", raw, k)
+                fn = lambda qw=qw, x=x, k=k: qw(x, k)  # noqa: E731
+            elif kind == "bf16 kernel":
+                bw = BF16Weight.from_float(w)
+                fn = lambda bw=bw, x=x: bw(x)  # noqa: E731
+            else:
+                dt = torch.float32 if kind == "torch fp32" else torch.bfloat16
+                xt, wt = x.to(dt), w.t().contiguous().to(dt)
+                fn = lambda xt=xt, wt=wt: xt @ wt  # noqa: E731
+            secs += _best(fn, reps) * count
+            flops += 2.0 * rows * k * n * count
+        out[kind] = flops / secs
+    return out
+
+
+def _weight_bytes(model, rows: int) -> int:
+    """Bytes of linear weights a step of `rows` rows reads (the path each linear takes)."""
+    total = 0
+    for lin in [model.lm_head, *(v for layer in model.layers for v in layer.values() if hasattr(v, "fast"))]:
+        if lin.fast is not None and lin.fast.q4 is not None and rows <= lin.fast.q4_max_rows:
+            total += lin.fast.q4.numel()
+        elif lin.fast is not None:
+            total += lin.fast.packed.numel() * 2
+        elif lin.quant is not None and rows <= lin.quant_max_rows and lin.kc() is not None:
+            total += lin.quant.packed.numel()
+        else:
+            total += lin.in_features * lin.out_features * 4
+    return total
+
+
+def best_rate(rates: dict[str, float], fast: bool) -> float:
+    """The fastest rate measured for a mode's arithmetic (fp32 FMAs, or bf16 products)."""
+    keys = ("bf16",) if fast else ("fp32",)
+    return max(v for k, v in rates.items() if any(key in k for key in keys))
+
+
+def step_floor(engine, rows: int, mean_ctx: float, bw: float, rates: dict[str, float]) -> dict[str, float]:
+    model, kv = engine.runner.model, engine.kv
+    c = model.config
+    kv_bytes = rows * mean_ctx * c.num_layers * 2 * c.num_kv_heads * c.head_dim * kv.k[0].element_size()
+    wbytes = _weight_bytes(model, rows)
+    fmas = rows * sum(k * n * count for k, n, count in linear_shapes(model))
+    fmas += rows * mean_ctx * c.num_layers * c.num_heads * c.head_dim * 2  # q.k and p.v
+    rate = best_rate(rates, model.numerics == "fast")
+    return {"weight_bytes": wbytes, "kv_bytes": kv_bytes, "bandwidth_floor_ms": (wbytes + kv_bytes) / bw * 1e3,
+            "fma_floor_ms": 2 * fmas / rate * 1e3}
+
+
+def step_times(engines: dict[str, object], n: int, warm: int, steps: int) -> dict[str, dict]:
+    """p50 and min decode step of n streams in each engine, stepped alternately."""
+    from stopline.bench.offline import chat_prompts
+    from stopline.request import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=warm + steps + 8, ignore_eos=True)
+    plens = {}
+    for label, eng in engines.items():
+        ids = chat_prompts(eng.loaded, n)
+        plens[label] = sum(map(len, ids)) / n
+        for i, p in enumerate(ids):
+            eng.add_request(f"floors-{n}-{i}", p, params)
+    for _ in range(warm):
+        for eng in engines.values():
+            eng.step()
+    times: dict[str, list[float]] = {label: [] for label in engines}
+    for _ in range(steps):
+        for label, eng in engines.items():
+            t = time.perf_counter()
+            eng.step()
+            times[label].append(time.perf_counter() - t)
+    for eng in engines.values():
+        while eng.has_unfinished():
+            eng.step()
+    out = {}
+    for label, ts in times.items():
+        ts.sort()
+        out[label] = {"p50_ms": ts[len(ts) // 2] * 1e3, "min_ms": ts[0] * 1e3,
+                      "mean_ctx": plens[label] + warm + steps / 2}
+    return out
+
+
+@torch.inference_mode()
+def teacher_forced(engine, ids: list[int]) -> torch.Tensor:
+    """Log-probabilities of every next token of `ids` ([len - 1]) and the argmax at each
+    position, from one prefill written into blocks 0.. of the engine's (idle) KV cache."""
+    from stopline.model.kernels.paged_attention import PagedRows
+    from stopline.model.llama import StepInputs
+
+    model, kv = engine.runner.model, engine.kv
+    if model.attention != "native":
+        raise RuntimeError("teacher forcing here needs the native paged attention")
+    n, bs = len(ids), kv.block_size
+    if (n + bs - 1) // bs > kv.num_blocks:
+        raise ValueError(f"a text of {n} tokens does not fit the KV pool")
+    tables = list(range((n + bs - 1) // bs))
+    inp = StepInputs(token_ids=torch.tensor(ids), positions=torch.arange(n), write_slots=torch.arange(n),
+                     prefills=[], decode=None, logit_rows=torch.arange(n - 1),
+                     paged=PagedRows.build(list(range(1, n + 1)), [0] * n, tables))
+    logits = model.forward(inp, kv).float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def accuracy(exact, fast, texts: list[str]) -> dict[str, float]:
+    """Top-1 agreement of fast with exact at every position of every text (teacher forced),
+    and each mode's perplexity of the texts."""
+    agree = total = 0
+    nll = {"exact": 0.0, "fast": 0.0}
+    for text in texts:
+        ids = exact.tokenizer.encode(text, add_special_tokens=False)[:500]
+        if len(ids) < 2:
+            continue
+        target = torch.tensor(ids[1:])
+        lp = {"exact": teacher_forced(exact, ids), "fast": teacher_forced(fast, ids)}
+        agree += int((lp["exact"].argmax(-1) == lp["fast"].argmax(-1)).sum())
+        total += len(target)
+        for k, v in lp.items():
+            nll[k] -= float(v.gather(1, target[:, None]).sum())
+    ppl = {k: math.exp(v / total) for k, v in nll.items()}
+    return {"tokens": total, "texts": len(texts), "top1_agreement": agree / total,
+            "ppl_exact": ppl["exact"], "ppl_fast": ppl["fast"], "ppl_ratio": ppl["fast"] / ppl["exact"]}
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    from stopline.cli import add_engine_args
+
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--modes", nargs="+", default=["exact", "fast"], choices=["exact", "fast"],
+                   help="numerics modes whose step times are measured (one engine each)")
+    p.add_argument("--buffer-mib", type=int, default=1024, help="bandwidth probe buffer (well above L3)")
+    p.add_argument("--reps", type=int, default=10, help="best of this many for the probes")
+    p.add_argument("--warm", type=int, default=20, help="decode steps before timing")
+    p.add_argument("--steps", type=int, default=40, help="decode steps timed per engine")
+    p.add_argument("--accuracy", action="store_true",
+                   help="also measure fast against exact under teacher forcing on --texts")
+    p.add_argument("--texts", default=str(HELDOUT), help="held-out paragraphs, separated by blank lines")
+    p.add_argument("--out", default="bench-results/floors.json")
+    add_engine_args(p)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from dataclasses import replace
+
+    from stopline.cli import engine_config
+    from stopline.engine.llm import LLM
+
+    base = engine_config(args)
+    engines = {m: LLM(args.model, config=replace(base, numerics=m, enable_prefix_caching=False),
+                      progress=False).engine for m in args.modes}
+    bw = bandwidth(args.buffer_mib, args.reps)
+    first = next(iter(engines.values()))
+    shapes = linear_shapes(first.runner.model)
+    rates = gemm_rates(shapes, 32, args.reps)
+    # The libraries' peak, at 512 rows: the floor takes the best rate either way.
+    peak = {f"{k} @512": v for k, v in gemm_rates(shapes, 512, max(2, args.reps // 3)).items() if "torch" in k}
+    result: dict = {"threads": torch.get_num_threads(), "read_bandwidth_gbs": bw / 1e9,
+                    "gemm_gflops_32_rows": {k: v / 1e9 for k, v in rates.items()},
+                    "gemm_gflops_512_rows": {k: v / 1e9 for k, v in peak.items()},
+                    "numerics": {m: e.runner.model.numerics for m, e in engines.items()}, "steps": []}
+    for n in args.streams:
+        timed = step_times(engines, n, args.warm, args.steps)
+        for mode, t in timed.items():
+            floor = step_floor(engines[mode], n, t["mean_ctx"], bw, rates | peak)
+            best = max(floor["bandwidth_floor_ms"], floor["fma_floor_ms"])
+            result["steps"].append({"streams": n, "mode": mode, **t, **floor, "floor_ms": best,
+                                    "x_floor": t["p50_ms"] / best})
+    if args.accuracy:
+        if set(engines) != {"exact", "fast"}:
+            raise SystemExit("--accuracy needs --modes exact fast")
+        texts = [t.strip() for t in Path(args.texts).read_text().split("\n\n") if t.strip()]
+        result["accuracy"] = accuracy(engines["exact"], engines["fast"], texts)
+    return result
+
+
+def summary(r: dict) -> str:
+    g = r["gemm_gflops_32_rows"] | r["gemm_gflops_512_rows"]
+    lines = [f"read bandwidth {r['read_bandwidth_gbs']:.1f} GB/s ({r['threads']} threads); GEMM at 32 rows "
+             f"(@512: at 512): " + ", ".join(f"{k} {v:.0f}" for k, v in g.items()) + " GFLOPS",
+             f"{'streams':>7} {'mode':>5} {'p50 ms':>8} {'min ms':>8} {'MiB read':>9} {'bw floor':>9} "
+             f"{'fma floor':>9} {'x floor':>7}"]
+    for s in r["steps"]:
+        lines.append(f"{s['streams']:>7} {s['mode']:>5} {s['p50_ms']:>8.2f} {s['min_ms']:>8.2f} "
+                     f"{(s['weight_bytes'] + s['kv_bytes']) / 2**20:>9.1f} {s['bandwidth_floor_ms']:>9.2f} "
+                     f"{s['fma_floor_ms']:>9.2f} {s['x_floor']:>7.2f}")
+    modes = {s["mode"] for s in r["steps"]}
+    if {"exact", "fast"} <= modes:
+        for n in sorted({s["streams"] for s in r["steps"]}):
+            t = {s["mode"]: s["p50_ms"] for s in r["steps"] if s["streams"] == n}
+            lines.append(f"{n} streams: fast / exact step time {t['fast'] / t['exact']:.2f}")
+    if "accuracy" in r:
+        a = r["accuracy"]
+        lines.append(f"fast vs exact, teacher forced over {a['tokens']} tokens of {a['texts']} texts: "
+                     f"top-1 agreement {a['top1_agreement'] * 100:.2f}%, perplexity {a['ppl_fast']:.3f} "
+                     f"vs {a['ppl_exact']:.3f} (ratio {a['ppl_ratio']:.4f})")
+    return "\n".join(lines)
+
+
+def write(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,0 +1,141 @@
+"""The fast numerics mode (docs/numerics.md): its kernel equals a plain torch reference of the
+same arithmetic bit for bit, and an engine in fast mode is batch-invariant (alone vs 24
+concurrent, chunked, preempted), like exact mode (tests/test_engine_invariance.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stopline import LLM
+from stopline.config import EngineConfig, Numerics
+from stopline.model.kernels.bf16_linear import BF16Weight, reference, resolve
+from stopline.model.kernels.native import has_bf16, try_kernels
+from tests.engine_support import greedy, random_prompts, record_plans, sharp_tiny_dir
+from tests.tiny_model import make_tiny_gguf
+
+FAST = has_bf16() and try_kernels() is not None
+needs_fast = pytest.mark.skipif(not FAST, reason="no AVX512-BF16 or no C kernels on this host")
+MAX_NEW = 24
+LENGTHS = [1, 3, 5, 8, 12, 16, 17, 20, 24, 31, 32, 33, 40, 47, 50, 63, 64, 65, 70, 80, 96, 100, 120, 150]
+
+
+@needs_fast
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (13, 577, 70), (30, 576, 96), (25, 1536, 64)])
+def test_kernel_equals_reference(m: int, k: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(m * k + n)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    y = BF16Weight.from_float(w)(x)
+    assert y.shape == (m, n)
+    assert torch.equal(y, reference(x, w))
+    # Rows alone and in every split equal the batch: no row depends on its neighbours.
+    assert torch.equal(torch.cat([BF16Weight.from_float(w)(x[i:i + 1]) for i in range(m)]), y)
+    assert not torch.equal(y, x @ w.T)  # it really rounds to bf16: not the fp32 product
+
+
+@needs_fast
+@pytest.mark.parametrize("n,k", [(32, 32), (96, 64), (960, 576), (64, 1536)])
+def test_q4_1_kernel_gives_the_bf16_kernels_bits(n: int, k: int) -> None:
+    """Few rows read a Q4_1 weight from its blocks, more its bf16 copy: the same bits, so the
+    switch between them is invisible to a row."""
+    import dataclasses
+
+    import gguf
+    import numpy as np
+
+    w = np.random.default_rng(n + k).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    deq = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1)))
+    weight = BF16Weight.from_float(deq, raw)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(k))
+    from_blocks = dataclasses.replace(weight, q4_max_rows=64)(x)
+    assert torch.equal(from_blocks, dataclasses.replace(weight, q4=None)(x))
+    assert torch.equal(from_blocks, reference(x, deq))
+    assert torch.equal(weight(x[:3]), from_blocks[:3])  # 3 rows take the blocks by default
+
+
+def test_numerics_setting_is_checked() -> None:
+    assert EngineConfig(numerics="fast").numerics is Numerics.FAST
+    with pytest.raises(ValueError, match="numerics"):
+        EngineConfig(numerics="fastest")
+
+
+def test_fast_off_cpu_falls_back_loudly() -> None:
+    with pytest.warns(RuntimeWarning, match="running 'exact'"):
+        assert resolve("fast", "meta") == "exact"
+    assert resolve("exact", "cpu") == "exact"
+
+
+@pytest.fixture(scope="module", params=["f32", "q4_1"])
+def model_dir(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model as float32 (every batch on the bf16 weights) and as a Q4_1 GGUF (batches
+    of up to Q4_MAX_ROWS rows on its blocks, larger ones on the bf16 copy)."""
+    hf = sharp_tiny_dir(tmp_path_factory)
+    if request.param == "f32":
+        return hf
+    return make_tiny_gguf(hf, tmp_path_factory.mktemp("q4") / "tiny-q4_1.gguf", qtype="Q4_1")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(len(LENGTHS), LENGTHS, seed=7)
+
+
+def _engine(model_dir: Path, **kw) -> LLM:
+    kw.setdefault("num_blocks", 2048)
+    kw.setdefault("target_step_ms", None)
+    return LLM(model=str(model_dir), progress=False, numerics="fast", enable_prefix_caching=False, **kw)
+
+
+def _signature(c) -> list[tuple]:
+    return [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in c.logprobs]
+
+
+@pytest.fixture(scope="module")
+def alone(model_dir: Path, prompts) -> list[list[tuple]]:
+    llm = _engine(model_dir)
+    assert llm.engine.model.numerics == "fast"
+    q4 = llm.engine.model.layers[0]["gate_up"].fast.q4 is not None
+    assert q4 == (model_dir.suffix == ".gguf")
+    return [_signature(llm.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts]
+
+
+@needs_fast
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 5}, {"num_blocks": 40}],
+                         ids=["concurrent", "chunked", "preempted"])
+def test_fast_alone_vs_24_concurrent(model_dir: Path, prompts, alone, kw: dict) -> None:
+    llm = _engine(model_dir, **kw)
+    plans = record_plans(llm.engine)
+    res = llm.generate(prompts, greedy(MAX_NEW, logprobs=3))
+    assert max(len(p) for p in plans) > 1
+    if "num_blocks" in kw:
+        assert sum(llm.engine.lifecycle.stats.preemptions.values()) > 0, "the pool was never short"
+    differ = [i for i, r in enumerate(res) if _signature(r.outputs[0]) != alone[i]]
+    assert differ == [], f"{len(differ)} of 24 requests changed when batched: {differ}"
+
+
+@needs_fast
+def test_fast_differs_from_exact_but_agrees_mostly(model_dir: Path, prompts, alone) -> None:
+    """Fast really runs other arithmetic (its logprobs differ from exact's), yet on the tiny
+    model's sharp logits its greedy tokens mostly agree."""
+    exact = LLM(model=str(model_dir), progress=False, num_blocks=2048, enable_prefix_caching=False)
+    sigs = [_signature(exact.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts[:6]]
+    assert sigs != alone[:6]
+    first = sum(s[0][0] == a[0][0] for s, a in zip(sigs, alone[:6], strict=True))
+    assert first >= 5, f"only {first} of 6 first tokens agree between exact and fast"
+
+
+def test_fast_without_bf16_runs_exact_with_a_warning(model_dir: Path, prompts, monkeypatch) -> None:
+    """A CPU without AVX512-BF16: the engine says so and runs exact, whose tokens it then gives."""
+    import stopline.model.kernels.bf16_linear as bf16_linear
+
+    monkeypatch.setattr(bf16_linear, "has_bf16", lambda: False)
+    with pytest.warns(RuntimeWarning, match="lacks AVX512-BF16"):
+        llm = _engine(model_dir)
+    assert llm.engine.model.numerics == "exact"
+    exact = LLM(model=str(model_dir), progress=False, num_blocks=2048, enable_prefix_caching=False)
+    p = greedy(8, logprobs=3)
+    assert _signature(llm.generate([prompts[5]], p)[0].outputs[0]) == \
+        _signature(exact.generate([prompts[5]], p)[0].outputs[0])
