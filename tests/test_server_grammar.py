@@ -203,3 +203,19 @@ def test_cancel_while_compiling_ends_at_once(server, client) -> None:
         time.sleep(0.05)
     else:
         pytest.fail(f"the cancelled request still runs: {server.metrics()}")
+
+
+def test_mask_metrics_count(server, client) -> None:
+    """/metrics shows the mask-fill histogram and the pending-compiles gauge; a structured
+    answer of n tokens adds a mask per token."""
+    before = server.metrics()
+    assert "stopline_grammar_compiles_pending" in before
+    n0 = before.get("stopline_grammar_mask_seconds_count", 0.0)
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=ask("Describe a person as JSON."),
+                                       max_tokens=40, temperature=0, response_format=rf)
+    after = server.metrics()
+    added = after["stopline_grammar_mask_seconds_count"] - n0
+    assert added >= r.usage.completion_tokens > 0
+    assert after["stopline_grammar_mask_seconds_sum"] > before.get("stopline_grammar_mask_seconds_sum", 0.0)
+    assert after['stopline_grammar_mask_seconds_bucket{le="+Inf"}'] == after["stopline_grammar_mask_seconds_count"]
