@@ -226,6 +226,35 @@ def test_matcher_masks_eos_until_accepting_and_rolls_back(svc, tok) -> None:
     assert not bad.fill(row) and bad.error
 
 
+def test_batched_fill_equals_one_by_one(svc, tok) -> None:
+    """fill_batch (one llguidance call for a step's rows) writes, row for row, what each
+    matcher's own fill writes, in any row order, and reports a stuck row as stuck."""
+    from stopline.grammar.matcher import fill_batch
+    person = response_format_grammar({"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+        "required": ["a", "b"]}}})
+    choice = response_format_grammar({"type": "choice", "choice": ["yes", "no"]})
+    ms = []
+    for text in ('', '{"a": 1', '{"a": 12, "b": "x'):
+        m = compiled(svc, person).matcher()
+        assert m.consume_all(tok.encode(text, add_special_tokens=False))
+        ms.append(m)
+    stuck = compiled(svc, choice).matcher()
+    assert not stuck.consume(tok.encode("x", add_special_tokens=False)[0])
+    ms.append(stuck)
+    n = svc.vocab.n_vocab
+    for order in (ms, ms[::-1]):
+        out = bitmask.allocate(len(order) + 1, n)
+        oks = fill_batch(order, out)
+        for i, m in enumerate(order):
+            row = bitmask.allocate(1, n)[0]
+            assert oks[i] == m.fill(row)
+            if oks[i]:
+                assert torch.equal(out[i], row), i
+    assert oks == [False, True, True, True]
+    assert fill_batch([], bitmask.allocate(1, n)) == []
+
+
 def test_bitmask_apply_matches_the_flags() -> None:
     g = torch.Generator().manual_seed(0)
     n = 1024  # the mask's width; the row is wider
