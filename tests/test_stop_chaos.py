@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 
 import pytest
 
@@ -27,6 +28,7 @@ from stopline.request import FinishReason
 from tests.chaos_support import (
     check_storm,
     delivered,
+    grammar_workload,
     make_workload,
     run_async_storm,
     run_reference,
@@ -178,3 +180,30 @@ def test_storm_on_torch_attention(tiny):
     assert res.engine.model.attention == "torch" and res.engine.runner.rows is not None
     assert sum(res.engine.lifecycle.stats.preemptions.values()) > 10
     assert check_storm(work, ref, res) > 30
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_grammar_storm(tiny, mode):
+    """Structured jobs (json_schema incl. a recursive one, regex, choice) under aborts in
+    every state (compiling included), preemption mid-object and async scheduling: survivors
+    equal their undisturbed run, the audit (grammar consumed == committed) holds after every
+    step, nothing ends `error` but the job whose grammar cannot compile, nothing is left
+    (matchers, compile tickets, compiles pending, compile threads once closed). Seeded:
+    replay a failing seed with grammar_workload(seed=S) and run_storm(seed=S')."""
+    work = grammar_workload(seed=13, count=60, vocab=tiny.config.vocab_size)
+    bad = dataclasses.replace(work[0], key="impossible", caller_id="impossible", abort=None,
+                              params=dataclasses.replace(work[0].params, n=1, grammar="start: nope"))
+    before = set(threading.enumerate())
+    ref = run_reference(tiny, work)
+    res = run_storm(tiny, [*work, bad], storm_config(mode, True), seed=17)
+    eng = res.engine
+    stats = eng.lifecycle.stats
+    assert sum(stats.preemptions.values()) > 0 and eng.grammar.mask_seconds.count > 100
+    assert check_storm(work, ref, res) > 5
+    (term,) = res.terminals[("impossible", 0)]
+    assert term.finish_reason is FinishReason.ERROR and "grammar" in (term.stop_detail or ""), term
+    assert stats.finished.get("error", 0) == 1
+    assert not eng.grammar.matchers and not eng.grammar.waiting and eng.grammar.pending_compiles() == 0
+    eng.grammar.close()
+    left = [t for t in set(threading.enumerate()) - before if t.name.startswith("stopline-grammar")]
+    assert not left, left
