@@ -266,6 +266,12 @@ def test_bitmask_apply_matches_the_flags() -> None:
     out = bitmask.apply(row.clone(), mask)
     assert torch.equal(out[:n][want], row[:n][want])
     assert torch.isneginf(out[:n][~want]).all() and torch.isneginf(out[n:]).all()
+    # A step's rows at once: the same as each row alone, wherever the rows sit.
+    logits = torch.randn(6, n + 5, generator=g)
+    masks = torch.randint(-2**31, 2**31 - 1, (3, bitmask.words(n)), dtype=torch.int32, generator=g)
+    block = bitmask.apply_rows(logits, [4, 0, 2], masks)
+    for j, r in enumerate([4, 0, 2]):
+        assert torch.equal(block[j], bitmask.apply(logits[r].clone(), masks[j])), j
 
 
 def test_wider_logits_than_vocabulary_never_allow_padding(tiny_model_dir) -> None:
