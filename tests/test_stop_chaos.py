@@ -207,3 +207,33 @@ def test_grammar_storm(tiny, mode):
     eng.grammar.close()
     left = [t for t in set(threading.enumerate()) - before if t.name.startswith("stopline-grammar")]
     assert not left, left
+
+
+def test_grammar_that_cannot_advance_ends_error_in_that_step(tiny):
+    """A matcher with no token allowed (put in its error state here) fails its request in
+    the very next step, with the reason; the other request streams on undisturbed."""
+    from stopline.grammar.formats import response_format_grammar
+    from stopline.request import SamplingParams
+    eng = EngineCore(tiny, storm_config("recompute", True))
+    g = response_format_grammar({"type": "regex", "regex": "[a-c]{40}"})
+    stuck = eng.add_request("stuck", [5, 6, 7], SamplingParams(max_tokens=30, temperature=0.0, grammar=g))
+    other = eng.add_request("other", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0))
+    outs: dict[str, list] = {stuck: [], other: []}
+    for _ in range(200):
+        if stuck in [i for i, m in ((r.incarnation, eng.grammar.matchers.get(r.internal_id))
+                                    for r in eng.live_requests()) if m is not None and m.consumed]:
+            break
+        for o in eng.step():
+            outs[o.incarnation].append(o)
+    (req,) = [r for r in eng.live_requests() if r.incarnation == stuck]
+    m = eng.grammar.matchers[req.internal_id]
+    assert not m.consume(0) and m.error  # token 0 is outside [a-c]: error state, no mask
+    got = eng.step()
+    term = [o for o in got if o.incarnation == stuck and o.finished]
+    assert term and term[0].finish_reason is FinishReason.ERROR, got
+    assert "cannot advance" in term[0].stop_detail
+    while eng.has_unfinished():
+        outs[other] += eng.step()
+    assert outs[other][-1].finish_reason is FinishReason.LENGTH
+    eng.audit()
+    eng.grammar.close()
