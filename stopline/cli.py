@@ -301,6 +301,23 @@ def bench_serve_report(args: argparse.Namespace) -> int:
     return run_report(args)
 
 
+def _grammar_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--serve-arg", action="append", default=[], help="passed to `stopline serve` (repeat)")
+
+
+@bench_command("grammar", "structured output served: N json_schema streams vs N unstructured, "
+               "throughput ratio and mask time", _grammar_bench_args)
+def bench_grammar(args: argparse.Namespace) -> int:
+    from stopline.bench import grammar
+
+    result = grammar.run(args.streams, args.max_tokens, args.serve_arg)
+    print("stopline bench grammar " + " ".join(sys.argv[3:]))
+    print(grammar.table(result))
+    return 0
+
+
 def _spec_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=32, help="concurrent streams of the batch workload")
     p.add_argument("--max-tokens", type=int, default=192, help="new tokens of a single stream")

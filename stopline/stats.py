@@ -54,6 +54,9 @@ STEP_BOUNDS = (0, 1, 2, 4, 8)
 # Seconds from an abort to its blocks' reclaim.
 SECONDS_BOUNDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
+# Seconds to fill one token's grammar mask (SmolLM2's JSON masks: tens of microseconds).
+MASK_BOUNDS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+
 
 @dataclass
 class StopStats:

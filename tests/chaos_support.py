@@ -136,6 +136,7 @@ def run_reference(loaded, work: list[Job], attention: str = "auto"):
     while eng.has_unfinished():
         for out in eng.step():
             ref[key_of[out.incarnation]][out.index] += delivered(out)
+    eng.grammar.close()  # its compile thread and probe process, if a job had a grammar
     return ref
 
 
@@ -300,3 +301,28 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
 
     asyncio.run(main())
     return res
+
+
+GRAMMARS = {  # response formats the grammar storm draws (stopline.grammar.formats)
+    "schema": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 6}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+    "tree": {"type": "json_schema", "json_schema": {"schema": {"$defs": {"n": {
+        "type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"},
+                                               "maxItems": 2}}, "required": ["c"]}}, "$ref": "#/$defs/n"}}},
+    "regex": {"type": "regex", "regex": "[a-c]{2,12}"},
+    "choice": {"type": "choice", "choice": ["yes", "no", "maybe"]},
+}
+
+
+def grammar_workload(seed: int, count: int, vocab: int) -> list[Job]:
+    """make_workload's jobs, each given one of GRAMMARS (seeded: the same seed, the same
+    jobs; replay a failing seed by passing it here and to run_storm)."""
+    from stopline.grammar.formats import response_format_grammar
+    rng = random.Random(seed)
+    jobs = [j for j in make_workload(seed, count, vocab) if not (j.race or j.resubmit) and not j.timed]
+    for j in jobs:
+        g = response_format_grammar(GRAMMARS[rng.choice(sorted(GRAMMARS))])
+        j.params = dataclasses.replace(j.params, grammar=g, max_tokens=rng.randrange(4, 24),
+                                       stop=[], min_tokens=0)
+    return jobs

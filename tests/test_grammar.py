@@ -226,6 +226,35 @@ def test_matcher_masks_eos_until_accepting_and_rolls_back(svc, tok) -> None:
     assert not bad.fill(row) and bad.error
 
 
+def test_batched_fill_equals_one_by_one(svc, tok) -> None:
+    """fill_batch (one llguidance call for a step's rows) writes, row for row, what each
+    matcher's own fill writes, in any row order, and reports a stuck row as stuck."""
+    from stopline.grammar.matcher import fill_batch
+    person = response_format_grammar({"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+        "required": ["a", "b"]}}})
+    choice = response_format_grammar({"type": "choice", "choice": ["yes", "no"]})
+    ms = []
+    for text in ('', '{"a": 1', '{"a": 12, "b": "x'):
+        m = compiled(svc, person).matcher()
+        assert m.consume_all(tok.encode(text, add_special_tokens=False))
+        ms.append(m)
+    stuck = compiled(svc, choice).matcher()
+    assert not stuck.consume(tok.encode("x", add_special_tokens=False)[0])
+    ms.append(stuck)
+    n = svc.vocab.n_vocab
+    for order in (ms, ms[::-1]):
+        out = bitmask.allocate(len(order) + 1, n)
+        oks = fill_batch(order, out)
+        for i, m in enumerate(order):
+            row = bitmask.allocate(1, n)[0]
+            assert oks[i] == m.fill(row)
+            if oks[i]:
+                assert torch.equal(out[i], row), i
+    assert oks == [False, True, True, True]
+    assert fill_batch([], bitmask.allocate(1, n)) == []
+
+
 def test_bitmask_apply_matches_the_flags() -> None:
     g = torch.Generator().manual_seed(0)
     n = 1024  # the mask's width; the row is wider
@@ -237,6 +266,12 @@ def test_bitmask_apply_matches_the_flags() -> None:
     out = bitmask.apply(row.clone(), mask)
     assert torch.equal(out[:n][want], row[:n][want])
     assert torch.isneginf(out[:n][~want]).all() and torch.isneginf(out[n:]).all()
+    # A step's rows at once: the same as each row alone, wherever the rows sit.
+    logits = torch.randn(6, n + 5, generator=g)
+    masks = torch.randint(-2**31, 2**31 - 1, (3, bitmask.words(n)), dtype=torch.int32, generator=g)
+    block = bitmask.apply_rows(logits, [4, 0, 2], masks)
+    for j, r in enumerate([4, 0, 2]):
+        assert torch.equal(block[j], bitmask.apply(logits[r].clone(), masks[j])), j
 
 
 def test_wider_logits_than_vocabulary_never_allow_padding(tiny_model_dir) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 
 import pytest
 
@@ -27,6 +28,7 @@ from stopline.request import FinishReason
 from tests.chaos_support import (
     check_storm,
     delivered,
+    grammar_workload,
     make_workload,
     run_async_storm,
     run_reference,
@@ -178,3 +180,60 @@ def test_storm_on_torch_attention(tiny):
     assert res.engine.model.attention == "torch" and res.engine.runner.rows is not None
     assert sum(res.engine.lifecycle.stats.preemptions.values()) > 10
     assert check_storm(work, ref, res) > 30
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_grammar_storm(tiny, mode):
+    """Structured jobs (json_schema incl. a recursive one, regex, choice) under aborts in
+    every state (compiling included), preemption mid-object and async scheduling: survivors
+    equal their undisturbed run, the audit (grammar consumed == committed) holds after every
+    step, nothing ends `error` but the job whose grammar cannot compile, nothing is left
+    (matchers, compile tickets, compiles pending, compile threads once closed). Seeded:
+    replay a failing seed with grammar_workload(seed=S) and run_storm(seed=S')."""
+    work = grammar_workload(seed=13, count=60, vocab=tiny.config.vocab_size)
+    bad = dataclasses.replace(work[0], key="impossible", caller_id="impossible", abort=None,
+                              params=dataclasses.replace(work[0].params, n=1, grammar="start: nope"))
+    before = set(threading.enumerate())
+    ref = run_reference(tiny, work)
+    res = run_storm(tiny, [*work, bad], storm_config(mode, True), seed=17)
+    eng = res.engine
+    stats = eng.lifecycle.stats
+    assert sum(stats.preemptions.values()) > 0 and eng.grammar.mask_seconds.count > 100
+    assert check_storm(work, ref, res) > 5
+    (term,) = res.terminals[("impossible", 0)]
+    assert term.finish_reason is FinishReason.ERROR and "grammar" in (term.stop_detail or ""), term
+    assert stats.finished.get("error", 0) == 1
+    assert not eng.grammar.matchers and not eng.grammar.waiting and eng.grammar.pending_compiles() == 0
+    eng.grammar.close()
+    left = [t for t in set(threading.enumerate()) - before if t.name.startswith("stopline-grammar")]
+    assert not left, left
+
+
+def test_grammar_that_cannot_advance_ends_error_in_that_step(tiny):
+    """A matcher with no token allowed (put in its error state here) fails its request in
+    the very next step, with the reason; the other request streams on undisturbed."""
+    from stopline.grammar.formats import response_format_grammar
+    from stopline.request import SamplingParams
+    eng = EngineCore(tiny, storm_config("recompute", True))
+    g = response_format_grammar({"type": "regex", "regex": "[a-c]{40}"})
+    stuck = eng.add_request("stuck", [5, 6, 7], SamplingParams(max_tokens=30, temperature=0.0, grammar=g))
+    other = eng.add_request("other", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0))
+    outs: dict[str, list] = {stuck: [], other: []}
+    for _ in range(200):
+        if stuck in [i for i, m in ((r.incarnation, eng.grammar.matchers.get(r.internal_id))
+                                    for r in eng.live_requests()) if m is not None and m.consumed]:
+            break
+        for o in eng.step():
+            outs[o.incarnation].append(o)
+    (req,) = [r for r in eng.live_requests() if r.incarnation == stuck]
+    m = eng.grammar.matchers[req.internal_id]
+    assert not m.consume(0) and m.error  # token 0 is outside [a-c]: error state, no mask
+    got = eng.step()
+    term = [o for o in got if o.incarnation == stuck and o.finished]
+    assert term and term[0].finish_reason is FinishReason.ERROR, got
+    assert "cannot advance" in term[0].stop_detail
+    while eng.has_unfinished():
+        outs[other] += eng.step()
+    assert outs[other][-1].finish_reason is FinishReason.LENGTH
+    eng.audit()
+    eng.grammar.close()

@@ -18,10 +18,11 @@ import torch
 
 from stopline.grammar import bitmask
 from stopline.grammar.compiler import Compiled, CompileService, GrammarError, Ticket
-from stopline.grammar.matcher import Matcher
+from stopline.grammar.matcher import Matcher, fill_batch
 from stopline.grammar.vocab import GrammarVocab, grammar_vocab
 from stopline.kv.block_pool import LedgerError
 from stopline.request import Family, Request, RequestStatus
+from stopline.stats import MASK_BOUNDS, Histogram
 from stopline.tokenizer.tokenizer import Tokenizer
 
 
@@ -39,7 +40,8 @@ class GrammarHolder:
         self.waiting: dict[int, tuple[Family, Ticket]] = {}  # leader's internal_id ->
         self.matchers: dict[int, Matcher] = {}  # internal_id -> its matcher
         self._masks = bitmask.allocate(max_rows, n_vocab)
-        self.mask_seconds: list[float] = []  # per token; the metrics endpoint drains it
+        # Seconds to fill one mask (a step's batched fill over its rows), fixed size.
+        self.mask_seconds = Histogram(MASK_BOUNDS)
 
     @property
     def service(self) -> CompileService:
@@ -97,18 +99,17 @@ class GrammarHolder:
         released meanwhile keeps its matcher object alive here until this returns."""
         out: dict[int, torch.Tensor] = {}
         stuck: dict[int, str] = {}
-        n = 0
-        for i, req in enumerate(reqs):
-            m = self.matchers.get(req.internal_id)
-            if m is None:
-                continue
-            row = self._masks[n]
-            n += 1
-            t0 = time.perf_counter()
-            ok = m.fill(row)
-            self.mask_seconds.append(time.perf_counter() - t0)
+        rows = [(i, m) for i, req in enumerate(reqs)
+                if (m := self.matchers.get(req.internal_id)) is not None]
+        if not rows:
+            return out, stuck
+        t0 = time.perf_counter()
+        oks = fill_batch([m for _, m in rows], self._masks)
+        per = (time.perf_counter() - t0) / len(rows)
+        for n, ((i, m), ok) in enumerate(zip(rows, oks, strict=True)):
+            self.mask_seconds.observe(per)
             if ok:
-                out[i] = row
+                out[i] = self._masks[n]
             else:
                 stuck[i] = f"the grammar cannot advance: {m.error or 'no token is allowed next'}"
         return out, stuck

@@ -64,6 +64,11 @@ class Snapshot(msgspec.Struct, frozen=True):
     spec_rejected: int = 0
     spec_discarded: dict[str, int] = msgspec.field(default_factory=dict)  # reason -> tokens
     spec_verify_steps: int = 0
+    # Structured output: counts per MASK_BOUNDS bucket (+ the unbounded one) of the seconds
+    # to fill one token's mask, their sum, and the grammar compiles not yet ended.
+    grammar_mask_counts: list[int] = msgspec.field(default_factory=list)
+    grammar_mask_sum: float = 0.0
+    grammar_compiles_pending: int = 0
     taken_at: float = 0.0  # time.monotonic()
 
 
@@ -113,5 +118,8 @@ def take_snapshot(core: EngineCore) -> Snapshot:
         spec_rejected=stats.spec_rejected,
         spec_discarded=dict(stats.spec_discarded),
         spec_verify_steps=stats.spec_verify_steps,
+        grammar_mask_counts=list(core.grammar.mask_seconds.counts),
+        grammar_mask_sum=core.grammar.mask_seconds.total,
+        grammar_compiles_pending=core.grammar.pending_compiles(),
         taken_at=time.monotonic(),
     )

@@ -39,3 +39,22 @@ def apply(row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         row[n:] = float("-inf")
     row[:n].masked_fill_(~keep, float("-inf"))
     return row
+
+
+def allowed_rows(masks: torch.Tensor, n_vocab: int) -> torch.Tensor:
+    """Bool flags [rows, n_vocab] of packed rows [rows, words] (a CPU tensor) in one unpack;
+    tokens past the masks' width are forbidden."""
+    bits = np.unpackbits(masks.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+    flags = torch.from_numpy(bits.view(np.bool_))
+    n = flags.shape[1]
+    if n >= n_vocab:
+        return flags[:, :n_vocab]
+    return torch.cat([flags, torch.zeros(flags.shape[0], n_vocab - n, dtype=torch.bool)], dim=1)
+
+
+def apply_rows(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> torch.Tensor:
+    """Copies of logits[rows] with each row's forbidden tokens set to -inf, in one fill over
+    the block. Each row's result depends on its own logits and mask only."""
+    block = logits[rows]  # advanced indexing: a copy
+    keep = allowed_rows(masks, block.shape[-1]).to(block.device)
+    return block.masked_fill_(~keep, float("-inf"))

@@ -56,6 +56,10 @@ class Matcher:
             return False
         return bool(out.any())
 
+    def check_row(self, out: torch.Tensor) -> bool:
+        """After a batched fill (fill_batch) wrote `out`: False if no token is allowed."""
+        return not self._m.is_error() and bool(out.any())
+
     def is_accepting(self) -> bool:
         """The output so far is a complete answer (EOS may come now)."""
         return self._m.is_accepting()
@@ -81,3 +85,24 @@ class Matcher:
         m = Matcher(self._m.deep_copy(), self.vocab)
         m.consumed = self.consumed
         return m
+
+
+_executor: llguidance.LLExecutor | None = None  # llguidance's own thread pool, made once
+
+
+def fill_batch(matchers: list[Matcher], out: torch.Tensor) -> list[bool]:
+    """Fill out[i] with matchers[i]'s next-token mask in one call (llguidance computes the
+    rows in parallel on its own threads; each row depends only on its own matcher, so the
+    result is the same as filling them one by one). Per row: False if it cannot advance."""
+    global _executor
+    if not matchers:
+        return []
+    words = matchers[0].vocab.mask_words
+    if (out.dtype != torch.int32 or not out.is_contiguous() or out.dim() != 2
+            or out.shape[1] != words or out.shape[0] < len(matchers)):
+        raise ValueError(f"mask buffer must be contiguous int32 [>= {len(matchers)}, {words}]")
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    _executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)],
+                                      out.data_ptr(), words * 4, len(matchers))
+    return [m.check_row(out[i]) for i, m in enumerate(matchers)]

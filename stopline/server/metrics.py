@@ -8,6 +8,7 @@ one server, so several servers in one process (tests) don't collide.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -19,13 +20,19 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from stopline.engine.async_engine import AsyncEngine, EngineObserver
 from stopline.engine.messages import AbortTiming
 from stopline.engine.snapshot import Snapshot
 from stopline.request import AbortSource, FinishReason, Usage
+from stopline.stats import MASK_BOUNDS
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05,
                    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -223,6 +230,19 @@ class _EngineCollector(Collector):
         yield disc
         yield counter("stopline_spec_verify_steps", "Verify runs processed (one per speculating "
                       "request and step).", {r: s.spec_verify_steps for r, s in snaps.items()})
+
+        yield gauge("stopline_grammar_compiles_pending", "Grammar compiles started and not yet "
+                    "ended (structured requests waiting for their grammar share them).",
+                    {r: s.grammar_compiles_pending for r, s in snaps.items()})
+        masks = HistogramMetricFamily("stopline_grammar_mask_seconds", "Seconds to fill one "
+                                      "token's grammar mask (a step's rows are filled in one "
+                                      "batched call; each row counts its share).", labels=lab)
+        for r, s in snaps.items():
+            counts = s.grammar_mask_counts or [0] * (len(MASK_BOUNDS) + 1)
+            cum = list(itertools.accumulate(counts))
+            buckets = [(repr(b), c) for b, c in zip(MASK_BOUNDS, cum, strict=False)]
+            masks.add_metric(key(r), buckets + [("+Inf", cum[-1])], s.grammar_mask_sum)
+        yield masks
 
         def rate(s: Snapshot) -> float:
             verified = s.spec_accepted + s.spec_rejected

@@ -178,19 +178,25 @@ def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
     vocab = logits.shape[-1]
     grammar_masks = grammar_masks or {}
     edited: dict[int, torch.Tensor] = {}  # task -> its row after penalties and masks (a copy)
+    # Every grammar row masked at once (one unpack, one fill over their copies). Masking
+    # first is exact: the penalties and suppressions below keep -inf at -inf.
+    gidx = [i for i in range(len(tasks)) if i in grammar_masks]
+    masked: dict[int, torch.Tensor] = {}
+    if gidx:
+        block = bitmask.apply_rows(logits, [tasks[i].row for i in gidx],
+                                   torch.stack([grammar_masks[i] for i in gidx]))
+        masked = {i: block[j] for j, i in enumerate(gidx)}
     for i, t in enumerate(tasks):
         p = t.req.params
         mask = suppressed_ids(t.req, eos_token_ids, vocab)
         filters = not p.greedy and (p.top_k or p.min_p > 0 or p.top_p < 1.0)
-        gmask = grammar_masks.get(i)
-        if p.needs_penalties or p.logit_bias or mask or filters or gmask is not None:
-            row = logits[t.row].clone()  # this task's own copy: no other row sees its edits
+        if p.needs_penalties or p.logit_bias or mask or filters or i in masked:
+            # this task's own copy (grammar rows come masked already): no other row sees its edits
+            row = masked[i] if i in masked else logits[t.row].clone()
             if p.needs_penalties:
                 row = apply_penalties(row, t.req)
             if p.logit_bias:
-                apply_logit_bias(row, p.logit_bias)
-            if gmask is not None:
-                bitmask.apply(row, gmask)
+                apply_logit_bias(row, p.logit_bias)  # a masked token stays at -inf
             if mask:
                 row[mask] = float("-inf")
             edited[i] = row
