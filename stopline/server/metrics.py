@@ -160,7 +160,8 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         e = self.engine
         # Ray replicas (stopline/cluster): each engine family once, one series per replica.
-        per = e.backend.snapshots() if hasattr(e.backend, "snapshots") else None
+        replicas = getattr(getattr(e, "backend", None), "snapshots", None)
+        per = replicas() if replicas is not None else None
         snaps = per if per is not None else {"": e.snapshot}
         lab = ["replica"] if per is not None else []
 
