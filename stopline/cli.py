@@ -303,7 +303,8 @@ def bench_serve_report(args: argparse.Namespace) -> int:
 
 def _grammar_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of both phases (fastest counts)")
     p.add_argument("--serve-arg", action="append", default=[], help="passed to `stopline serve` (repeat)")
 
 
@@ -312,7 +313,7 @@ def _grammar_bench_args(p: argparse.ArgumentParser) -> None:
 def bench_grammar(args: argparse.Namespace) -> int:
     from stopline.bench import grammar
 
-    result = grammar.run(args.streams, args.max_tokens, args.serve_arg)
+    result = grammar.run(args.streams, args.max_tokens, args.serve_arg, args.rounds)
     print("stopline bench grammar " + " ".join(sys.argv[3:]))
     print(grammar.table(result))
     return 0

@@ -181,7 +181,7 @@ def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
     # Every grammar row masked at once (one unpack, one fill over their copies). Masking
     # first is exact: the penalties and suppressions below keep -inf at -inf.
     gidx = [i for i in range(len(tasks)) if i in grammar_masks]
-    masked: dict[int, torch.Tensor] = {}
+    masked: dict[int, torch.Tensor] = {}  # views of `block`, the grammar rows' masked copies
     if gidx:
         block = bitmask.apply_rows(logits, [tasks[i].row for i in gidx],
                                    torch.stack([grammar_masks[i] for i in gidx]))
@@ -214,9 +214,15 @@ def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
         rows = torch.stack([_filtered(edited[i], tasks[i].req) for i in drawn])
         tokens.update(zip(drawn, _draw(rows, list(range(len(drawn))), [tasks[i].req for i in drawn]),
                           strict=True))
-    for i, row in edited.items():
-        if tasks[i].req.params.greedy:
-            tokens[i] = int(torch.argmax(row))
+    greedy = [i for i in edited if tasks[i].req.params.greedy]
+    # Masked rows edited in place are still rows of `block`: one argmax call over them, not
+    # one per row (32 structured greedy rows: 1.1 ms a step in per-row calls).
+    in_block = [i for i in greedy if i in masked and edited[i] is masked[i]]
+    if in_block:
+        tokens.update(zip(in_block, argmax_rows(block, [gidx.index(i) for i in in_block]), strict=True))
+    for i in greedy:
+        if i not in tokens:
+            tokens[i] = int(torch.argmax(edited[i]))
     return [Sampled(tokens[i], None if t.req.params.logprobs is None else
                     _logprob(edited.get(i, logits[t.row]), tokens[i], t.req.params.logprobs))
             for i, t in enumerate(tasks)]
