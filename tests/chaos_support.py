@@ -314,15 +314,24 @@ GRAMMARS = {  # response formats the grammar storm draws (stopline.grammar.forma
     "choice": {"type": "choice", "choice": ["yes", "no", "maybe"]},
 }
 
+# Tool calls the grammar storm draws too: a required call, a named one, and auto (text or a
+# call, the grammar started by the call tag).
+TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
+TOOL_CHOICES = ("required", {"type": "function", "function": {"name": "get"}}, "auto")
+
 
 def grammar_workload(seed: int, count: int, vocab: int) -> list[Job]:
     """make_workload's jobs, each given one of GRAMMARS (seeded: the same seed, the same
     jobs; replay a failing seed by passing it here and to run_storm)."""
     from stopline.grammar.formats import response_format_grammar
+    from stopline.grammar.tools import tool_plan
     rng = random.Random(seed)
     jobs = [j for j in make_workload(seed, count, vocab) if not (j.race or j.resubmit) and not j.timed]
+    grammars = [response_format_grammar(GRAMMARS[k]) for k in sorted(GRAMMARS)]
+    grammars += [tool_plan(TOOLS, choice).grammar for choice in TOOL_CHOICES]
     for j in jobs:
-        g = response_format_grammar(GRAMMARS[rng.choice(sorted(GRAMMARS))])
+        g = rng.choice(grammars)
         j.params = dataclasses.replace(j.params, grammar=g, max_tokens=rng.randrange(4, 24),
                                        stop=[], min_tokens=0)
     return jobs
