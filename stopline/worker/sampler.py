@@ -219,7 +219,8 @@ def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
     # one per row (32 structured greedy rows: 1.1 ms a step in per-row calls).
     in_block = [i for i in greedy if i in masked and edited[i] is masked[i]]
     if in_block:
-        tokens.update(zip(in_block, argmax_rows(block, [gidx.index(i) for i in in_block]), strict=True))
+        at = {i: j for j, i in enumerate(gidx)}  # task -> its row of block
+        tokens.update(zip(in_block, argmax_rows(block, [at[i] for i in in_block]), strict=True))
     for i in greedy:
         if i not in tokens:
             tokens[i] = int(torch.argmax(edited[i]))
