@@ -88,6 +88,10 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: sampled token plus top-k alternatives
+    # The prompt's own tokens scored (echo + logprobs): each token's log-probability given
+    # the ones before it, plus top-k alternatives. The first token has none. Such a prompt
+    # skips the prefix cache: a cached block's logits were never computed.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     queue_timeout: float | None = None  # seconds a request may wait before its first step
     deadline: float | None = None  # seconds from arrival to terminal output
@@ -104,8 +108,11 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
+            raise bad("max_tokens", f"must be an integer >= 0, got {self.max_tokens!r}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            # 0 scores a prompt without generating: without prompt logprobs it would do nothing.
+            raise bad("max_tokens", "0 is only meaningful with prompt logprobs (echo with logprobs)")
         if self.min_tokens < 0:
             raise bad("min_tokens", f"must be >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -124,8 +131,10 @@ class SamplingParams:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
         if not (-2 <= self.frequency_penalty <= 2):
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise bad("logprobs", f"must be in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= 20):
+                raise bad(name, f"must be an integer in [0, 20], got {k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
@@ -203,6 +212,10 @@ class Request:
     stop_detail: str | None = None  # what matched, or where an abort came from
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With params.prompt_logprobs: the score of prompt token q + 1 given tokens 0..q, for
+    # q < num_prompt_scored; delivered once, with the first output.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     # KV state. block_ids is the block table; num_computed counts tokens whose K/V sit in it.
     block_ids: list[int] = field(default_factory=list)
@@ -261,6 +274,11 @@ class Request:
         """is_prefilling as of before the step in flight (which already counts in num_computed)."""
         computed = self.num_computed - self.inflight_tokens
         return not (self.output_token_ids and computed == self.num_tokens - 1)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt logprobs were asked for and some prompt position is still unscored."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len - 1
 
     @property
     def max_tokens(self) -> int:

@@ -87,6 +87,10 @@ def _params(rng: random.Random) -> SamplingParams:
         kw["deadline"] = rng.uniform(0.02, 0.5)
     elif rng.random() < 0.03:
         kw["queue_timeout"] = rng.uniform(0.01, 0.3)
+    if rng.random() < 0.12:  # echo + logprobs: the prompt scored, sometimes nothing generated
+        kw["prompt_logprobs"] = rng.choice([0, 2])
+        if rng.random() < 0.3:
+            kw.update(max_tokens=0, min_tokens=0)
     return SamplingParams(**kw)
 
 
@@ -112,10 +116,12 @@ def make_workload(seed: int, count: int, vocab: int) -> list[Job]:
 
 def delivered(out) -> list:
     """What an output delivers, as compared: token ids, or (token id, logprob) pairs when the
-    request asked for logprobs (the floats expose any bit a kernel path changes)."""
+    request asked for logprobs (the floats expose any bit a kernel path changes); first the
+    prompt's scores, when they come."""
+    head = [] if out.prompt_logprobs is None else [("prompt", tuple(lp.logprob for lp in out.prompt_logprobs))]
     if not out.new_logprobs:
-        return list(out.new_token_ids)
-    return [(t, lp.logprob) for t, lp in zip(out.new_token_ids, out.new_logprobs, strict=True)]
+        return head + list(out.new_token_ids)
+    return head + [(t, lp.logprob) for t, lp in zip(out.new_token_ids, out.new_logprobs, strict=True)]
 
 
 def untimed(params: SamplingParams) -> SamplingParams:
@@ -226,7 +232,8 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
             want = ref[job.key][i]
             tokens = res.got[job.key][i]
             reason = term.finish_reason
-            assert term.usage.completion_tokens == len(tokens), f"{job.key}[{i}]: usage {term.usage}"
+            scored = bool(tokens) and isinstance(tokens[0], tuple) and tokens[0][0] == "prompt"
+            assert term.usage.completion_tokens == len(tokens) - scored, f"{job.key}[{i}]: usage {term.usage}"
             if reason is FinishReason.ABORT:
                 n_abort += 1
                 assert job.key in res.aborted_at or job.race, f"{job.key}[{i}]: aborted unasked"
@@ -243,12 +250,12 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
 
 
 def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed: int,
-                    *, subprocess: bool = True, make=None) -> StormResult:
+                    *, subprocess: bool = True, make=None, max_delay: float = 0.4) -> StormResult:
     """The storm through the async engine (the core in its own process, over ZMQ): each job
     streams in its own task; an aborted job's cancel goes out after a random wall-clock
     delay, so it lands between steps, mid-forward or mid-prefill as it happens. `make`:
     another engine factory (model_dir, config, progress) -> AsyncEngine, e.g. Ray replicas,
-    whose utilities answer once per replica."""
+    whose utilities answer once per replica. max_delay: the latest a cancel goes out (s)."""
     from stopline.engine.async_engine import AsyncEngine
 
     rng = random.Random(seed)
@@ -283,7 +290,7 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
         try:
             tasks = []
             for n, job in enumerate(work):
-                delay = rng.uniform(0.0, 0.4) if job.abort is not None else None
+                delay = rng.uniform(0.0, max_delay) if job.abort is not None else None
                 task = one(engine, job, f"{job.key}@{seed}", delay)
                 if job.resubmit:
                     await tasks[-1]  # the raced job ends first, then its resubmit goes out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -29,7 +30,9 @@ def test_storms_pass_and_are_counted(soak, monkeypatch, capsys) -> None:
     out = capsys.readouterr().out
     assert "seed 1000 recompute (torch attention): ok" in out  # --wide: the decode rows
     assert "seed 1001 swap (torch attention): ok" in out
-    assert "2 storms, 80 requests, 0 failed" in out
+    # 40 jobs a storm, plus the resubmits of those whose cancel races their end
+    found = re.search(r"2 storms, (\d+) requests, 0 failed", out)
+    assert found and int(found.group(1)) >= 80, out
 
 
 def test_storms_run_on_the_attention_asked_for(soak, monkeypatch, capsys) -> None:
@@ -66,7 +69,7 @@ def test_quant_storms_run_on_the_kernel_and_replay_with_the_flag(soak, monkeypat
     if try_kernels() is None:
         pytest.skip("stopline's C kernels are not built here")
     assert run(soak, monkeypatch, "--storms", "1", "--count", "40", "--quant") == 0
-    assert "1 storms, 40 requests, 0 failed" in capsys.readouterr().out
+    assert re.search(r"1 storms, (4\d) requests, 0 failed", capsys.readouterr().out)
     def broken(*_args):
         raise AssertionError("r1[0]: survivor differs from its undisturbed run")
 

@@ -185,3 +185,68 @@ def client_token(client, tid: int) -> str:
     base = str(client.base_url).removesuffix("/v1/")
     r = httpx.post(base + "/detokenize", json={"tokens": [tid]}, headers={"Authorization": f"Bearer {KEY}"})
     return r.json()["prompt"]
+
+
+def _hf_scores(tiny_model_dir, ids: list[int]):
+    from tests.engine_support import hf_log_softmax, load_hf
+
+    return hf_log_softmax(load_hf(tiny_model_dir), ids)
+
+
+def _joined(chunks) -> tuple[str, list, list, list]:
+    """One streamed choice's text and logprobs, concatenated over its chunks."""
+    text, toks, vals, offs = "", [], [], []
+    for c in chunks:
+        for ch in c.choices:
+            text += ch.text
+            if ch.logprobs is not None:
+                toks += ch.logprobs.tokens
+                vals += ch.logprobs.token_logprobs
+                offs += ch.logprobs.text_offset
+    return text, toks, vals, offs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_with_logprobs_scores_the_prompt_like_hf(server, client, tiny_model_dir, stream, max_tokens):
+    """What lm-eval sends for multiple choice: echo + logprobs, the prompt as token ids."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    ids = httpx.post(server.base + "/tokenize", json={"model": "tiny", "prompt": "the cat sat on"},
+                     headers=h).json()["tokens"]
+    args = dict(model="tiny", prompt=ids, echo=True, logprobs=2, max_tokens=max_tokens, temperature=0,
+                extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.completions.create(stream=True, **args))
+        text, toks, vals, offs = _joined(chunks)
+        tops = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.top_logprobs]
+        reasons = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
+    else:
+        done = client.completions.create(**args)
+        ch = done.choices[0]
+        text, toks, vals, offs = ch.text, ch.logprobs.tokens, ch.logprobs.token_logprobs, ch.logprobs.text_offset
+        tops, reasons = ch.logprobs.top_logprobs, [ch.finish_reason]
+        assert done.usage.prompt_tokens == len(ids) and done.usage.completion_tokens == max_tokens
+    assert reasons == ["length"]
+    assert len(toks) == len(vals) == len(offs) == len(ids) + max_tokens
+    assert vals[0] is None and tops[0] is None  # the first token has nothing before it
+    assert text == "".join(toks) and text.startswith("".join(toks[:len(ids)]))
+    assert offs == [sum(len(t) for t in toks[:k]) for k in range(len(toks))]
+    ref = _hf_scores(tiny_model_dir, ids)
+    for q in range(1, len(ids)):
+        assert abs(vals[q] - float(ref[q - 1, ids[q]])) < 1e-4, q
+        assert len(tops[q]) == 2 and max(tops[q].values()) == pytest.approx(float(ref[q - 1].max()), abs=1e-4)
+
+
+def test_echo_without_logprobs_and_batched(client):
+    prompts = ["alpha beta", "gamma"]
+    plain = client.completions.create(model="tiny", prompt=prompts, max_tokens=2, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    echoed = client.completions.create(model="tiny", prompt=prompts, max_tokens=2, temperature=0,
+                                       echo=True, extra_body={"ignore_eos": True})
+    for p, a, b in zip(prompts, plain.choices, echoed.choices, strict=True):
+        assert b.text == p + a.text and b.logprobs is None
+    only = client.completions.create(model="tiny", prompt=prompts, max_tokens=0, echo=True)
+    assert [c.text for c in only.choices] == prompts and only.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError) as exc:  # 0 tokens and no echo: nothing to do
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)
+    assert exc.value.body["param"] == "max_tokens"

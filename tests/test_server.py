@@ -385,7 +385,8 @@ BAD = [
      _chat(messages=[{"role": "user", "content": "hello " * 9000}]), AUTH, 400, "messages"),
     ("batched prompt outside vocab", "/v1/completions", _comp(prompt=[[1], [99999]]), AUTH, 400, "prompt"),
     ("batched prompt empty", "/v1/completions", _comp(prompt=["a", ""]), AUTH, 400, "prompt"),
-    ("echo", "/v1/completions", _comp(echo=True), AUTH, 400, "echo"),
+    ("echo not a bool", "/v1/completions", _comp(echo="yes"), AUTH, 422, "echo"),
+    ("echo logprobs 21", "/v1/completions", _comp(echo=True, logprobs=21), AUTH, 400, "logprobs"),
     ("tools", "/v1/chat/completions", _chat(tools=[{"type": "function"}]), AUTH, 400, "tools.0.function"),  # a tool without its function
     ("stream_options without stream", "/v1/completions",
      _comp(stream_options={"include_usage": True}), AUTH, 400, "stream_options"),

@@ -51,7 +51,7 @@ from stopline.sched.scheduler import Scheduler
 from stopline.spec.drafts import Drafts
 from stopline.stats import StopStats
 from stopline.worker.runner import ModelRunner, StepResult
-from stopline.worker.sampler import Sampled, SampleTask, sample
+from stopline.worker.sampler import Sampled, SampleTask, sample, score_tokens
 
 log = logging.getLogger("stopline.engine")
 
@@ -301,7 +301,7 @@ class EngineCore:
         tasks = [SampleTask(result.logit_index[ci], m)
                  for ci, ch in enumerate(plan.chunks)
                  if ch.sample and not ch.drafts and ch.req.status is RequestStatus.RUNNING
-                 and result.logit_index[ci] not in bad_rows
+                 and result.logit_index[ci] not in bad_rows and ch.req.params.max_tokens != 0
                  for m in [ch.req, *ch.req.forks_pending]]
         samples = self._sample(result.logits, tasks) if tasks else []
         return result, {(t.row, id(t.req)): s for t, s in zip(tasks, samples, strict=True)}
@@ -344,8 +344,13 @@ class EngineCore:
             if ch.drafts:
                 verifies.append((result.logit_index[ci], ch))
                 continue
+            if ch.num_scored and not self._score_prompt(req, ch, result, ci, bad_rows):
+                continue
             self.kv_manager.register(req)
             if not ch.sample:
+                continue
+            if req.params.max_tokens == 0:  # scored, nothing to generate
+                self._end_unsampled(req)
                 continue
             row = result.logit_index[ci]
             if row in bad_rows:
@@ -381,6 +386,27 @@ class EngineCore:
             if stop is None and self.grammar.complete(req):
                 stop = Stop(FinishReason.STOP, "grammar complete")  # only EOS could follow
             self._to_text(req, stop)
+
+    def _score_prompt(self, req: Request, ch: ScheduledChunk, result: StepResult, ci: int,
+                      bad_rows: set[int]) -> bool:
+        """Record the prompt logprobs ch's rows give; False if they are broken (req failed)."""
+        row0 = result.score_index[ci]
+        if any(row0 + j in bad_rows for j in range(ch.num_scored)):
+            self.lifecycle.fail(req, FinishReason.ERROR, "the model produced NaN or infinite logits")
+            return False
+        if ch.score_from == len(req.prompt_logprobs):  # not already scored by an earlier run
+            nxt = req.prompt_token_ids[ch.score_from + 1:ch.score_from + 1 + ch.num_scored]
+            req.prompt_logprobs += score_tokens(result.logits[row0:row0 + ch.num_scored], nxt,
+                                                req.params.prompt_logprobs or 0)
+        return True
+
+    def _end_unsampled(self, req: Request) -> None:
+        """max_tokens 0: the prompt is scored; every sample ends at once with no tokens."""
+        for m in list(req.forks_pending):
+            self._fork(m)
+            m.prompt_logprobs = list(req.prompt_logprobs)
+            self.lifecycle.finish(m, FinishReason.LENGTH, "max_tokens")
+        self.lifecycle.finish(req, FinishReason.LENGTH, "max_tokens")
 
     def _to_text(self, req: Request, stop: Stop | None) -> None:
         if stop is None and self.config.async_scheduling:
@@ -466,6 +492,7 @@ class EngineCore:
         sample.num_computed = sample.prompt_len
         sample.num_cached = leader.num_cached
         sample.last_scheduled_step = leader.last_scheduled_step
+        sample.prompt_logprobs = list(leader.prompt_logprobs)  # the prompt is the same
         sample.fork_leader = None
         leader.forks_pending.remove(sample)
 

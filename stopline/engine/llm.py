@@ -31,6 +31,8 @@ class GenerationResult:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[Completion]
+    # SamplingParams.prompt_logprobs: the score of prompt tokens 1.. (token 0 has none)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def usage(self) -> Usage:
@@ -108,6 +110,8 @@ class LLM:
                 c.text += out.new_text
                 c.token_ids += out.new_token_ids
                 c.logprobs += out.new_logprobs
+                if out.prompt_logprobs is not None:
+                    res.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     c.finish_reason, c.stop_detail, c.usage = out.finish_reason, out.stop_detail, out.usage
                     bar.update(1)

@@ -31,6 +31,9 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Once, in the first output after the prompt is scored: the score of prompt tokens 1.. (the
+    # first has none). None unless prompt logprobs were asked for.
+    prompt_logprobs: list[TokenLogprob] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     stop_detail: str | None = None
@@ -115,6 +118,9 @@ class OutputProcessor:
         out.new_token_ids += req.output_token_ids[req.sent_tokens:]
         out.new_logprobs += req.logprobs[req.sent_tokens:]
         req.sent_tokens = len(req.output_token_ids)
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent and not req.scores_prompt:
+            out.prompt_logprobs = list(req.prompt_logprobs)
+            req.prompt_logprobs_sent = True
         return out
 
     def step_output(self, req: Request) -> None:
@@ -146,6 +152,7 @@ class OutputProcessor:
             del req.output_token_ids[req.sent_tokens:]
             del req.logprobs[req.sent_tokens:]
             req.num_detokenized = min(req.num_detokenized, req.sent_tokens)
+            req.prompt_logprobs_sent = True  # unsent prompt scores stay unsent too
         elif detok is not None and not cut_by_stop_string:
             self.catch_up(req, check=False)  # tokens computed before the end, not yet text
             req.text += detok.flush()  # bytes held back waiting for the rest of a character

@@ -77,9 +77,10 @@ class KVManager:
         samples = req.forks_pending
         total = self.blocks_for(req.num_tokens)
         hits: list[int] = []
-        if self.prefix_caching:
+        if self.prefix_caching and not req.scores_prompt:
             # Never cover the last token: its logits must be computed. A preempted request
             # also finds its own generated blocks, if nobody has needed their room since.
+            # A prompt still being scored computes every position: no logits are cached.
             hits = self.pool.lookup(self.block_hashes(req, (req.num_tokens - 1) // bs))
         hits_free = sum(1 for b in hits if self.pool.refcount[b] == 0)
         partial = 1 if req.prompt_len % bs else 0

@@ -25,6 +25,10 @@ class ScheduledChunk:
     # Speculative decoding: the drafted tokens at the end of token_ids. The chunk then needs
     # logits at its last len(drafts) + 1 rows: one per token that may be accepted.
     drafts: list[int] = field(default_factory=list)
+    # Prompt logprobs: positions [score_from, score_from + num_scored) need their logits to
+    # score the prompt token after each.
+    score_from: int = 0
+    num_scored: int = 0
 
     @property
     def num_logits(self) -> int:

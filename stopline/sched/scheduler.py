@@ -155,8 +155,13 @@ class Scheduler:
             r.last_scheduled_step = plan.step_id
             if first is not None:
                 r.first_scheduled = first
+        score_from = num_scored = 0
+        if req.scores_prompt:  # positions q < p - 1 score prompt token q + 1; earlier ones are done
+            score_from = max(start, len(req.prompt_logprobs))
+            num_scored = max(0, min(end, p - 1) - score_from)
         plan.chunks.append(ScheduledChunk(req, start, n, sample, tokens,
-                                          req.block_ids[:self.kv.blocks_for(end)], req.epoch, drafts))
+                                          req.block_ids[:self.kv.blocks_for(end)], req.epoch, drafts,
+                                          score_from, num_scored))
 
     def _grow(self, req: Request, upto: int, scheduled: set[int]) -> bool:
         """Make req's block table cover `upto` tokens, preempting others if needed.

@@ -50,8 +50,17 @@ class Choice:
     text: str = ""
     tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_detail: str | None = None
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completions prompt to echo before its choices' text (echo=true)."""
+
+    text: str
+    token_ids: list[int]
 
 
 @dataclass
@@ -85,10 +94,13 @@ class UsageSum:
 class Formatter:
     def __init__(self, *, chat: bool, request_id: str, created: int, model: str, n: int,
                  token_text: TokenText, include_usage: bool = False, tool_calls: bool = False,
-                 continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False, echo: list[Echo] | None = None,
+                 logprobs: bool = False) -> None:
         """tool_calls: the request has tools, so the output is read for tool calls
         (tool_format.py): `message.tool_calls` / `delta.tool_calls`, and finish_reason
-        "tool_calls" when the model stopped after calling."""
+        "tool_calls" when the model stopped after calling. echo: one per prompt (choice i
+        belongs to prompt i // (n / len(echo))): its text, and with logprobs its tokens'
+        scores (the first null), go before the choice's own. logprobs: they were asked for."""
         self.chat = chat
         self.tool_calls = tool_calls and chat
         self._parsers = [tool_format.StreamParser() for _ in range(n)] if self.tool_calls else []
@@ -102,6 +114,9 @@ class Formatter:
         self.prompt_tokens = 0  # set by the caller for continuous usage
         self.streamed = 0  # completion tokens sent so far (continuous usage)
         self._offsets = [0] * n  # text offset per sample, for completion logprobs
+        self.echo = echo if echo and not chat else None
+        self.logprobs = logprobs
+        self._echoed = [False] * n
 
     # ---- streaming --------------------------------------------------------------------------
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -146,7 +161,13 @@ class Formatter:
             choice["delta"] = {"content": out.new_text} if out.new_text or not out.finished else {}
         else:
             choice["text"] = out.new_text
-        choice["logprobs"] = self._logprobs(out.index, out.new_logprobs) if out.new_logprobs else None
+        echo = self._echo_once(out.index)
+        if echo is not None:
+            choice["text"] = echo.text + out.new_text
+        if self.logprobs and (out.new_logprobs or echo is not None):
+            choice["logprobs"] = self._logprobs(out.index, out.new_logprobs, echo, out.prompt_logprobs)
+        else:
+            choice["logprobs"] = self._logprobs(out.index, out.new_logprobs) if out.new_logprobs else None
         choice["finish_reason"] = reason
         self._detail(choice, out.finish_reason.value if out.finish_reason else None, out.stop_detail)
         return self._chunk([choice])
@@ -173,7 +194,13 @@ class Formatter:
                 item["message"] = {"role": "assistant", "content": c.text}
             else:
                 item["text"] = c.text
-            item["logprobs"] = self._logprobs(i, c.logprobs) if c.logprobs else None
+            echo = self._echo_once(i)
+            if echo is not None:
+                item["text"] = echo.text + c.text
+            if self.logprobs and (c.logprobs or echo is not None):
+                item["logprobs"] = self._logprobs(i, c.logprobs, echo, c.prompt_logprobs)
+            else:
+                item["logprobs"] = self._logprobs(i, c.logprobs) if c.logprobs else None
             item["finish_reason"] = reason
             self._detail(item, c.finish_reason, c.stop_detail)
             body.append(item)
@@ -213,7 +240,15 @@ class Formatter:
         if reason in _EXTRA_REASONS and detail:
             choice["stop_detail"] = detail
 
-    def _logprobs(self, index: int, lps: list[TokenLogprob]) -> dict[str, Any]:
+    def _echo_once(self, index: int) -> Echo | None:
+        """The prompt choice `index` echoes, the first time it is asked for."""
+        if self.echo is None or self._echoed[index]:
+            return None
+        self._echoed[index] = True
+        return self.echo[index * len(self.echo) // self.n]
+
+    def _logprobs(self, index: int, lps: list[TokenLogprob], echo: Echo | None = None,
+                  prompt: list[TokenLogprob] | None = None) -> dict[str, Any]:
         text = self.token_text
         if self.chat:
             content = []
@@ -224,7 +259,24 @@ class Formatter:
                                 "top_logprobs": [{"token": text(t), "logprob": max(v, _MIN_LOGPROB),
                                                   "bytes": list(text(t).encode())} for t, v in lp.top]})
             return {"content": content}
-        tokens, values, tops, offsets = [], [], [], []
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        if echo is not None:
+            # The prompt's tokens: the first has no score; a prompt whose scores never came
+            # (it ended before its prefill did) has none at all.
+            scores: list[TokenLogprob | None] = [None, *(prompt or [])]
+            at = 0
+            for k, t in enumerate(echo.token_ids):
+                tok = text(t)
+                lp = scores[k] if k < len(scores) else None
+                tokens.append(tok)
+                values.append(None if lp is None else max(lp.logprob, _MIN_LOGPROB))
+                tops.append(None if lp is None else {text(a): max(v, _MIN_LOGPROB) for a, v in lp.top})
+                offsets.append(at)
+                at += len(tok)
+            self._offsets[index] = len(echo.text)
         for lp in lps:
             tok = text(lp.token_id)
             tokens.append(tok)

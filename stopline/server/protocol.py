@@ -143,8 +143,6 @@ def sampling_params(req: CompletionRequest | ChatRequest, *, default_max_tokens:
             raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
-        if req.echo:
-            raise _unsupported("echo", "echo is not supported")
         if req.suffix is not None:
             raise _unsupported("suffix", "suffix is not supported")
         if req.best_of is not None and req.best_of != req.n:
@@ -172,6 +170,11 @@ def sampling_params(req: CompletionRequest | ChatRequest, *, default_max_tokens:
         p.stop_token_ids = list(req.stop_token_ids)
     if req.logit_bias:
         p.logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+    if isinstance(req, CompletionRequest) and req.echo:
+        # echo with logprobs scores the prompt too; max_tokens 0 then only scores it. Echo
+        # alone with max_tokens 0 is scored as well (nothing else to run), its scores unsent.
+        if logprobs is not None or max_tokens == 0:
+            p.prompt_logprobs = logprobs or 0
     return p
 
 

@@ -22,7 +22,7 @@ from stopline.request import AbortSource, InvalidRequest
 from stopline.server import batch, limits
 from stopline.server.disconnect import watch_disconnect
 from stopline.server.errors import ApiError, param_of
-from stopline.server.format import SSE_DONE, Choice, Formatter, UsageSum, sse
+from stopline.server.format import SSE_DONE, Choice, Echo, Formatter, UsageSum, sse
 from stopline.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -118,7 +118,9 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
     fmt = Formatter(chat=chat, request_id=rid, created=int(time.time()), model=srv.model_name,
                     n=params.n * len(prompts), token_text=srv.token_text, include_usage=include_usage,
                     tool_calls=tools.parses_calls,
-                    continuous_usage=bool(opts and opts.continuous_usage_stats))
+                    continuous_usage=bool(opts and opts.continuous_usage_stats),
+                    echo=_echoes(req, prompts, engine.tokenizer) if not chat and req.echo else None,
+                    logprobs=params.logprobs is not None)
     fmt.prompt_tokens = prompt_len
 
     def abort(t0: float) -> None:
@@ -182,6 +184,15 @@ async def _prompt_ids(req: CompletionRequest | ChatRequest, tokenizer: Any,
     for p in many:
         out.append(await _encode(tokenizer, p, add_special_tokens=True) if isinstance(p, str) else list(p))
     return out
+
+
+def _echoes(req: CompletionRequest, prompts: list[list[int]], tokenizer: Any) -> list[Echo]:
+    """What echo=true puts before each prompt's choices: the prompt as sent (a string as it
+    is, token ids as their text)."""
+    sent = req.prompt
+    many = sent if isinstance(sent, list) and sent and not isinstance(sent[0], int) else [sent]
+    return [Echo(p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False), ids)
+            for p, ids in zip(many, prompts, strict=True)]
 
 
 async def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
@@ -261,6 +272,8 @@ async def _collect(stream: RequestStream, n: int) -> tuple[list[Choice], UsageSu
         c.text += out.new_text
         c.tokens += len(out.new_token_ids)
         c.logprobs += out.new_logprobs
+        if out.prompt_logprobs is not None:
+            c.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             c.finish_reason = out.finish_reason.value if out.finish_reason else None
             c.stop_detail = out.stop_detail

@@ -26,6 +26,7 @@ class _Rows:
     starts: list[int] = field(default_factory=list)  # first row of each chunk
     logit_rows: list[int] = field(default_factory=list)
     logit_index: dict[int, int] = field(default_factory=dict)  # chunk index -> its first row of logits
+    score_index: dict[int, int] = field(default_factory=dict)  # chunk index -> first row scoring its prompt
 
 
 @dataclass
@@ -34,6 +35,9 @@ class StepResult:
     logits: torch.Tensor  # [rows of logits, vocab]: one per sampling chunk, 1 + drafts per verify
     logit_index: dict[int, int]  # chunk index -> its first row of logits (consecutive rows)
     bad_rows: set[int] | None = None  # rows of logits with a NaN or an inf, once looked at
+    # chunk index -> the first of its num_scored rows of prompt-scoring logits (after every
+    # sampled row, so those keep their place)
+    score_index: dict[int, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -62,6 +66,7 @@ class ModelRunner:
         """Every row of the step: its token, position and cache slot, and the rows sampled."""
         bs = self.bs
         r = _Rows()
+        scored: list[tuple[int, int]] = []  # (chunk index, row of its first scored position)
         for ci, ch in enumerate(plan.chunks):
             # Only the chunk's own copies: with async scheduling the request may end (and its
             # tables empty) while this runs on the worker thread.
@@ -77,6 +82,11 @@ class ModelRunner:
                 # each draft: its last 1 + len(drafts) rows, attended causally like a prefill.
                 r.logit_index[ci] = len(r.logit_rows)
                 r.logit_rows += range(len(r.tokens) - ch.num_logits, len(r.tokens))
+            if ch.num_scored:
+                scored.append((ci, r.starts[-1] + ch.score_from - ch.start))
+        for ci, row in scored:
+            r.score_index[ci] = len(r.logit_rows)
+            r.logit_rows += range(row, row + plan.chunks[ci].num_scored)
         return r
 
     def _inputs(self, r: _Rows, **attention) -> StepInputs:
@@ -89,7 +99,7 @@ class ModelRunner:
             **attention,
         )
 
-    def prepare(self, plan: StepPlan) -> tuple[StepInputs, dict[int, int]]:
+    def prepare(self, plan: StepPlan) -> tuple[StepInputs, _Rows]:
         r = self._rows(plan)
         # A lone decode runs as two copies of itself where the GEMM libraries serve a linear:
         # each takes another path for one row than for two or more (so the linears would pad
@@ -102,8 +112,8 @@ class ModelRunner:
             r.starts = [0, 1]
         chunks = plan.chunks * 2 if twice else plan.chunks
         if self.paged:
-            return self._prepare_paged(r, chunks), r.logit_index
-        return self._prepare_torch(r, chunks), r.logit_index
+            return self._prepare_paged(r, chunks), r
+        return self._prepare_torch(r, chunks), r
 
     def _prepare_paged(self, r: _Rows, chunks: list[ScheduledChunk]) -> StepInputs:
         """Inputs for the native attention: each row attends its sequence's keys up to its own
@@ -164,10 +174,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, interrupt: threading.Event | None = None) -> StepResult:
         try:
-            inputs, logit_index = self.prepare(plan)
+            inputs, r = self.prepare(plan)
             logits = self.model.forward(inputs, self.kv, interrupt, self.rows)
         except BaseException:
             if self.rows is not None:  # rows the failed step half wrote are rebuilt
                 self.rows.reset()
             raise
-        return StepResult(plan, logits.float().cpu(), logit_index)
+        return StepResult(plan, logits.float().cpu(), r.logit_index, score_index=r.score_index)
