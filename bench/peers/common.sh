@@ -7,6 +7,7 @@ HF_DIR=$PEERS_DIR/hf-smollm2
 VLLM_VENV=$PEERS_DIR/vllm-venv
 LLAMACPP_DIR=$PEERS_DIR/llama.cpp
 LLAMA_SERVER=$LLAMACPP_DIR/build/bin/llama-server
+LLAMA_BENCH=$LLAMACPP_DIR/build/bin/llama-bench
 mkdir -p "$PEERS_DIR"
 
 gguf_path() {

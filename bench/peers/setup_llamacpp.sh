@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama.cpp's llama-server, built with cmake from the llama.cpp tree vendored in the PyPI sdist
+# llama.cpp's llama-server and llama-bench, built with cmake from the llama.cpp tree vendored in the PyPI sdist
 # of llama-cpp-python (the only registry that carries its source). ~15 min on 2 cores.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
@@ -14,12 +14,12 @@ if [[ ! -d "$LLAMACPP_DIR" ]]; then
     mv "$tmp"/llama_cpp_python-*/vendor/llama.cpp "$LLAMACPP_DIR"
     rm -rf "$tmp"
 fi
-if [[ ! -x "$LLAMA_SERVER" ]]; then
-    echo "== building llama-server (nice 19, -j$JOBS)"
+if [[ ! -x "$LLAMA_SERVER" || ! -x "$LLAMA_BENCH" ]]; then
+    echo "== building llama-server and llama-bench (nice 19, -j$JOBS)"
     cd "$LLAMACPP_DIR"
     nice -n 19 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON
-    nice -n 19 cmake --build build -j"$JOBS" --target llama-server
+    nice -n 19 cmake --build build -j"$JOBS" --target llama-server llama-bench
 fi
 "$LLAMA_SERVER" --version 2>&1 | head -2
 echo "== llama-server ready: bench/peers/start_llamacpp.sh"
