@@ -63,6 +63,9 @@ class Transfers:
         now = self._clock()
         return [t.req for t in self._live.values() if t.deadline <= now]
 
+    def requests(self) -> list[Request]:
+        return [t.req for t in self._live.values()]
+
     def __len__(self) -> int:
         return len(self._live)
 

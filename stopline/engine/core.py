@@ -349,6 +349,8 @@ class EngineCore:
             self.kv_manager.register(req)
             if not ch.sample:
                 continue
+            if self._prefilled(req):  # a prefill engine hands the request off here
+                continue
             if req.params.max_tokens == 0:  # scored, nothing to generate
                 self._end_unsampled(req)
                 continue
@@ -514,15 +516,24 @@ class EngineCore:
                 self._abort_family(fam, source)
         self._pause_all(taken.pauses)
         for fam in self._to_schedule:
-            if fam.members[0].status.is_finished:
-                continue
-            if fam.members[0].params.grammar is not None:
-                self.grammar.wait(fam)  # joins the queue once its grammar is compiled
-            else:
-                self.scheduler.add(fam.members[0])
+            if not fam.members[0].status.is_finished:
+                self._admit(fam)
         self._to_schedule = []
         for fam in self.grammar.poll(self._grammar_failed):
             self.scheduler.add(fam.members[0])
+
+    def _admit(self, fam: Family) -> None:
+        """A new family joins the scheduler's queue (a decode engine first waits for its
+        prompt's KV: stopline/disagg)."""
+        if fam.members[0].params.grammar is not None:
+            self.grammar.wait(fam)  # joins the queue once its grammar is compiled
+        else:
+            self.scheduler.add(fam.members[0])
+
+    def _prefilled(self, req: Request) -> bool:
+        """req's prompt is computed and its first token is about to be sampled. True: the
+        request is taken elsewhere (a prefill engine ships its KV) and samples nothing here."""
+        return False
 
     def _grammar_failed(self, req: Request, why: str) -> None:
         self.lifecycle.fail(req, FinishReason.ERROR, f"grammar: {why}")

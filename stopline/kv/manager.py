@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from stopline.kv.block_pool import BlockPool, LedgerError, extend_hashes
@@ -96,6 +96,30 @@ class KVManager:
             self.pool.touch(shared)
             m.block_ids = list(shared) + (self.pool.allocate(1) if partial else [])
         return True
+
+    def import_prefix(self, token_ids: Sequence[int], n_blocks: int,
+                      write: Callable[[list[int]], None]) -> int:
+        """Blocks computed elsewhere (a prefill engine, stopline/disagg) enter the prefix
+        cache: allocate n_blocks, `write` fills them, register their chained hashes, drop the
+        reference (cached, refcount 0). The request is admitted at the same step boundary and
+        finds them as prefix hits. Returns the blocks imported: 0 when the pool has no room
+        (the request then computes its prompt here). If `write` raises, the blocks go back
+        to the free pool unhashed and the error propagates."""
+        if not self.prefix_caching:
+            raise ValueError("importing a prefix needs prefix caching")
+        if n_blocks <= 0 or not self.pool.can_allocate(n_blocks):
+            return 0
+        hashes = extend_hashes([], token_ids, self.block_size, n_blocks)
+        blocks = self.pool.allocate(n_blocks)
+        try:
+            write(blocks)
+        except BaseException:
+            self.pool.release(blocks, keep_cached=False)
+            raise
+        for b, h in zip(blocks, hashes, strict=True):
+            self.pool.register(b, h)
+        self.pool.release(blocks)
+        return n_blocks
 
     def admit_need(self, req: Request) -> int:
         """Blocks admitting req would take at the least (for a never-fits check)."""

@@ -43,6 +43,7 @@ from stopline.request import InvalidRequest
 
 if TYPE_CHECKING:
     from stopline.config import EngineConfig
+    from stopline.engine.core import EngineCore
     from stopline.engine.proc.transport import CoreAddresses
 
 log = logging.getLogger("stopline.core_proc")
@@ -51,7 +52,10 @@ ABORT_SWITCH_INTERVAL = 0.0002  # seconds; measured: 5 ms (default) -> p50 5 ms,
 
 
 def main(addrs: CoreAddresses, model: str | None, config: EngineConfig | None, progress: bool,
-         parent_pid: int, threads: int | None = None) -> None:
+         parent_pid: int, threads: int | None = None,
+         make_core: Callable[..., EngineCore] | None = None) -> None:
+    """make_core: builds the core instead of EngineCore (a picklable callable taking the
+    same arguments: the prefill and decode roles of stopline/disagg)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [core] %(message)s")
     # Ctrl-C in a terminal, and systemd's stop, signal the whole process group: the frontend
@@ -84,7 +88,7 @@ def main(addrs: CoreAddresses, model: str | None, config: EngineConfig | None, p
         _set_threads(threads)
         from stopline.engine.core import EngineCore
 
-        core = EngineCore(model, config, progress=progress)
+        core = (make_core or EngineCore)(model, config, progress=progress)
     except BaseException as exc:  # noqa: BLE001 - report any load failure, then exit
         log.exception("loading the model failed")
         send(FatalMsg(f"loading the model failed: {exc}"))

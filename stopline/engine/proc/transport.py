@@ -68,8 +68,12 @@ class CoreAddresses(msgspec.Struct, frozen=True):
 
 class ProcCore:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, *,
-                 progress: bool = True, threads: int | None = None) -> None:
+                 progress: bool = True, threads: int | None = None,
+                 make_core: Callable[..., Any] | None = None) -> None:
+        """make_core: a picklable callable that builds the core in the child (see
+        core_proc.main); None: a plain EngineCore."""
         self.model = model
+        self.make_core = make_core
         self.config = config
         self.progress = progress
         self.threads = threads  # torch threads in the core (None: all CPUs but one, see core_proc)
@@ -112,7 +116,7 @@ class ProcCore:
         mp = multiprocessing.get_context("spawn")  # a clean interpreter: no inherited threads or loop
         self.proc = mp.Process(target=core_proc.main, name="stopline-core", daemon=True,
                                args=(addrs, self.model, self.config, self.progress, os.getpid(),
-                                     self.threads))
+                                     self.threads, self.make_core))
         self.proc.start()
         threading.Thread(target=self._watch, args=(self.proc.sentinel,), daemon=True,
                          name="stopline-core-watch").start()

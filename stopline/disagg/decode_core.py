@@ -1,0 +1,138 @@
+"""The decode role: an EngineCore that takes a split request's prompt KV from the prefill
+role, then serves the request as one engine would (sampling from the first token on,
+grammars, n > 1, speculation, stop strings, streams).
+
+A request whose prompt has a full block to ship (`split_blocks`) waits in
+`Transfers(RECV)` (a holder of the one release) instead of joining the scheduler's queue.
+Its reclaim clock starts at the first `Progress` from the prefill side and restarts at
+each one; before that the front end covers it (a prefill side that dies or ends the
+request makes the front end abort it here). When the KV arrives the blocks are written
+into fresh blocks (wire.write checks their epochs), enter the prefix cache
+(KVManager.import_prefix), and the request joins the queue at the same step boundary, so
+its admission finds them as prefix hits and computes only the rest of its prompt. That
+keeps the output exactly the single engine's: the decode side computes everything a
+prefix hit would not. A transfer for a request that is no longer waiting (aborted,
+expired) is refused with an Ack naming why and nothing is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+from stopline.disagg.epochs import BlockEpochs
+from stopline.disagg.link import Link
+from stopline.disagg.messages import Ack, Progress, RoleSpec
+from stopline.disagg.transfers import Side, Transfers
+from stopline.disagg.wire import TransferHeader, write
+from stopline.engine.core import EngineCore
+from stopline.engine.output import RequestOutput
+from stopline.kv.block_pool import LedgerError
+from stopline.request import Family, FinishReason, Request
+
+log = logging.getLogger("stopline.disagg.decode")
+
+
+def split_blocks(prompt_len: int, block_size: int) -> int:
+    """Full prompt blocks the prefill side computes and ships: never the block holding the
+    last prompt token, whose logits the decode side must compute (as a prefix hit would
+    leave it). 0: the request runs on the decode side alone."""
+    return (prompt_len - 1) // block_size
+
+
+class DecodeCore(EngineCore):
+    def __init__(self, model: Any = None, config: Any = None, *, spec: RoleSpec,
+                 progress: bool = True, **kwargs: Any) -> None:
+        super().__init__(model, config, progress=progress, **kwargs)
+        if not self.kv_manager.prefix_caching:
+            raise ValueError("the decode role needs prefix caching: received KV enters it")
+        self.spec = spec
+        self.epochs = BlockEpochs(self.pool)
+        self.receiving = Transfers(Side.RECV, spec.reclaim_s)
+        self.lifecycle.holders.insert(len(self.lifecycle.holders) - 1, self.receiving)
+        self._waiting: dict[str, Family] = {}  # incarnation -> family waiting for its KV
+        self.link = Link(bind=spec.kv_addr, connect=spec.ack_addr)
+        self.imported_blocks = 0
+
+    def has_unfinished(self) -> bool:
+        return bool(len(self.receiving)) or super().has_unfinished()
+
+    def all_paused(self) -> bool:
+        # A receive pending expiry must keep the loop stepping: its deadline is checked there.
+        return not len(self.receiving) and super().all_paused()
+
+    def step(self) -> list[RequestOutput]:
+        self._apply_inbox()  # new requests first: a KV that overtook nothing finds its waiter
+        self._take_link()
+        for req in self.receiving.expired():
+            self.lifecycle.fail(req, FinishReason.ERROR,
+                                f"recv transfer: no word from the prefill engine within "
+                                f"{self.spec.reclaim_s:g} s (reclaim deadline)")
+        self._forget_ended()
+        return super().step()
+
+    def _admit(self, fam: Family) -> None:
+        leader = fam.members[0]
+        if split_blocks(leader.prompt_len, self.pool.block_size) == 0:
+            super()._admit(fam)
+            return
+        t = self.receiving.start(leader, [])
+        t.deadline = math.inf  # armed by the first Progress
+        self._waiting[fam.incarnation] = fam
+
+    def _waiter(self, inc: str) -> Request | None:
+        fam = self._waiting.get(inc)
+        if fam is None:
+            return None
+        req = fam.members[0]
+        return req if self.receiving.get(req) is not None else None
+
+    def _take_link(self) -> None:
+        for msg in self.link.take():
+            if isinstance(msg, Progress):
+                req = self._waiter(msg.incarnation)
+                t = self.receiving.get(req) if req is not None else None
+                if t is not None:
+                    t.deadline = time.monotonic() + self.spec.reclaim_s
+            elif isinstance(msg, tuple):
+                self._receive(*msg)
+        for err in self.link.bad:
+            log.error("undecodable frames on the link: %s", err)
+        self.link.bad.clear()
+
+    def _receive(self, head: TransferHeader, data: list) -> None:
+        inc = head.request_id
+        req = self._waiter(inc)
+        if req is None:
+            self.link.send(Ack(inc, "no request of this incarnation is waiting for KV "
+                                    "(aborted, expired or unknown)"))
+            return
+        n = split_blocks(req.prompt_len, self.pool.block_size)
+        try:
+            if len(head.refs) != n:
+                raise ValueError(f"{len(head.refs)} blocks sent, {n} expected")
+            got = self.kv_manager.import_prefix(
+                req.prompt_token_ids, n,
+                lambda blocks: write(self.kv, self.epochs, self.epochs.refs(blocks), head, data))
+        except Exception as exc:  # StaleBlock, BadTransfer, a shape mismatch: never decode it
+            self.lifecycle.fail(req, FinishReason.ERROR, f"KV transfer failed: {exc}")
+            self.link.send(Ack(inc, f"KV transfer failed: {exc}"))
+            return
+        self.imported_blocks += got
+        self.receiving.done(req)
+        fam = self._waiting.pop(inc)
+        self.link.send(Ack(inc))
+        super()._admit(fam)  # admitted in this step: its blocks are prefix hits now
+
+    def _forget_ended(self) -> None:
+        for inc in [i for i, f in self._waiting.items() if f.members[0].status.is_finished]:
+            del self._waiting[inc]
+
+    def audit(self) -> None:
+        super().audit()
+        live = {r.internal_id for r in self.live_requests()}
+        for req in self.receiving.requests():
+            if req.internal_id not in live:
+                raise LedgerError(f"recv transfer of {req.incarnation!r} outlives its request")

@@ -1,0 +1,210 @@
+"""DisaggCores: the engine backend (async_engine.CoreBackend) whose core is two processes,
+a prefill role and a decode role (`stopline serve --disagg`).
+
+The AsyncEngine in front keeps every stream, incarnation and the one-terminal rule as in
+one process. Here each add goes to the decode role first (it validates the request, as one
+engine would, and starts waiting for the KV), then, when the prompt has a full block to
+ship, to the prefill role with the prompt cut to those blocks. Every abort goes to both
+(an abort of what a role does not hold is a no-op there). The client's stream is the
+decode role's outputs; of the prefill role's outputs only an error terminal reaches it
+(the stream ends with that error and the decode side's copy is aborted): its other
+terminals are the hand-off or an abort the decode side reports as well.
+
+A role that dies ends every stream it still matters to within the time its process exit
+takes to notice (the process sentinel): the decode role, all open ones; the prefill role,
+those whose KV the decode side has not taken yet. The survivor's copies are aborted, so
+its blocks come back at once, and /health names the dead role (503) from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from stopline.config import EngineConfig
+from stopline.disagg.decode_core import split_blocks
+from stopline.disagg.messages import RoleSpec
+from stopline.disagg.role import RoleFactory
+from stopline.engine.async_engine import AsyncEngine
+from stopline.engine.messages import Batch, CoreInfo, Utility
+from stopline.engine.proc.transport import ProcCore
+from stopline.engine.snapshot import Snapshot
+from stopline.engine.streams import EngineUnavailable
+from stopline.request import AbortSource, FinishReason, SamplingParams
+
+log = logging.getLogger("stopline.disagg")
+
+ROLES = ("prefill", "decode")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DisaggCores:
+    def __init__(self, model: str | None, config: EngineConfig | None, *, reclaim_s: float = 3.0,
+                 threads: int | None = None, progress: bool = True) -> None:
+        if not reclaim_s > 0:
+            raise ValueError(f"reclaim deadline must be > 0 s, got {reclaim_s}")
+        cfg = config or EngineConfig()
+        self.reclaim_s = reclaim_s
+        # The two roles share the CPUs: each gets half (one on two cores) rather than both
+        # spinning OpenMP threads on every core.
+        threads = threads or max(1, len(os.sched_getaffinity(0)) // 2)
+        kv, ack = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        # The decode role's received KV enters its prefix cache: it must have one.
+        configs = {"prefill": cfg, "decode": dataclasses.replace(cfg, enable_prefix_caching=True)}
+        self.cores = {r: ProcCore(model, configs[r], progress=progress and r == "decode", threads=threads,
+                                  make_core=RoleFactory(RoleSpec(r, kv, ack, reclaim_s)))
+                      for r in ROLES}
+        self.state = {r: "starting" for r in ROLES}
+        self.errors: dict[str, str | None] = {r: None for r in ROLES}
+        self.snaps = {r: Snapshot() for r in ROLES}
+        self.tokenizer = None
+        self.block_size = cfg.block_size
+        self.samples: dict[str, int] = {}  # open incarnation -> samples not yet ended
+        self.split: set[str] = set()  # open incarnations the prefill role works on
+        self.decoding: set[str] = set()  # split ones whose first output came from decode
+        self.on_lost: Callable[[list[str], str], None] = lambda incs, why: None  # set below
+
+    async def start(self, on_batch: Callable[[Batch], None],
+                    on_dead: Callable[[str], None]) -> CoreInfo:
+        self._on_batch = on_batch
+        infos = await asyncio.gather(
+            self.cores["prefill"].start(self._from_prefill, lambda why: self._lost("prefill", why)),
+            self.cores["decode"].start(self._from_decode, lambda why: self._lost("decode", why)))
+        for r in ROLES:
+            if self.state[r] == "starting":
+                self.state[r] = "healthy"
+        self.tokenizer = self.cores["decode"].tokenizer
+        return infos[1]
+
+    # ---- requests -------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        dead = [r for r in ROLES if self.state[r] != "healthy"]
+        if dead:
+            raise EngineUnavailable(f"the {dead[0]} engine is {self.state[dead[0]]}: "
+                                    f"{self.errors[dead[0]] or 'not serving'}")
+
+    async def add(self, request_id: str, incarnation: str, prompt_token_ids: list[int],
+                  params: SamplingParams, arrival: float) -> None:
+        self._check_alive()
+        self.samples[incarnation] = params.n
+        try:
+            # Decode first: it validates, and it waits for the KV before any can be sent.
+            await self.cores["decode"].add(request_id, incarnation, prompt_token_ids, params, arrival)
+            n = split_blocks(len(prompt_token_ids), self.block_size)
+            if n:
+                self.split.add(incarnation)
+                await self.cores["prefill"].add(request_id, incarnation,
+                                                prompt_token_ids[:n * self.block_size],
+                                                SamplingParams(max_tokens=1), arrival)
+        except BaseException:
+            self._abort_roles([incarnation], AbortSource.CANCEL, time.monotonic())
+            self._forget(incarnation)
+            raise
+
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
+        self._abort_roles(incarnations, source, t0)
+
+    def _abort_roles(self, incs: list[str], source: AbortSource, t0: float) -> None:
+        if self.state["decode"] == "healthy":
+            self.cores["decode"].abort(incs, source, t0)
+        split = [i for i in incs if i in self.split]
+        if split and self.state["prefill"] == "healthy":
+            self.cores["prefill"].abort(split, source, t0)
+
+    def pause(self, incarnations: list[str], paused: bool) -> None:
+        if self.state["decode"] == "healthy":  # only the decode role streams to clients
+            self.cores["decode"].pause(incarnations, paused)
+
+    async def utility(self, method: Utility) -> Any:
+        """Runs on both roles (an audit checks both); returns the decode role's result."""
+        live = [r for r in ROLES if self.state[r] == "healthy"]
+        results = await asyncio.gather(*(self.cores[r].utility(method) for r in live))
+        return dict(zip(live, results, strict=True)).get("decode")
+
+    def _forget(self, inc: str) -> None:
+        self.samples.pop(inc, None)
+        self.split.discard(inc)
+        self.decoding.discard(inc)
+
+    # ---- from the roles -------------------------------------------------------------------
+    def _from_decode(self, batch: Batch) -> None:
+        if batch.snapshot is not None:
+            self.snaps["decode"] = batch.snapshot
+        for out in batch.outputs:
+            inc = out.incarnation
+            if inc in self.split:
+                self.decoding.add(inc)
+            if out.finished and inc in self.samples:
+                ended_early = out.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH)
+                if ended_early and inc in self.split and self.state["prefill"] == "healthy":
+                    # An error or abort on decode: the prefill side may still hold the KV.
+                    self.cores["prefill"].abort([inc], AbortSource.CANCEL, time.monotonic())
+                self.samples[inc] -= 1
+                if self.samples[inc] <= 0:
+                    self._forget(inc)
+        self._on_batch(batch)
+
+    def _from_prefill(self, batch: Batch) -> None:
+        if batch.snapshot is not None:
+            self.snaps["prefill"] = batch.snapshot
+        for out in batch.outputs:
+            if out.finished and out.finish_reason is FinishReason.ERROR and out.incarnation in self.samples:
+                why = f"prefill engine: {out.stop_detail}"
+                if self.state["decode"] == "healthy":
+                    self.cores["decode"].abort([out.incarnation], AbortSource.CANCEL,
+                                               time.monotonic())
+                self._forget(out.incarnation)
+                self.on_lost([out.incarnation], why)
+        if batch.timings:
+            self._on_batch(Batch(timings=batch.timings))
+
+    def _lost(self, role: str, why: str) -> None:
+        if self.state[role] in ("dead", "closed"):
+            return
+        self.state[role] = "dead"
+        self.errors[role] = why
+        if role == "decode":
+            incs = list(self.samples)
+        else:
+            incs = [i for i in self.split if i not in self.decoding]
+        other = "prefill" if role == "decode" else "decode"
+        if incs and self.state[other] == "healthy":
+            self.cores[other].abort(incs, AbortSource.CANCEL, time.monotonic())
+        for inc in incs:
+            self._forget(inc)
+        log.error("the %s engine died: %s; ending its %d open requests", role, why, len(incs))
+        self.on_lost(incs, f"the {role} engine died: {why}")
+
+    # ---- views ----------------------------------------------------------------------------
+    def health(self) -> list[dict[str, Any]]:
+        return [{"role": r, "state": self.state[r], "pid": getattr(self.cores[r].proc, "pid", None),
+                 "last_error": self.errors[r]} for r in ROLES]
+
+    def snapshots(self) -> dict[str, Snapshot]:
+        return dict(self.snaps)
+
+    async def close(self) -> None:
+        for r in ROLES:
+            if self.state[r] == "healthy":
+                self.state[r] = "closed"
+        await asyncio.gather(*(c.close() for c in self.cores.values()))
+
+
+def disagg_engine(model: str | None, config: EngineConfig | None, *, reclaim_s: float = 3.0,
+                  threads: int | None = None, progress: bool = True, **streams: Any) -> AsyncEngine:
+    """An AsyncEngine whose core is a prefill process and a decode process."""
+    backend = DisaggCores(model, config, reclaim_s=reclaim_s, threads=threads, progress=progress)
+    engine = AsyncEngine(backend, **streams)
+    backend.on_lost = lambda incs, why: engine.fail(incs, why)
+    return engine

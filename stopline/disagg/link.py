@@ -1,0 +1,81 @@
+"""The link between the two roles: ZMQ PUSH -> PULL over tcp://127.0.0.1 (docs/disagg.md
+measured tcp loopback as fast as ipc, so there is no ipc path and two machines work the
+same way).
+
+Each role binds one PULL socket and pushes to the other's. A receiver thread puts what
+arrives into a queue that the stepping thread drains at every step start; only the
+stepping thread sends, so each socket has one user (ZMQ sockets are not thread-safe).
+High-water marks are unlimited and sends never block: a message for a dead peer waits in
+ZMQ and the reclaim deadline ends its request.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+
+import msgspec
+import zmq
+
+from stopline.disagg.messages import LinkMsg
+from stopline.disagg.wire import TransferHeader, unpack
+
+KV_TAG = b"kv"
+MSG_TAG = b"msg"
+
+Received = LinkMsg | tuple[TransferHeader, list]
+
+
+class Link:
+    def __init__(self, bind: str, connect: str) -> None:
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(bind)
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(connect)
+        self.inbox: queue.SimpleQueue[Received] = queue.SimpleQueue()
+        self.bad: list[str] = []  # frames that could not be decoded (logged by the role)
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(LinkMsg)
+        self._thread = threading.Thread(target=self._recv, daemon=True, name="stopline-link")
+        self._thread.start()
+
+    def send(self, msg: msgspec.Struct) -> None:
+        self._push.send_multipart([MSG_TAG, self._enc.encode(msg)], zmq.NOBLOCK)
+
+    def send_kv(self, frames: Sequence[bytes | memoryview]) -> None:
+        self._push.send_multipart([KV_TAG, *frames], zmq.NOBLOCK, copy=False)
+
+    def take(self) -> list[Received]:
+        out = []
+        while True:
+            try:
+                out.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _recv(self) -> None:
+        while True:
+            try:
+                parts = self._pull.recv_multipart(copy=False)
+            except zmq.ZMQError:  # the context is terminating: close here, on our thread
+                self._pull.close(linger=0)
+                return
+            try:
+                tag = parts[0].bytes
+                if tag == KV_TAG:
+                    self.inbox.put(unpack([p.buffer for p in parts[1:]]))
+                else:
+                    self.inbox.put(self._dec.decode(parts[1].bytes))
+            except Exception as exc:  # noqa: BLE001 - a bad frame must not stop the link
+                self.bad.append(repr(exc))
+
+    def close(self) -> None:
+        self._push.close(linger=0)
+        self._ctx.term()  # the receiver thread sees ETERM and closes its socket
+        self._thread.join(1.0)

@@ -1,0 +1,93 @@
+"""The prefill role: an EngineCore that computes prompts (chunked, interruptible as in one
+engine) and ships each prompt's KV blocks to the decode role instead of sampling.
+
+Its prompts are the full blocks of the client's prompt (the front end cuts the rest): when
+the last chunk has run, the blocks are packed (wire.pack checks their epochs), pushed over
+the link, and held by `Transfers(SEND)` while the request sits paused (it takes no step)
+until the decode side acks, refuses, or the reclaim deadline passes. An ack finishes the
+request here (its terminal output never reaches a client: the front end forwards only
+errors); a refusal or the deadline fails it with an error, through the one release, so
+the transfer entry and then the blocks are freed in that order. Aborts apply as in one
+engine: at each step start, right after a forward, and at the next chunk boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from stopline.disagg.epochs import BlockEpochs
+from stopline.disagg.link import Link
+from stopline.disagg.messages import Ack, Progress, RoleSpec
+from stopline.disagg.transfers import Side, Transfers
+from stopline.disagg.wire import pack
+from stopline.engine.core import EngineCore
+from stopline.engine.output import RequestOutput
+from stopline.kv.block_pool import LedgerError
+from stopline.request import FinishReason, Request
+from stopline.sched.plan import StepPlan
+
+log = logging.getLogger("stopline.disagg.prefill")
+
+HANDED_OFF = "handed off to the decode engine"
+
+
+class PrefillCore(EngineCore):
+    def __init__(self, model: Any = None, config: Any = None, *, spec: RoleSpec,
+                 progress: bool = True, **kwargs: Any) -> None:
+        super().__init__(model, config, progress=progress, **kwargs)
+        self.spec = spec
+        self.epochs = BlockEpochs(self.pool)
+        self.sending = Transfers(Side.SEND, spec.reclaim_s)
+        # The transfer entry goes before the KV manager: the entry first, the blocks last.
+        self.lifecycle.holders.insert(len(self.lifecycle.holders) - 1, self.sending)
+        self.link = Link(bind=spec.ack_addr, connect=spec.kv_addr)
+        self.shipped_bytes = 0
+
+    # ---- the loop's view: a request waiting for its ack is paused but not idle ---------------
+    def all_paused(self) -> bool:
+        return not len(self.sending) and super().all_paused()
+
+    def step(self) -> list[RequestOutput]:
+        self._take_link()
+        for req in self.sending.expired():
+            self.lifecycle.fail(req, FinishReason.ERROR,
+                                f"send transfer not acked by the decode engine within "
+                                f"{self.spec.reclaim_s:g} s (reclaim deadline)")
+        return super().step()
+
+    def _run(self, plan: StepPlan) -> None:
+        # Each chunk tells the decode side its wait is alive (its reclaim clock restarts).
+        for inc in dict.fromkeys(c.req.incarnation for c in plan.chunks):
+            self.link.send(Progress(inc))
+        super()._run(plan)
+
+    def _prefilled(self, req: Request) -> bool:
+        n = len(req.prompt_token_ids) // self.pool.block_size
+        refs = self.epochs.refs(req.block_ids[:n])
+        frames = pack(req.incarnation, self.kv, self.epochs, refs)
+        self.sending.start(req, refs)
+        req.paused = True  # holds its blocks, takes no step
+        self.link.send_kv(frames)
+        self.shipped_bytes += sum(len(f) for f in frames)
+        return True
+
+    def _take_link(self) -> None:
+        for msg in self.link.take():
+            if not isinstance(msg, Ack):
+                continue
+            fam = self.families.get(msg.incarnation)
+            req = fam.members[0] if fam is not None else None
+            if req is None or self.sending.done(req) is None:
+                continue  # aborted or expired meanwhile: a late ack changes nothing
+            if msg.error is None:
+                self.lifecycle.finish(req, FinishReason.STOP, HANDED_OFF)
+            else:
+                self.lifecycle.fail(req, FinishReason.ERROR, f"decode engine refused the KV: {msg.error}")
+
+    def audit(self) -> None:
+        super().audit()
+        live = {r.internal_id for r in self.live_requests()}
+        for req in self.sending.requests():
+            if req.internal_id not in live:
+                raise LedgerError(f"send transfer of {req.incarnation!r} outlives its request")

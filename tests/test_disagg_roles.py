@@ -1,0 +1,199 @@
+"""The prefill and decode roles in one process, stepped by hand over a real loopback link:
+each abort ordering (before the transfer, during it, after it), the reclaim deadline on both
+sides, exactness against one engine, and the epoch guard on a late transfer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from stopline.disagg.epochs import StaleBlock
+from stopline.disagg.messages import Ack
+from stopline.engine.core import EngineCore
+from stopline.model.loaders.loader import load_model
+from stopline.request import FinishReason, SamplingParams
+from tests.disagg_support import make_pair
+from tests.engine_support import drive, greedy, random_prompts
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    return load_model(str(tiny_model_dir), progress=False)
+
+
+@pytest.fixture
+def pair(loaded):
+    pr = make_pair(loaded)
+    yield pr
+    pr.close()
+
+
+def _single(loaded, reqs):
+    from tests.disagg_support import config
+
+    return drive(EngineCore(loaded, config()), reqs)
+
+
+def test_greedy_and_seeded_output_equal_one_engine(loaded, pair):
+    prompts = random_prompts(4, [3, 9, 17, 26], seed=3)
+    reqs = [(f"g{i}", p, greedy(8)) for i, p in enumerate(prompts)]
+    reqs += [(f"s{i}", p, SamplingParams(temperature=0.9, top_p=0.9, seed=7 + i, max_tokens=8))
+             for i, p in enumerate(prompts)]
+    want = _single(loaded, reqs)
+    for rid, prompt, params in reqs:
+        pair.add(rid, prompt, params)
+    pair.settle()
+    pair.assert_idle()
+    assert pair.d.imported_blocks == sum((len(p) - 1) // 4 for p in prompts) * 2  # KV really moved
+    for key, r in want.items():
+        assert pair.out[key].token_ids == r.token_ids, key
+        assert pair.out[key].finish_reason is r.finish_reason
+    # The prefill side ended each split request by handing it off, never with a client output.
+    assert all(o.finished and o.stop_detail.startswith("handed off") for o in pair.p_out)
+
+
+def test_abort_before_the_transfer_reaches_prefill_at_a_chunk_boundary(pair):
+    inc = pair.add("a", list(range(5, 45)), greedy(4))  # 40 tokens: 5 chunks of 8
+    pair.step_p()
+    pair.step_d()
+    assert not pair.p.live_requests()[0].status.is_finished
+    pair.abort(inc)
+    pair.step_p()  # the next step start applies it: no further chunk
+    assert not pair.p.live_requests()
+    assert pair.p.sending.requests() == []
+    pair.settle()
+    pair.assert_idle()
+    assert pair.out[("a", 0)].finish_reason is FinishReason.ABORT
+    assert pair.out[("a", 0)].token_ids == []
+
+
+def test_abort_during_the_transfer_refuses_the_late_kv(pair):
+    inc = pair.add("a", list(range(5, 30)), greedy(4))
+    pair.settle(until=lambda pr: len(pr.p.sending) == 1)  # KV pushed, no ack yet
+    pair.d.abort(inc)  # decode side first; its KV arrives after
+    pair.settle(until=lambda pr: not pr.d.has_unfinished())
+    # The decode side refused the late KV (nothing written, no block taken) ...
+    assert pair.d.imported_blocks == 0
+    pair.p.abort(inc)
+    pair.settle()
+    pair.assert_idle()
+    assert pair.out[("a", 0)].finish_reason is FinishReason.ABORT
+    assert pair.out[("a", 0)].token_ids == []
+
+
+def test_abort_during_the_transfer_prefill_first(pair):
+    inc = pair.add("a", list(range(5, 30)), greedy(4))
+    pair.settle(until=lambda pr: len(pr.p.sending) == 1)
+    pair.p.abort(inc)
+    pair.step_p()
+    assert not len(pair.p.sending) and pair.p.pool.num_used == 0  # released at once
+    pair.d.abort(inc)
+    pair.settle()
+    pair.assert_idle()
+    assert pair.out[("a", 0)].finish_reason is FinishReason.ABORT
+
+
+def test_abort_after_the_transfer_ends_on_decode_only(pair):
+    inc = pair.add("a", list(range(5, 30)), greedy(50))
+    pair.settle(until=lambda pr: ("a", 0) in pr.out and len(pr.out[("a", 0)].token_ids) >= 2
+                and not pr.p.has_unfinished())
+    assert pair.p.pool.num_used == 0  # acked: prefill holds nothing while decode runs
+    pair.abort(inc)
+    pair.settle()
+    pair.assert_idle()
+    r = pair.out[("a", 0)]
+    assert r.finish_reason is FinishReason.ABORT and 2 <= len(r.token_ids) < 50
+
+
+def test_a_reused_request_id_is_not_hit_by_a_late_abort(pair):
+    old = pair.add("same", list(range(5, 30)), greedy(3))
+    pair.abort(old)
+    pair.settle()
+    assert pair.out.pop(("same", 0)).finish_reason is FinishReason.ABORT
+    pair.add("same", list(range(5, 30)), greedy(3))
+    pair.abort(old)  # late, names the old incarnation
+    pair.settle()
+    pair.assert_idle()
+    assert pair.out[("same", 0)].finish_reason is FinishReason.LENGTH  # the new one's result
+
+
+def test_send_side_reclaims_when_the_receiver_never_acks(loaded):
+    pr = make_pair(loaded, reclaim_s=0.3)
+    try:
+        pr.p.add_request("a", list(range(5, 25)), SamplingParams(max_tokens=1))  # decode never hears
+        t0 = time.monotonic()
+        while not len(pr.p.sending):
+            pr.step_p()
+        assert pr.p.pool.num_used > 0
+        while pr.p.has_unfinished():
+            pr.step_p()
+            assert time.monotonic() - t0 < 5
+        err = [o for o in pr.p_out if o.finished]
+        assert err[0].finish_reason is FinishReason.ERROR and "reclaim deadline" in err[0].stop_detail
+        assert_back = pr.p.pool.num_used
+        assert assert_back == 0
+        pr.settle()  # the decode side refuses the orphan KV it got
+        pr.assert_idle()
+    finally:
+        pr.close()
+
+
+def test_receive_side_reclaims_when_the_sender_goes_quiet(loaded):
+    pr = make_pair(loaded, reclaim_s=0.3)
+    try:
+        pr.add("a", list(range(5, 45)), greedy(4))
+        pr.step_p()  # one chunk: its Progress arms the decode side's clock
+        pr.step_d()
+        t = pr.d.receiving.get(pr.d.live_requests()[0])
+        assert t is not None
+        for _ in range(200):
+            pr.step_d()
+            if t.deadline != float("inf"):
+                break
+            time.sleep(0.005)
+        assert t.deadline != float("inf")
+        # The prefill side stops stepping (wedged, or its messages are lost).
+        t0 = time.monotonic()
+        while pr.d.has_unfinished():
+            pr.step_d()
+            assert time.monotonic() - t0 < 5
+        r = pr.out[("a", 0)]
+        assert r.finish_reason is FinishReason.ERROR and "reclaim deadline" in r.stop_detail
+        assert r.token_ids == []
+        pr.settle()  # the prefill side ships, is refused, and errors its own copy
+        pr.assert_idle()
+        assert pr.p_out[-1].finish_reason is FinishReason.ERROR
+    finally:
+        pr.close()
+
+
+def test_a_late_transfer_fails_on_block_epochs(pair):
+    """The guard under the refusals: a ref taken before its block was freed and handed out
+    again fails loudly, on either side, instead of reading or writing another request's KV."""
+    pair.add("a", list(range(5, 30)), greedy(2))
+    pair.settle(until=lambda pr: len(pr.p.sending) == 1)
+    req = pair.p.sending.requests()[0]
+    refs = pair.p.sending.get(req).refs
+    pair.p.abort(req.incarnation)
+    pair.step_p()
+    pair.p.add_request("b", list(range(50, 80)), greedy(1))  # reuses the freed blocks
+    pair.step_p()
+    from stopline.disagg.wire import pack
+
+    with pytest.raises(StaleBlock):
+        pack(req.incarnation, pair.p.kv, pair.p.epochs, refs)
+    pair.d.abort(req.incarnation)
+    pair.p.abort(pair.p.live_requests()[0].incarnation)
+    pair.settle()
+    pair.assert_idle()
+
+
+def test_a_refusing_ack_errors_the_prefill_copy(pair):
+    inc = pair.add("a", list(range(5, 30)), greedy(2))
+    pair.settle(until=lambda pr: len(pr.p.sending) == 1)
+    pair.d.link.send(Ack(inc, "test refusal"))  # as if the decode side had refused it
+    pair.d.abort(inc)
+    pair.settle()
+    pair.assert_idle()
+    assert any(o.finish_reason is FinishReason.ERROR and "test refusal" in o.stop_detail for o in pair.p_out)
