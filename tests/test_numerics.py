@@ -4,6 +4,7 @@ concurrent, chunked, preempted), like exact mode (tests/test_engine_invariance.p
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,14 @@ import torch
 from stopline import LLM
 from stopline.config import EngineConfig, Numerics
 from stopline.model.kernels.bf16_linear import BF16Weight, reference, resolve
-from stopline.model.kernels.native import has_bf16, try_kernels
+from stopline.model.kernels.native import amx_ready, has_bf16, try_kernels
 from tests.engine_support import greedy, random_prompts, record_plans, sharp_tiny_dir
 from tests.tiny_model import make_tiny_gguf
 
 FAST = has_bf16() and try_kernels() is not None
 needs_fast = pytest.mark.skipif(not FAST, reason="no AVX512-BF16 or no C kernels on this host")
+AMX = FAST and amx_ready()
+needs_amx = pytest.mark.skipif(not AMX, reason="no AMX-BF16 (or its tile state refused) on this host")
 MAX_NEW = 24
 LENGTHS = [1, 3, 5, 8, 12, 16, 17, 20, 24, 31, 32, 33, 40, 47, 50, 63, 64, 65, 70, 80, 96, 100, 120, 150]
 
@@ -25,19 +28,40 @@ LENGTHS = [1, 3, 5, 8, 12, 16, 17, 20, 24, 31, 32, 33, 40, 47, 50, 63, 64, 65, 7
 @needs_fast
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (13, 577, 70), (30, 576, 96), (25, 1536, 64)])
 def test_kernel_equals_reference(m: int, k: int, n: int) -> None:
+    """The AVX512-BF16 kernel (the fast mode's where AMX is absent or off)."""
     gen = torch.Generator().manual_seed(m * k + n)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
-    y = BF16Weight.from_float(w)(x)
+    y = BF16Weight.from_float(w, amx=False)(x)
     assert y.shape == (m, n)
     assert torch.equal(y, reference(x, w))
     # Rows alone and in every split equal the batch: no row depends on its neighbours.
-    assert torch.equal(torch.cat([BF16Weight.from_float(w)(x[i:i + 1]) for i in range(m)]), y)
+    assert torch.equal(torch.cat([BF16Weight.from_float(w, amx=False)(x[i:i + 1]) for i in range(m)]), y)
     assert not torch.equal(y, x @ w.T)  # it really rounds to bf16: not the fp32 product
 
 
+@needs_amx
+@pytest.mark.parametrize("k,n", [(64, 32), (576, 96), (1536, 64)])
+def test_amx_kernel_rows_never_depend_on_the_batch(k: int, n: int) -> None:
+    """tdpbf16ps sums a tile's pairs in its own order, so the AMX kernel is not the reference's
+    chain; what it must give is every row the same bits at every batch size and cut into tiles
+    (1, 2, 15-17 rows, 31-33, 100), each close to the exact product of the bf16 values."""
+    gen = torch.Generator().manual_seed(k + n)
+    x, w = torch.randn(100, k, generator=gen), torch.randn(n, k, generator=gen)
+    weight = BF16Weight.from_float(w, amx=True)
+    y = weight(x)
+    alone = torch.cat([weight(x[i:i + 1]) for i in range(len(x))])
+    assert torch.equal(alone, y)
+    for m in (2, 15, 16, 17, 31, 32, 33):
+        assert torch.equal(weight(x[m:2 * m]), y[m:2 * m]), f"{m} rows"
+    plain = x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().T
+    assert torch.allclose(y.double(), plain, rtol=0, atol=1e-5 * k ** 0.5 * 4)
+    assert not torch.equal(y, reference(x, w))  # really the tiles, not the AVX kernel
+
+
 @needs_fast
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512", "amx"])
 @pytest.mark.parametrize("n,k", [(32, 32), (96, 64), (960, 576), (64, 1536)])
-def test_q4_1_kernel_gives_the_bf16_kernels_bits(n: int, k: int) -> None:
+def test_q4_1_kernel_gives_the_bf16_kernels_bits(n: int, k: int, amx: bool) -> None:
     """Few rows read a Q4_1 weight from its blocks, more its bf16 copy: the same bits, so the
     switch between them is invisible to a row."""
     import dataclasses
@@ -45,15 +69,31 @@ def test_q4_1_kernel_gives_the_bf16_kernels_bits(n: int, k: int) -> None:
     import gguf
     import numpy as np
 
+    if amx and not AMX:
+        pytest.skip("no AMX-BF16 on this host")
     w = np.random.default_rng(n + k).standard_normal((n, k)).astype(np.float32) * 0.05
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
     deq = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1)))
-    weight = BF16Weight.from_float(deq, raw)
+    weight = BF16Weight.from_float(deq, raw, amx=amx)
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(k))
     from_blocks = dataclasses.replace(weight, q4_max_rows=64)(x)
     assert torch.equal(from_blocks, dataclasses.replace(weight, q4=None)(x))
-    assert torch.equal(from_blocks, reference(x, deq))
+    if not amx:
+        assert torch.equal(from_blocks, reference(x, deq))
     assert torch.equal(weight(x[:3]), from_blocks[:3])  # 3 rows take the blocks by default
+
+
+@needs_amx
+def test_amx_off_by_env(monkeypatch) -> None:
+    """STOPLINE_AMX=0 keeps the fast mode on the AVX512-BF16 kernel (a new weight takes it);
+    a K the tiles cannot cut takes it too."""
+    w = torch.randn(32, 64)
+    assert BF16Weight.from_float(w).amx
+    monkeypatch.setenv("STOPLINE_AMX", "0")
+    assert not BF16Weight.from_float(w).amx
+    assert not BF16Weight.from_float(torch.randn(32, 48)).amx
+    with pytest.raises(ValueError, match="AMX cannot run"):
+        BF16Weight.from_float(torch.randn(32, 48), amx=True)
 
 
 def test_numerics_setting_is_checked() -> None:
@@ -68,8 +108,25 @@ def test_fast_off_cpu_falls_back_loudly() -> None:
     assert resolve("exact", "cpu") == "exact"
 
 
+@pytest.fixture(scope="module", params=["amx", "avx512"])
+def kernel(request) -> Iterator[str]:
+    """The engine tests run on each fast kernel this host has: AMX tiles, and AVX512-BF16
+    (forced by STOPLINE_AMX=0, as on a CPU without AMX)."""
+    import os
+
+    if request.param == "amx" and not AMX:
+        pytest.skip("no AMX-BF16 on this host")
+    old = os.environ.get("STOPLINE_AMX")
+    os.environ["STOPLINE_AMX"] = "0" if request.param == "avx512" else "1"
+    yield request.param
+    if old is None:
+        os.environ.pop("STOPLINE_AMX", None)
+    else:
+        os.environ["STOPLINE_AMX"] = old
+
+
 @pytest.fixture(scope="module", params=["f32", "q4_1"])
-def model_dir(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def model_dir(request, kernel: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model as float32 (every batch on the bf16 weights) and as a Q4_1 GGUF (batches
     of up to Q4_MAX_ROWS rows on its blocks, larger ones on the bf16 copy)."""
     hf = sharp_tiny_dir(tmp_path_factory)
@@ -94,11 +151,12 @@ def _signature(c) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def alone(model_dir: Path, prompts) -> list[list[tuple]]:
+def alone(model_dir: Path, kernel: str, prompts) -> list[list[tuple]]:
     llm = _engine(model_dir)
     assert llm.engine.model.numerics == "fast"
     q4 = llm.engine.model.layers[0]["gate_up"].fast.q4 is not None
     assert q4 == (model_dir.suffix == ".gguf")
+    assert llm.engine.model.layers[0]["gate_up"].fast.amx == (kernel == "amx")
     return [_signature(llm.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts]
 
 

@@ -1,8 +1,12 @@
 """Linear weights as bf16 for the "fast" numerics mode (docs/numerics.md).
 
 y = x @ w.T with x and w rounded to bf16 (round to nearest even) and every product summed in
-fp32 by AVX512-BF16's vdpbf16ps, one chain per output element in k order (csrc/bf16_gemm.c),
-so a row's result never depends on the other rows, the chunking or the batch size. The weight
+fp32, on AMX-BF16 tiles where the CPU has them (csrc/amx_gemm.c: one accumulator lane per
+output, one tdpbf16ps per 32-wide k tile in k order) or else by AVX512-BF16's vdpbf16ps, one
+chain per output element in k order (csrc/bf16_gemm.c), so a row's result never depends on
+the other rows, the chunking or the batch size. Which of the two a weight takes is fixed when
+it is built (the CPU, STOPLINE_AMX, K a multiple of 32), never by the row count: the two sum
+in different orders. The weight
 is packed at start into panels of 32 output features, one 128-byte record per pair of inputs;
 output features are zero padded to a multiple of 32 and inputs to an even count (a zero pair
 adds an exact zero).
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stopline.model.kernels.native import has_bf16, kernels
+from stopline.model.kernels.native import amx_ready, has_amx, has_bf16, kernels
 from stopline.model.kernels.quant_linear import _f16_by_panel, can_pack
 
 log = logging.getLogger("stopline.numerics")
@@ -58,27 +62,38 @@ def pack_q4_1(raw: np.ndarray, in_features: int) -> torch.Tensor:
 # (bench/bf16_time.py, interleaved): blocks/bf16 time 0.86 at 1 and 2 streams, 0.89 at 4,
 # 1.01 at 8, 1.06 at 12, 1.12 at 16.
 Q4_MAX_ROWS = 6
+# The AMX kernel's Q4_1 path holds all rows in two tiles.
+AMX_Q4_MAX = 32
 
 
 @dataclass(frozen=True)
 class BF16Weight:
     """A packed [out_features, in_features] bf16 weight and the kernel that multiplies by it;
     q4: the same weight's Q4_1 blocks in that kernel's layout, read by batches of up to
-    q4_max_rows rows (fewer bytes, the same bits)."""
+    q4_max_rows rows (fewer bytes, the same bits); amx: every batch runs on AMX tiles."""
 
     out_features: int
     in_features: int
     packed: torch.Tensor  # bfloat16, flat
     q4: torch.Tensor | None = None
     q4_max_rows: int = Q4_MAX_ROWS
+    amx: bool = False
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, q4_raw: np.ndarray | torch.Tensor | None = None) -> BF16Weight:
+    def from_float(cls, w: torch.Tensor, q4_raw: np.ndarray | torch.Tensor | None = None,
+                   amx: bool | None = None) -> BF16Weight:
+        """amx: None picks AMX where it runs (has_amx(), K a multiple of 32); True or False
+        forces the choice (tests, benchmarks)."""
         q4 = None
         if q4_raw is not None:
             raw = q4_raw.numpy() if isinstance(q4_raw, torch.Tensor) else np.asarray(q4_raw)
             q4 = pack_q4_1(raw, w.shape[1])
-        return cls(w.shape[0], w.shape[1], pack(w), q4)
+        fits = w.shape[1] % 32 == 0
+        if amx is None:
+            amx = fits and has_amx()
+        elif amx and not (fits and amx_ready()):
+            raise ValueError("AMX cannot run this weight here (no AMX, or K not a multiple of 32)")
+        return cls(w.shape[0], w.shape[1], pack(w), q4, amx=amx)
 
     @property
     def _k(self) -> int:
@@ -100,7 +115,7 @@ class BF16Weight:
         else:
             xb = x.to(torch.bfloat16).contiguous()
         y = torch.empty(m, self._n)
-        if m and self.q4 is not None and m <= self.q4_max_rows:
+        if m and self.q4 is not None and m <= self.q4_max_rows and (m <= AMX_Q4_MAX or not self.amx):
             self._q4_fn(xb.data_ptr(), self.q4.data_ptr(), y.data_ptr(), m, self._k, self._n)
         elif m:
             self._fn(xb.data_ptr(), self.packed.data_ptr(), y.data_ptr(), m, self._k, self._n)
@@ -110,12 +125,12 @@ class BF16Weight:
     def _fn(self):  # looked up once: called ~120 times a step
         if not has_bf16():
             raise RuntimeError("this CPU lacks AVX512-BF16; the fast numerics kernel cannot run")
-        return kernels().stopline_bf16_gemm
+        return kernels().stopline_amx_bf16_gemm if self.amx else kernels().stopline_bf16_gemm
 
     @functools.cached_property
     def _q4_fn(self):
         self._fn  # noqa: B018  (the same check)
-        return kernels().stopline_q4_1_bf16_gemm
+        return kernels().stopline_amx_q4_1_gemm if self.amx else kernels().stopline_q4_1_bf16_gemm
 
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -116,6 +116,7 @@ def reset() -> None:
     with _lock:
         _outcome = None
         _warn_once.cache_clear()
+        amx_ready.cache_clear()
 
 
 def _load() -> ctypes.CDLL:
@@ -162,12 +163,44 @@ def _load() -> ctypes.CDLL:
     lib.stopline_bf16_gemm.restype = None
     lib.stopline_q4_1_bf16_gemm.argtypes = [ptr, ptr, ptr, c_int, c_int, c_int]
     lib.stopline_q4_1_bf16_gemm.restype = None
+    for fn in (lib.stopline_amx_bf16_gemm, lib.stopline_amx_q4_1_gemm):
+        fn.argtypes = [ptr, ptr, ptr, c_int, c_int, c_int]
+        fn.restype = None
+    lib.stopline_amx_init.argtypes = []
+    lib.stopline_amx_init.restype = c_int
     return lib
 
 
 def has_bf16() -> bool:
     """Whether this CPU runs AVX512-BF16 (the fast numerics mode's kernel, csrc/bf16_gemm.c)."""
     return platform.machine().lower() in ("x86_64", "amd64") and "avx512_bf16" in _cpu_flags()
+
+
+# STOPLINE_AMX=0 keeps the fast mode on the AVX512-BF16 kernel where AMX is present.
+AMX_SWITCH = "STOPLINE_AMX"
+
+
+def has_amx() -> bool:
+    """Whether the fast mode's linears run on AMX-BF16 tiles (csrc/amx_gemm.c): STOPLINE_AMX
+    is not 0 and amx_ready(). Read when a weight is built, which fixes its kernel for every
+    batch: tiles sum in their own order, so all row counts must take the same one."""
+    return os.environ.get(AMX_SWITCH, "1") != "0" and amx_ready()
+
+
+@functools.cache
+def amx_ready() -> bool:
+    """The CPU has AMX-BF16, the kernels are built and the OS grants the tile state."""
+    if not has_bf16() or not {"amx_bf16", "amx_tile"} <= _cpu_flags():
+        return False
+    try:
+        lib = kernels()
+    except NativeUnavailable:
+        return False
+    if lib.stopline_amx_init() != 0:
+        warnings.warn("the OS refused AMX tile state (arch_prctl); the fast mode runs the "
+                      "AVX512-BF16 kernel", RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 def try_kernels() -> ctypes.CDLL | None:

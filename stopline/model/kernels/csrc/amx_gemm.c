@@ -1,0 +1,176 @@
+/* y = x @ w.T with bf16 inputs and fp32 sums on AMX tiles (tdpbf16ps): the "fast" numerics
+ * mode's kernel where the CPU has AMX-BF16 (docs/numerics.md).
+ *
+ * Batch invariance: an output element y[r][n] is the tile accumulator's lane for row r,
+ * started at zero and updated once per 32-wide k tile in k order, by tdpbf16ps with row r of
+ * the A tile and the same B tile whatever M is. A tile's rows are independent lanes, so a row's
+ * bits depend only on its own x and the weights: not on M, on how rows are cut into tiles of
+ * up to 16, or on which thread runs the panel. tdpbf16ps sums the 16 pairs of a tile in its
+ * own order (not vdpbf16ps's), so every row count goes through this kernel once it is chosen;
+ * the choice depends only on the CPU, the env and K, never on M.
+ *
+ * Weights: the bf16 panel layout of bf16_gemm.c (per k-pair 32 columns x 2 bf16, 128 bytes)
+ * is already the B tile's layout: 16 pairs x 16 columns, rows 128 bytes apart, columns 0-15 at
+ * +0 and 16-31 at +64. The Q4_1 path dequantizes a group of 32 k into that layout in a 2 KiB
+ * buffer (the exact dequantization and rounding of bf16_gemm.c's q4 kernel, so the same B
+ * tile and the same bits) and loads B from there: fewer bytes read for few rows.
+ *
+ * Tile state needs the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM); stopline_amx_init
+ * asks once and the Python side falls back to the AVX512-BF16 kernel if it is refused.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define PANEL 32
+#define TR 16 /* rows a tile holds */
+#define Q4_REC (PANEL * 2 * 2 + 16 * PANEL)
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 0 when tiles may be used. */
+int stopline_amx_init(void) {
+#ifdef SYS_arch_prctl
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+#else
+    return -1;
+#endif
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) TileCfg;
+
+/* Tiles: 0,1 C of rows a (columns 0-15, 16-31), 2,3 C of rows b, 4 A rows a, 5 A rows b,
+ * 6,7 B (columns 0-15, 16-31). */
+static inline TARGET void config(TileCfg* cur, int ma, int mb) {
+    if (cur->palette == 1 && cur->rows[0] == ma && cur->rows[2] == (mb ? mb : 1)) return;
+    memset(cur, 0, sizeof *cur);
+    cur->palette = 1;
+    int mbb = mb ? mb : 1;
+    const int rows[8] = {ma, ma, mbb, mbb, ma, mbb, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        cur->rows[t] = (uint8_t)rows[t];
+        cur->colsb[t] = 64;
+    }
+    _tile_loadconfig(cur);
+}
+
+/* Rows [0, ma) and [ma, ma + mb) of x (mb may be 0) against one panel, K / 32 k tiles; B tile
+ * t for k tile kt at Bp(kt) + {0, 64}, rows 128 bytes apart. */
+#define RUN_BLOCK(BP)                                                                          \
+    do {                                                                                       \
+        _tile_zero(0); _tile_zero(1);                                                          \
+        if (mb) { _tile_zero(2); _tile_zero(3); }                                              \
+        for (int kt = 0; kt < K / 32; kt++) {                                                  \
+            const char* b = (const char*)(BP);                                                 \
+            _tile_loadd(6, b, 128);                                                            \
+            _tile_loadd(7, b + 64, 128);                                                       \
+            _tile_loadd(4, x + kt * 32, ldx * 2);                                              \
+            _tile_dpbf16ps(0, 4, 6);                                                           \
+            _tile_dpbf16ps(1, 4, 7);                                                           \
+            if (mb) {                                                                          \
+                _tile_loadd(5, x + (long)ma * ldx + kt * 32, ldx * 2);                         \
+                _tile_dpbf16ps(2, 5, 6);                                                       \
+                _tile_dpbf16ps(3, 5, 7);                                                       \
+            }                                                                                  \
+        }                                                                                      \
+        _tile_stored(0, y, ldy * 4);                                                           \
+        _tile_stored(1, y + 16, ldy * 4);                                                      \
+        if (mb) {                                                                              \
+            _tile_stored(2, y + (long)ma * ldy, ldy * 4);                                      \
+            _tile_stored(3, y + (long)ma * ldy + 16, ldy * 4);                                 \
+        }                                                                                      \
+    } while (0)
+
+static TARGET void bf16_block(const uint16_t* x, long ldx, const uint16_t* P, float* y, long ldy,
+                              int ma, int mb, int K) {
+    RUN_BLOCK(P + (long)kt * 16 * 2 * PANEL);
+}
+
+/* One group's 32 x 32 Q4_1 weights as bf16 in the panel layout (as q4_bf16_panel). */
+static inline TARGET void q4_group(const uint8_t* rec, uint16_t* out) {
+    const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    const __m512i f = _mm512_set1_epi32(15);
+    __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)rec));
+    __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 32)));
+    __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 64)));
+    __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 96)));
+    __m512 dA = _mm512_permutexvar_ps(lo, d0), dB = _mm512_permutexvar_ps(hi, d0);
+    __m512 dC = _mm512_permutexvar_ps(lo, d1), dD = _mm512_permutexvar_ps(hi, d1);
+    __m512 mA = _mm512_permutexvar_ps(lo, m0), mB = _mm512_permutexvar_ps(hi, m0);
+    __m512 mC = _mm512_permutexvar_ps(lo, m1), mD = _mm512_permutexvar_ps(hi, m1);
+    for (int p = 0; p < 16; p++) {
+        __m256i v = _mm256_loadu_si256((const __m256i*)(rec + 128 + p * PANEL));
+        __m512i a = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(v));
+        __m512i b = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1));
+        __m512 wA = _mm512_fmadd_ps(dA, _mm512_cvtepi32_ps(_mm512_and_si512(a, f)), mA);
+        __m512 wB = _mm512_fmadd_ps(dB, _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), mB);
+        __m512 wC = _mm512_fmadd_ps(dC, _mm512_cvtepi32_ps(_mm512_and_si512(b, f)), mC);
+        __m512 wD = _mm512_fmadd_ps(dD, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), mD);
+        _mm512_store_si512((void*)(out + p * 2 * PANEL), (__m512i)_mm512_cvtne2ps_pbh(wB, wA));
+        _mm512_store_si512((void*)(out + p * 2 * PANEL + PANEL), (__m512i)_mm512_cvtne2ps_pbh(wD, wC));
+    }
+}
+
+/* Rows cut into tiles of up to 16, two tiles (a block of up to 32 rows) at a time. */
+static inline void split(int M, int c, int chunks, int* m0, int* mr) {
+    *m0 = (int)((long)M * c / chunks);
+    *mr = (int)((long)M * (c + 1) / chunks) - *m0;
+}
+
+/* x: M x K bf16, w: bf16 panels (bf16_gemm.c), y: M x N fp32; K a multiple of 32, N of 32. */
+TARGET void stopline_amx_bf16_gemm(const uint16_t* x, const uint16_t* w, float* y, int M, int K, int N) {
+    long panel_elems = (long)K * PANEL, ldx = K, ldy = N;
+    int chunks = (M + TR - 1) / TR;
+#pragma omp parallel
+    {
+        TileCfg cfg = {0};
+#pragma omp for schedule(static)
+        for (int p = 0; p < N / PANEL; p++) {
+            const uint16_t* P = w + p * panel_elems;
+            for (int c = 0; c < chunks; c += 2) {
+                int m0, ma, m1, mb = 0;
+                split(M, c, chunks, &m0, &ma);
+                if (c + 1 < chunks) split(M, c + 1, chunks, &m1, &mb);
+                config(&cfg, ma, mb);
+                bf16_block(x + (long)m0 * ldx, ldx, P, y + (long)m0 * ldy + p * PANEL, ldy, ma, mb, K);
+            }
+        }
+        _tile_release();
+    }
+}
+
+/* The same from Q4_1 blocks (bf16_gemm.c's q4 layout); M at most 32. */
+TARGET void stopline_amx_q4_1_gemm(const uint16_t* x, const uint8_t* w, float* y, int M, int K, int N) {
+    long panel_bytes = (long)(K / 32) * Q4_REC, ldx = K, ldy = N;
+    int chunks = (M + TR - 1) / TR;
+    if (chunks > 2) return;
+    int ma = chunks == 2 ? M / 2 : M, mb = M - ma;
+#pragma omp parallel
+    {
+        TileCfg cfg = {0};
+        uint16_t buf[2 * 16 * 2 * PANEL] __attribute__((aligned(64)));
+        config(&cfg, ma, mb);
+#pragma omp for schedule(static)
+        for (int p = 0; p < N / PANEL; p++) {
+            const uint8_t* P = w + p * panel_bytes;
+            float* yp = y + p * PANEL;
+            {
+                float* y = yp; /* RUN_BLOCK stores through y */
+                /* The dequantized group alternates between two buffers so the next group's
+                 * stores do not wait on the tile loads of the last. */
+                RUN_BLOCK((q4_group(P + (long)kt * Q4_REC, buf + (kt & 1) * 16 * 2 * PANEL),
+                           buf + (kt & 1) * 16 * 2 * PANEL));
+            }
+        }
+        _tile_release();
+    }
+}
