@@ -74,6 +74,31 @@ def test_the_c_loop_gives_every_row_the_python_loops_bits(q4):
     assert calls["n"] > 10  # the decode steps ran in C
 
 
+@pytest.mark.parametrize("kernel", ["amx", "avx512"])
+def test_fast_mode_c_loop_gives_the_python_loops_bits(q4, kernel, monkeypatch):
+    """The fast numerics mode runs every step's layers in C (any row count: prefill too),
+    on the kernel each weight was built for and with the Q4_1 blocks up to the same row
+    count, so rows get the layer loop's bits exactly."""
+    from stopline.model.kernels.native import amx_ready, has_bf16
+
+    if not has_bf16() or (kernel == "amx" and not amx_ready()):
+        pytest.skip(f"no {kernel} bf16 kernel on this host")
+    monkeypatch.setenv("STOPLINE_AMX", "1" if kernel == "amx" else "0")
+    prompts = [PROMPT[: 3 + i] * (1 + i % 3) for i in range(9)]
+    c_eng = engine(q4, numerics="fast")
+    lin = c_eng.model.layers[0]["gate_up"].fast
+    assert lin is not None and lin.q4 is not None and lin.amx == (kernel == "amx")
+    assert c_eng.model.decoder is not None
+    calls = count_runs(c_eng)
+    with_c = outputs(c_eng, prompts)
+    py_eng = engine(q4, numerics="fast")
+    py_eng.model.c_layers = False
+    assert with_c == outputs(py_eng, prompts)
+    assert calls["n"] > 10
+    exact = outputs(engine(q4), prompts)
+    assert exact != with_c  # really the fast arithmetic
+
+
 def test_abort_of_every_request_stops_the_c_loop(q4):
     """An abort that empties the step in flight sets the interrupt the C loop reads before
     each layer; the step ends there and the next request is unaffected."""

@@ -1,5 +1,6 @@
 """All decoder layers of a step in one C call (`csrc/decoder.c`), where every linear of every
-layer runs on the quantized kernel: a GGUF model's decode and small mixed steps on CPU.
+layer runs on the quantized kernel (a GGUF model's decode and small mixed steps on CPU), or,
+in the fast numerics mode, on the bf16 kernels (every step: they take any row count).
 
 The Python loop (`LlamaModel._layers_native`) makes nine kernel calls a layer, each with
 4-10 us of wrapper, ctypes and allocation: ~2 ms a step at 11 rows (cProfile). The C loop
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 _P = ctypes.c_void_p
 _LINEARS = ("qkv", "o", "gate_up", "down")
 _FMT = {"q4_1": 0, "q8_0": 1}
+_FAST = 2
 
 
 class StepInterrupt(threading.Event):
@@ -48,7 +50,8 @@ class StepInterrupt(threading.Event):
 
 class Layer(ctypes.Structure):
     _fields_ = [("w", _P * 4), ("fmt", ctypes.c_int32 * 4), ("kc", ctypes.c_int32 * 4),
-                ("ln1", _P), ("ln2", _P), ("k_cache", _P), ("v_cache", _P)]
+                ("ln1", _P), ("ln2", _P), ("k_cache", _P), ("v_cache", _P),
+                ("bf", _P * 4), ("q4", _P * 4), ("q4_max", ctypes.c_int32 * 4), ("amx", ctypes.c_int32 * 4)]
 
 
 class Step(ctypes.Structure):
@@ -57,7 +60,7 @@ class Step(ctypes.Structure):
                [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("slots", ctypes.c_int64)] + \
                [(name, _P) for name in ("positions", "write_slots", "cos", "sin", "nkeys", "table_at",
                                         "tables", "h", "qkv", "q", "attn", "o", "gu", "act", "res",
-                                        "interrupt")]
+                                        "interrupt", "xb")]
 
 
 class DecoderLoop:
@@ -65,7 +68,9 @@ class DecoderLoop:
 
     def __init__(self, model: LlamaModel) -> None:
         self.model = model
-        self.max_rows = min(model.layers[0][name].quant_max_rows for name in _LINEARS)
+        self.fast = model.layers[0]["qkv"].fast is not None
+        # The bf16 kernels take any row count; the quantized one only up to quant_max_rows.
+        self.max_rows = 1 << 30 if self.fast else min(model.layers[0][name].quant_max_rows for name in _LINEARS)
         self._tables: dict[int, ctypes.Array] = {}
         self._kv: KVCache | None = None  # the cache whose pointers the table holds, kept alive
         self._idle = StepInterrupt()  # for calls without an event: never set
@@ -73,13 +78,12 @@ class DecoderLoop:
 
     @staticmethod
     def supports(model: LlamaModel) -> bool:
-        """Whether every linear of every layer has a quantized weight whose kc matched."""
-        for layer in model.layers:
-            for name in _LINEARS:
-                lin = layer[name]
-                if lin.quant is None or lin.quant.fmt not in _FMT or lin.kc() is None:
-                    return False
-        return True
+        """Whether every linear of every layer has a quantized weight whose kc matched, or every
+        one a fast-mode bf16 weight with K even and N a multiple of 32 (no padding to cut)."""
+        lins = [layer[name] for layer in model.layers for name in _LINEARS]
+        if all(lin.fast is not None for lin in lins):
+            return all(lin.in_features % 2 == 0 and lin.out_features % 32 == 0 for lin in lins)
+        return all(lin.quant is not None and lin.quant.fmt in _FMT and lin.kc() is not None for lin in lins)
 
     def _table(self, kv: KVCache) -> ctypes.Array:
         table = self._tables.get(id(kv))
@@ -89,6 +93,11 @@ class DecoderLoop:
                 t = table[li]
                 for j, name in enumerate(_LINEARS):
                     lin = layer[name]
+                    if lin.fast is not None:
+                        f = lin.fast
+                        t.fmt[j], t.bf[j], t.amx[j] = _FAST, f.packed.data_ptr(), int(f.amx)
+                        t.q4[j], t.q4_max[j] = (f.q4.data_ptr(), f.q4_max_rows) if f.q4 is not None else (None, 0)
+                        continue
                     t.w[j], t.fmt[j], t.kc[j] = lin.quant.packed.data_ptr(), _FMT[lin.quant.fmt], lin.kc()
                 t.ln1, t.ln2 = layer["ln1"].data_ptr(), layer["ln2"].data_ptr()
                 t.k_cache, t.v_cache = kv.k[li].data_ptr(), kv.v[li].data_ptr()
@@ -96,7 +105,7 @@ class DecoderLoop:
         return table
 
     def can_run(self, rows: int, interrupt: threading.Event | None) -> bool:
-        """Rows within every linear's quantized range, and an interrupt the loop can read."""
+        """Rows within every linear's kernel's range, and an interrupt the loop can read."""
         return rows <= self.max_rows and (interrupt is None or isinstance(interrupt, StepInterrupt))
 
     def run(self, x: torch.Tensor, inp: StepInputs, kv: KVCache,
@@ -112,6 +121,8 @@ class DecoderLoop:
         bufs = {name: torch.empty(n, width) for name, width in
                 (("h", c.hidden_size), ("qkv", qkv_width), ("q", hd), ("attn", hd), ("o", c.hidden_size),
                  ("gu", 2 * inter), ("act", inter), ("res", c.hidden_size))}
+        # A fast linear's input as bf16 (unused in exact mode).
+        xb = torch.empty(n * max(c.hidden_size, hd, inter) if self.fast else 1, dtype=torch.bfloat16)
         positions, slots = inp.positions.contiguous(), inp.write_slots.contiguous()
         step = Step(rows=n, hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads,
                     d=c.head_dim, inter=inter, bs=kv.block_size, max_keys=paged.max_keys,
@@ -119,7 +130,7 @@ class DecoderLoop:
                     positions=positions.data_ptr(), write_slots=slots.data_ptr(),
                     cos=m.cos.data_ptr(), sin=m.sin.data_ptr(), nkeys=paged.nkeys.data_ptr(),
                     table_at=paged.table_at.data_ptr(), tables=paged.tables.data_ptr(),
-                    interrupt=flag.data_ptr(), **{k: v.data_ptr() for k, v in bufs.items()})
+                    interrupt=flag.data_ptr(), xb=xb.data_ptr(), **{k: v.data_ptr() for k, v in bufs.items()})
         ran = ctypes.c_int(0)
         rc = self._fn(ctypes.addressof(self._table(kv)), len(m.layers), ctypes.addressof(step),
                       x.data_ptr(), ctypes.addressof(ran))

@@ -132,7 +132,7 @@ class LlamaModel:
     # what it saves (bench/step_time.py --compare-glue).
     c_glue = True
 
-    # All layers in one C call where every linear is quantized (decoder_native.py). Off only
+    # All layers in one C call where every linear is quantized, or fast (decoder_native.py). Off only
     # to measure what it saves (bench/step_time.py --compare-layers).
     c_layers = True
     decoder: DecoderLoop | None = None  # set by calibrate() where it can run

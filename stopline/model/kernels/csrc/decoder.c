@@ -1,5 +1,6 @@
 /* Every decoder layer of a step in one call, for steps whose linears all run on the
- * quantized kernel (up to quant_max_rows rows) with the C attention and glue.
+ * quantized kernel (up to quant_max_rows rows), or all on the fast mode's bf16 kernels (any
+ * row count), with the C attention and glue.
  *
  * Why: each layer is nine kernel calls, and from Python each call cost 4-10 us of wrapper,
  * ctypes and tensor allocation: ~2 ms of a ~30 ms step at 11 rows and of a ~12 ms one at one
@@ -23,9 +24,13 @@ int stopline_paged_attention(const float* q, long ldq, const float* kc, const fl
                              const int32_t* nkeys, const int32_t* table_at, const int32_t* tables,
                              int max_keys, float scale);
 void stopline_silu_mul(const float* gu, int n, int inter, float* out);
+void stopline_bf16_gemm(const uint16_t* x, const uint16_t* w, float* y, int M, int K, int N);
+void stopline_q4_1_bf16_gemm(const uint16_t* x, const uint8_t* w, float* y, int M, int K, int N);
+void stopline_amx_bf16_gemm(const uint16_t* x, const uint16_t* w, float* y, int M, int K, int N);
+void stopline_amx_q4_1_gemm(const uint16_t* x, const uint8_t* w, float* y, int M, int K, int N);
 
 enum { QKV, O, GATE_UP, DOWN };
-enum { Q4_1, Q8_0 };
+enum { Q4_1, Q8_0, FAST };
 
 /* One layer's weights (packed blocks, see quant_gemm.c) and cache. */
 typedef struct {
@@ -36,6 +41,12 @@ typedef struct {
     const float* ln2;
     float* k_cache;
     float* v_cache;
+    /* fmt FAST (bf16_linear.py's BF16Weight): bf16 panels, Q4_1 blocks or null, the row count
+     * up to which the blocks are read, and whether the AMX kernels take the weight. */
+    const uint16_t* bf[4];
+    const uint8_t* q4[4];
+    int32_t q4_max[4];
+    int32_t amx[4];
 } Layer;
 
 /* What one step's layers share: sizes, the rows' positions and keys, scratch rows. */
@@ -59,10 +70,42 @@ typedef struct {
     float* act;   /* [rows][inter] */
     float* res;   /* [rows][hidden] the MLP's output, added to x by the next layer's norm */
     const volatile int32_t* interrupt;
+    uint16_t* xb; /* [rows][max K] a fast linear's input as bf16 */
 } Step;
 
-static void gemm(const Layer* l, int which, const float* x, float* y, int M, int K, int N) {
-    if (l->fmt[which] == Q4_1)
+/* torch's float -> bf16 (round to nearest even; NaN stays NaN), the layer loop's
+ * x.to(torch.bfloat16), so the fused loop gives the kernels the same inputs. */
+static void to_bf16(const float* x, uint16_t* out, long n) {
+    const uint32_t* u = (const uint32_t*)x;
+    for (long i = 0; i < n; i++) {
+        uint32_t b = u[i];
+        out[i] = (b & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0
+                                                 : (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+    }
+}
+
+/* The kernel BF16Weight.__call__ picks for M rows: Q4_1 blocks up to q4_max rows (32 on AMX),
+ * else the bf16 panels; AMX or AVX512-BF16 as the weight was built. K even, N a multiple of
+ * 32 (DecoderLoop.supports). */
+static void fast_gemm(const Layer* l, int which, const Step* s, const float* x, float* y, int M,
+                      int K, int N) {
+    to_bf16(x, s->xb, (long)M * K);
+    int blocks = l->q4[which] && M <= l->q4_max[which] && (M <= 32 || !l->amx[which]);
+    if (l->amx[which] && blocks)
+        stopline_amx_q4_1_gemm(s->xb, l->q4[which], y, M, K, N);
+    else if (l->amx[which])
+        stopline_amx_bf16_gemm(s->xb, l->bf[which], y, M, K, N);
+    else if (blocks)
+        stopline_q4_1_bf16_gemm(s->xb, l->q4[which], y, M, K, N);
+    else
+        stopline_bf16_gemm(s->xb, l->bf[which], y, M, K, N);
+}
+
+static void gemm(const Layer* l, int which, const Step* s, const float* x, float* y, int M, int K,
+                 int N) {
+    if (l->fmt[which] == FAST)
+        fast_gemm(l, which, s, x, y, M, K, N);
+    else if (l->fmt[which] == Q4_1)
         stopline_q4_1_gemm(x, l->w[which], y, M, K, N, l->kc[which]);
     else
         stopline_q8_0_gemm(x, l->w[which], y, M, K, N, l->kc[which]);
@@ -84,18 +127,18 @@ int stopline_decoder_layers(const Layer* layers, int n_layers, const Step* s, fl
             stopline_rms_norm(x, l->ln1, s->h, n, s->hidden, s->eps);
         else
             stopline_add_rms_norm(x, s->res, l->ln1, s->h, n, s->hidden, s->eps);
-        gemm(l, QKV, s->h, s->qkv, n, s->hidden, qkv_width);
+        gemm(l, QKV, s, s->h, s->qkv, n, s->hidden, qkv_width);
         stopline_rope_store(s->qkv, n, s->heads, s->kv_heads, s->d, s->positions, s->cos, s->sin,
                             s->write_slots, l->k_cache, l->v_cache, s->slots, s->q);
         if (stopline_paged_attention(s->q, hd, l->k_cache, l->v_cache, s->attn, n, s->heads,
                                      s->kv_heads, s->d, s->slots, s->bs, s->nkeys, s->table_at,
                                      s->tables, s->max_keys, s->scale))
             return 2;
-        gemm(l, O, s->attn, s->o, n, hd, s->hidden);
+        gemm(l, O, s, s->attn, s->o, n, hd, s->hidden);
         stopline_add_rms_norm(x, s->o, l->ln2, s->h, n, s->hidden, s->eps);
-        gemm(l, GATE_UP, s->h, s->gu, n, s->hidden, 2 * s->inter);
+        gemm(l, GATE_UP, s, s->h, s->gu, n, s->hidden, 2 * s->inter);
         stopline_silu_mul(s->gu, n, s->inter, s->act);
-        gemm(l, DOWN, s->act, s->res, n, s->inter, s->hidden);
+        gemm(l, DOWN, s, s->act, s->res, n, s->inter, s->hidden);
     }
     *ran = n_layers;
     long total = (long)n * s->hidden;
