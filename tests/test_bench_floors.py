@@ -20,6 +20,7 @@ def test_floors_on_tiny_model(tmp_path: Path, tmp_path_factory: pytest.TempPathF
     texts.write_text("the cat sat on the mat and looked at the dog\n\nfour five six seven eight nine ten\n")
     rc = main(["bench", "floors", "--model", str(model), "--streams", "1", "4", "--buffer-mib", "64",
                "--reps", "2", "--warm", "2", "--steps", "4", "--num-blocks", "256", "--out", str(out),
+               "--prefill-tokens", "40", "--prefill-reps", "1", "--llama-bench", str(tmp_path / "none"),
                "--texts", str(texts)] + (["--accuracy"] if fast else ["--modes", "exact"]))
     assert rc == 0
     r = json.loads(out.read_text())
@@ -35,4 +36,29 @@ def test_floors_on_tiny_model(tmp_path: Path, tmp_path_factory: pytest.TempPathF
     if fast:
         a = r["accuracy"]
         assert a["tokens"] > 10 and 0 <= a["top1_agreement"] <= 1 and a["ppl_ratio"] > 0
+    assert {p["mode"] for p in r["prefill"]} == set(r["numerics"]) and all(p["tok_s"] > 0 for p in r["prefill"])
+    assert "GGUF" in r["llama_bench"]["error"]  # an HF directory: llama-bench cannot read it
     assert "read bandwidth" in capsys.readouterr().out
+
+
+def test_llama_bench_ratios_from_the_same_run(tmp_path: Path) -> None:
+    """llama-bench's rates (a stand-in binary) against each mode's one-stream decode and prefill."""
+    import argparse
+
+    from stopline.bench import floors
+    from tests.test_llama_bench import RUNS, _fake
+
+    exe = _fake(tmp_path, f"cat <<'EOF'\n{json.dumps(RUNS)}\nEOF\n")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    args = argparse.Namespace(llama_bench=str(exe), model=str(gguf), reps_llama_bench=1)
+    peer = floors.peer_llama_bench(args, 2)
+    r = {"numerics": {"exact": "exact", "fast": "fast"},
+         "steps": [{"mode": "exact", "streams": 1, "p50_ms": 5.0}, {"mode": "fast", "streams": 1, "p50_ms": 4.0},
+                   {"mode": "fast", "streams": 32, "p50_ms": 9.0}],
+         "prefill": [{"mode": "exact", "tokens": 512, "tok_s": 600.0}]}
+    exact, fast = floors.vs_peer(r, peer)
+    assert exact["decode_tok_s"] == pytest.approx(200.0)
+    assert exact["decode_x_tg128"] == pytest.approx(200.0 / RUNS[1]["avg_ts"])
+    assert exact["prefill_x_pp512"] == pytest.approx(600.0 / RUNS[0]["avg_ts"])
+    assert fast["decode_tok_s"] == pytest.approx(250.0) and "prefill_tok_s" not in fast

@@ -7,6 +7,10 @@
 - decode step time at 1 and 32 streams for each numerics mode (engines stepped alternately,
   so a slow spell of the host lands on all alike), against the floor: max(bytes of weights
   and KV the step reads / bandwidth, FMAs of the step / GEMM rate of its arithmetic);
+- prefill: tokens/s over one 512-token prompt for each mode (best of --prefill-reps);
+- with --llama-bench (or STOPLINE_LLAMA_BENCH naming the binary): llama.cpp's llama-bench
+  pp512 and tg128 on the same GGUF with the same thread count, in the same run, and each
+  mode's one-stream decode (1000 / step p50) and prefill rates against them;
 - with --accuracy: the fast mode's distance from exact (the fp32 oracle) under teacher
   forcing on a held-out text (bench/heldout.txt): per-token top-1 agreement and perplexity.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -56,12 +61,13 @@ def linear_shapes(model) -> list[tuple[int, int, int]]:
 def gemm_rates(shapes: list[tuple[int, int, int]], rows: int, reps: int) -> dict[str, float]:
     """FLOP/s (2 per FMA) of each arithmetic over the step's linears, weighted by their count."""
     from stopline.model.kernels.bf16_linear import BF16Weight
-    from stopline.model.kernels.native import has_bf16, try_kernels
+    from stopline.model.kernels.native import amx_ready, has_bf16, try_kernels
 
     gen = torch.Generator().manual_seed(0)
     out: dict[str, float] = {}
     kinds = ["torch fp32", "torch bf16"] + (["q4_1 fp32 kernel"] if try_kernels() else []) + \
-        (["bf16 kernel"] if has_bf16() and try_kernels() else [])
+        (["bf16 kernel"] if has_bf16() and try_kernels() else []) + \
+        (["bf16 avx512 kernel"] if has_bf16() and try_kernels() and amx_ready() else [])
     for kind in kinds:
         flops = secs = 0.0
         for k, n, count in shapes:
@@ -75,8 +81,8 @@ def gemm_rates(shapes: list[tuple[int, int, int]], rows: int, reps: int) -> dict
                 raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
                 qw = QuantWeight.from_raw("q4_1", raw, k)
                 fn = lambda qw=qw, x=x, k=k: qw(x, k)  # noqa: E731
-            elif kind == "bf16 kernel":
-                bw = BF16Weight.from_float(w)
+            elif kind in ("bf16 kernel", "bf16 avx512 kernel"):  # the fast mode's (AMX where it runs)
+                bw = BF16Weight.from_float(w, amx=False if "avx512" in kind else None)
                 fn = lambda bw=bw, x=x: bw(x)  # noqa: E731
             else:
                 dt = torch.float32 if kind == "torch fp32" else torch.bfloat16
@@ -153,6 +159,47 @@ def step_times(engines: dict[str, object], n: int, warm: int, steps: int) -> dic
     return out
 
 
+def prefill_rate(engine, tokens: int, reps: int) -> float:
+    """Tokens/s of one `tokens`-token prompt's prefill (to its first token), best of reps."""
+    from stopline.request import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    vocab = engine.runner.model.config.vocab_size
+    best = math.inf
+    for r in range(reps + 1):  # the first is a warm-up
+        ids = [(7919 * (i + 13 * r)) % (vocab - 300) + 256 for i in range(tokens)]
+        engine.add_request(f"prefill-{r}", ids, params)
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        if r:
+            best = min(best, time.perf_counter() - t)
+    return tokens / best
+
+
+def gguf_of(model: str | None) -> Path | None:
+    """The GGUF file llama-bench can read for --model (None: the default model)."""
+    if model is None:
+        from stopline.model.loaders.loader import default_model_path
+
+        return default_model_path()
+    return Path(model) if str(model).endswith(".gguf") and Path(model).is_file() else None
+
+
+def peer_llama_bench(args: argparse.Namespace, threads: int) -> dict:
+    """llama-bench's row, or the reason there is none."""
+    from stopline.bench import llama_bench
+
+    binary = None if args.llama_bench in (None, "auto") else Path(args.llama_bench)
+    gguf = gguf_of(args.model)
+    if gguf is None:
+        return {"error": f"llama-bench needs a GGUF model, not {args.model}"}
+    try:
+        return llama_bench.run(gguf, threads, reps=args.reps_llama_bench, binary=binary).row()
+    except (FileNotFoundError, RuntimeError, ValueError, OSError) as e:
+        return {"error": str(e)}
+
+
 @torch.inference_mode()
 def teacher_forced(engine, ids: list[int]) -> torch.Tensor:
     """Log-probabilities of every next token of `ids` ([len - 1]) and the argmax at each
@@ -207,6 +254,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accuracy", action="store_true",
                    help="also measure fast against exact under teacher forcing on --texts")
     p.add_argument("--texts", default=str(HELDOUT), help="held-out paragraphs, separated by blank lines")
+    p.add_argument("--prefill-tokens", type=int, default=512, help="prompt length of the prefill rate")
+    p.add_argument("--prefill-reps", type=int, default=3, help="best of this many prefills")
+    p.add_argument("--llama-bench", nargs="?", const="auto", default=None, metavar="PATH",
+                   help="also run llama.cpp's llama-bench (pp512, tg128) on the same GGUF; PATH or "
+                        "STOPLINE_LLAMA_BENCH names the binary (default: bench/peers' build)")
+    p.add_argument("--reps-llama-bench", type=int, default=3, help="llama-bench's -r")
     p.add_argument("--out", default="bench-results/floors.json")
     add_engine_args(p)
 
@@ -225,7 +278,7 @@ def run(args: argparse.Namespace) -> dict:
     shapes = linear_shapes(first.runner.model)
     rates = gemm_rates(shapes, 32, args.reps)
     # The libraries' peak, at 512 rows: the floor takes the best rate either way.
-    peak = {f"{k} @512": v for k, v in gemm_rates(shapes, 512, max(2, args.reps // 3)).items() if "torch" in k}
+    peak = {f"{k} @512": v for k, v in gemm_rates(shapes, 512, max(2, args.reps // 3)).items() if "q4_1" not in k}
     result: dict = {"threads": torch.get_num_threads(), "read_bandwidth_gbs": bw / 1e9,
                     "gemm_gflops_32_rows": {k: v / 1e9 for k, v in rates.items()},
                     "gemm_gflops_512_rows": {k: v / 1e9 for k, v in peak.items()},
@@ -237,12 +290,37 @@ def run(args: argparse.Namespace) -> dict:
             best = max(floor["bandwidth_floor_ms"], floor["fma_floor_ms"])
             result["steps"].append({"streams": n, "mode": mode, **t, **floor, "floor_ms": best,
                                     "x_floor": t["p50_ms"] / best})
+    if args.prefill_tokens > 0:
+        result["prefill"] = [{"mode": m, "tokens": args.prefill_tokens,
+                              "tok_s": prefill_rate(e, args.prefill_tokens, args.prefill_reps)}
+                             for m, e in engines.items()]
+    if args.llama_bench is not None or os.environ.get("STOPLINE_LLAMA_BENCH"):
+        peer = result["llama_bench"] = peer_llama_bench(args, torch.get_num_threads())
+        if "error" not in peer:
+            result["vs_llama_bench"] = vs_peer(result, peer)
     if args.accuracy:
         if set(engines) != {"exact", "fast"}:
             raise SystemExit("--accuracy needs --modes exact fast")
         texts = [t.strip() for t in Path(args.texts).read_text().split("\n\n") if t.strip()]
         result["accuracy"] = accuracy(engines["exact"], engines["fast"], texts)
     return result
+
+
+def vs_peer(r: dict, peer: dict) -> list[dict]:
+    """Each mode's one-stream decode (1000 / step p50) and prefill rates over llama-bench's."""
+    out = []
+    for mode in r["numerics"]:
+        one = [s for s in r["steps"] if s["mode"] == mode and s["streams"] == 1]
+        pre = [p for p in r.get("prefill", []) if p["mode"] == mode]
+        row: dict = {"mode": mode}
+        if one:
+            row["decode_tok_s"] = 1e3 / one[0]["p50_ms"]
+            row["decode_x_tg128"] = row["decode_tok_s"] / peer["tg128_tok_s"]
+        if pre:
+            row["prefill_tok_s"] = pre[0]["tok_s"]
+            row["prefill_x_pp512"] = pre[0]["tok_s"] / peer["pp512_tok_s"]
+        out.append(row)
+    return out
 
 
 def summary(r: dict) -> str:
@@ -255,11 +333,32 @@ def summary(r: dict) -> str:
         lines.append(f"{s['streams']:>7} {s['mode']:>5} {s['p50_ms']:>8.2f} {s['min_ms']:>8.2f} "
                      f"{(s['weight_bytes'] + s['kv_bytes']) / 2**20:>9.1f} {s['bandwidth_floor_ms']:>9.2f} "
                      f"{s['fma_floor_ms']:>9.2f} {s['x_floor']:>7.2f}")
+    if "bf16 kernel" in r["gemm_gflops_32_rows"]:
+        best = max(v for k, v in g.items() if "bf16" in k)
+        lines.append(f"fast mode's linears at 32 rows: {r['gemm_gflops_32_rows']['bf16 kernel']:.0f} GFLOPS = "
+                     f"{r['gemm_gflops_32_rows']['bf16 kernel'] / best * 100:.0f}% of the best bf16 rate "
+                     f"measured ({best:.0f})")
     modes = {s["mode"] for s in r["steps"]}
     if {"exact", "fast"} <= modes:
         for n in sorted({s["streams"] for s in r["steps"]}):
             t = {s["mode"]: s["p50_ms"] for s in r["steps"] if s["streams"] == n}
             lines.append(f"{n} streams: fast / exact step time {t['fast'] / t['exact']:.2f}")
+    for p in r.get("prefill", []):
+        lines.append(f"prefill {p['mode']}: {p['tok_s']:.0f} tok/s over a {p['tokens']}-token prompt")
+    if "llama_bench" in r:
+        peer = r["llama_bench"]
+        if "error" in peer:
+            lines.append(f"llama-bench: not run ({peer['error']})")
+        else:
+            lines.append(f"llama-bench ({peer['threads']} threads, build {peer['build']}): "
+                         f"pp512 {peer['pp512_tok_s']:.1f} tok/s, tg128 {peer['tg128_tok_s']:.1f} tok/s")
+            for v in r.get("vs_llama_bench", []):
+                parts = []
+                if "decode_tok_s" in v:
+                    parts.append(f"1-stream decode {v['decode_tok_s']:.0f} tok/s = {v['decode_x_tg128']:.2f}x tg128")
+                if "prefill_tok_s" in v:
+                    parts.append(f"prefill {v['prefill_tok_s']:.0f} tok/s = {v['prefill_x_pp512']:.2f}x pp512")
+                lines.append(f"  {v['mode']}: " + ", ".join(parts))
     if "accuracy" in r:
         a = r["accuracy"]
         lines.append(f"fast vs exact, teacher forced over {a['tokens']} tokens of {a['texts']} texts: "
