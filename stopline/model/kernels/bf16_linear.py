@@ -59,10 +59,11 @@ def pack_q4_1(raw: np.ndarray, in_features: int) -> torch.Tensor:
 
 # Row counts up to which a Q4_1 weight runs from its blocks rather than its bf16 copy: both give
 # the same bits, so this is a speed choice only. Measured on SmolLM2's decode step, 2 cores
-# (bench/bf16_time.py, interleaved): blocks/bf16 time 0.86 at 1 and 2 streams, 0.89 at 4,
-# 1.01 at 8, 1.06 at 12, 1.12 at 16.
+# (bench/bf16_time.py, interleaved): AVX512-BF16 blocks/bf16 time 0.86 at 1 and 2 streams,
+# 0.89 at 4, 1.01 at 8, 1.06 at 12, 1.12 at 16 (AMD EPYC); AMX 0.90 at 1, 0.88 at 4, 0.91 at
+# 8, 0.85 at 16 and 32 (Intel Xeon: the tiles make the dequantization the cheap part).
 Q4_MAX_ROWS = 6
-# The AMX kernel's Q4_1 path holds all rows in two tiles.
+# The AMX kernel's Q4_1 path holds all rows in two tiles, and pays at every count it can take.
 AMX_Q4_MAX = 32
 
 
@@ -76,7 +77,7 @@ class BF16Weight:
     in_features: int
     packed: torch.Tensor  # bfloat16, flat
     q4: torch.Tensor | None = None
-    q4_max_rows: int = Q4_MAX_ROWS
+    q4_max_rows: int = Q4_MAX_ROWS  # from_float: AMX_Q4_MAX on AMX
     amx: bool = False
 
     @classmethod
@@ -93,7 +94,7 @@ class BF16Weight:
             amx = fits and has_amx()
         elif amx and not (fits and amx_ready()):
             raise ValueError("AMX cannot run this weight here (no AMX, or K not a multiple of 32)")
-        return cls(w.shape[0], w.shape[1], pack(w), q4, amx=amx)
+        return cls(w.shape[0], w.shape[1], pack(w), q4, AMX_Q4_MAX if amx else Q4_MAX_ROWS, amx=amx)
 
     @property
     def _k(self) -> int:
