@@ -157,6 +157,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="with --replicas: an existing Ray cluster (default: start a local one)")
     g.add_argument("--route", default="affinity", choices=["affinity", "round-robin"],
                    help="with --replicas: least loaded with prefix affinity, or round robin")
+    g.add_argument("--disagg", action="store_true",
+                   help="prefill and decode engines as two processes behind this front end (docs/disagg.md)")
+    g.add_argument("--reclaim-s", type=float, default=3.0,
+                   help="with --disagg: seconds a KV transfer may wait for the other side before "
+                        "its blocks are freed and its request ends with an error")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="answer 429 while this many requests wait for their first step (default: no limit)")
     g.add_argument("--queue-timeout", type=float, default=None,
@@ -203,6 +208,12 @@ def serve(args: argparse.Namespace) -> int:
                             address=args.ray_address, policy=args.route,
                             threads=args.core_threads or 1, max_waiting=args.max_waiting,
                             stall_timeout=args.stall_timeout, max_buffered=args.max_buffered)
+    elif args.disagg:
+        from stopline.disagg.frontend import disagg_engine
+
+        engine = disagg_engine(args.model, engine_config(args), reclaim_s=args.reclaim_s,
+                               threads=args.core_threads, max_waiting=args.max_waiting,
+                               stall_timeout=args.stall_timeout, max_buffered=args.max_buffered)
     return run_server(args.model, engine_config(args), settings, host=args.host, port=args.port,
                       engine=engine,
                       in_process=args.in_process, max_waiting=args.max_waiting,

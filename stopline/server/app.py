@@ -40,12 +40,18 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        # Replicas (stopline/cluster) report each one; serving needs one healthy replica.
-        replicas = engine.backend.health() if hasattr(engine.backend, "health") else None
-        extra = {} if replicas is None else {"replicas": replicas}
-        if engine.ready and (replicas is None or any(r["state"] == "healthy" for r in replicas)):
+        # Replicas (stopline/cluster) report each one; serving needs one healthy replica. The
+        # roles of --disagg (stopline/disagg) report each one too; serving needs both.
+        parts = engine.backend.health() if hasattr(engine.backend, "health") else None
+        roles = parts is not None and bool(parts) and "role" in parts[0]
+        extra = {} if parts is None else {"roles" if roles else "replicas": parts}
+        healthy = [r["state"] == "healthy" for r in parts or ()]
+        if engine.ready and (parts is None or (all(healthy) if roles else any(healthy))):
             return JSONResponse({"status": "ok"} | extra)
-        detail = engine.unavailable_why() if not engine.ready else "no replica is healthy"
+        dead = [r for r in parts or () if roles and r["state"] != "healthy"]
+        detail = (engine.unavailable_why() if not engine.ready
+                  else f"the {dead[0]['role']} engine is {dead[0]['state']}: {dead[0]['last_error']}"
+                  if dead else "no replica is healthy")
         return JSONResponse({"status": engine.state.value if not engine.ready else "unavailable",
                              "detail": detail} | extra,
                             status_code=503, headers={"Retry-After": "1"})

@@ -89,6 +89,8 @@ def serve(model: str | None, config: EngineConfig, settings: ServerSettings, *,
     mode = "in-process" if in_process else "engine core in its own process"
     if hasattr(engine.backend, "slots"):
         mode = f"{engine.backend.n} Ray replicas"
+    if hasattr(engine.backend, "split"):
+        mode = "prefill and decode engines in two processes"
     print(f"stopline: serving {settings.model_name!r} at http://{host}:{port} ({mode}); "
           "loading the model, /health answers 503 until it is ready", file=sys.stderr, flush=True)
     server.run()

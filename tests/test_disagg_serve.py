@@ -1,0 +1,205 @@
+"""`stopline serve --disagg` over real HTTP on loopback: output equal to one engine's
+(greedy, seeded, n > 1, echo with prompt logprobs), cancels reaching both roles, /health per
+role, and both fault cases (a role killed mid-flight: its streams end with an error within
+1 s, the survivor's pool is back to baseline within the reclaim deadline, /health names the
+dead role)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_harness import ServerProcess
+
+pytestmark = pytest.mark.timeout(180)
+
+RECLAIM_S = 2.0
+ARGS = ("--served-model-name", "tiny", "--block-size", "4", "--num-blocks", "4096",
+        "--max-num-batched-tokens", "64")
+
+
+def _start(model_dir, *extra: str) -> ServerProcess:
+    srv = ServerProcess("--model", str(model_dir), *ARGS, *extra)
+    srv.wait_ready()
+    return srv
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_long_model_dir):
+    split = single = None
+    try:
+        split = _start(tiny_long_model_dir, "--disagg", "--reclaim-s", str(RECLAIM_S))
+        single = _start(tiny_long_model_dir, "--in-process")
+        yield split, single
+    finally:
+        for s in (split, single):
+            if s is not None:
+                s.stop()
+
+
+def _client(srv: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def _roles(srv: ServerProcess) -> dict[str, dict]:
+    return {r["role"]: r for r in httpx.get(srv.base + "/health", timeout=5).json()["roles"]}
+
+
+def _used(srv: ServerProcess, role: str) -> float:
+    return srv.metrics()[f'stopline_kv_blocks_used{{replica="{role}"}}']
+
+
+def test_health_reports_each_role(servers):
+    split, _ = servers
+    r = httpx.get(split.base + "/health", timeout=5)
+    assert r.status_code == 200
+    roles = _roles(split)
+    assert set(roles) == {"prefill", "decode"}
+    assert all(x["state"] == "healthy" and x["pid"] for x in roles.values())
+
+
+CASES = [
+    dict(prompt="the quick brown fox jumps over the lazy dog " * 6, max_tokens=24, temperature=0.0),
+    dict(prompt="a b c d e f g", max_tokens=16, temperature=0.8, seed=11),
+    dict(prompt="once upon a time there was a little model " * 3, max_tokens=12, temperature=1.0,
+         seed=5, n=2),
+    dict(prompt="hello there general kenobi " * 4, max_tokens=0, echo=True, logprobs=2),
+    dict(prompt="x", max_tokens=5, temperature=0.0),  # under one block: decode alone
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["greedy", "seeded", "n2", "echo-logprobs", "short"])
+def test_output_equals_one_engine(servers, case):
+    split, single = servers
+    got, want = (_client(s).completions.create(model="tiny", extra_body={"ignore_eos": True}, **case)
+                 for s in (split, single))
+    assert [c.text for c in got.choices] == [c.text for c in want.choices]
+    assert [c.finish_reason for c in got.choices] == [c.finish_reason for c in want.choices]
+    if case.get("logprobs"):
+        assert got.choices[0].logprobs.token_logprobs == pytest.approx(
+            want.choices[0].logprobs.token_logprobs, abs=1e-4)
+
+
+def test_streamed_cancel_reaches_both_roles(servers):
+    split, _ = servers
+    client = _client(split)
+    streams = [client.completions.create(model="tiny", prompt=f"story {i} " * 300, max_tokens=2000,
+                                         stream=True, extra_body={"ignore_eos": True}) for i in range(3)]
+    for s in streams[:2]:
+        next(iter(s))  # decoding
+        s.close()
+    streams[2].close()  # may still be in prefill or in transfer
+    deadline = time.monotonic() + RECLAIM_S
+    while not (_used(split, "decode") == 0 and _used(split, "prefill") == 0):
+        assert time.monotonic() < deadline, split.metrics()
+        time.sleep(0.02)
+    assert httpx.get(split.base + "/health", timeout=5).status_code == 200
+
+
+def _storm(srv: ServerProcess, n: int, prompt_words: int, max_tokens: int):
+    client = _client(srv)
+    started = threading.Barrier(n + 1)
+    ended: list[tuple[float, BaseException | None]] = [(0.0, None)] * n
+
+    def one(i: int) -> None:
+        first = False
+        try:
+            for ch in client.completions.create(model="tiny", prompt=f"tale {i} " * prompt_words,
+                                                max_tokens=max_tokens, stream=True,
+                                                extra_body={"ignore_eos": True}):
+                if not first and ch.choices and ch.choices[0].text:
+                    first = True
+                    started.wait(60)
+            ended[i] = (time.monotonic(), None)
+        except Exception as exc:  # the error event surfaces as an exception
+            if not first:
+                started.wait(60)
+            ended[i] = (time.monotonic(), exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads, started, ended
+
+
+def test_decode_killed_mid_decode(tiny_long_model_dir):
+    srv = _start(tiny_long_model_dir, "--disagg", "--reclaim-s", str(RECLAIM_S))
+    try:
+        threads, started, ended = _storm(srv, 4, 100, 7500)
+        started.wait(60)  # every stream is receiving tokens
+        t_kill = time.monotonic()
+        os.kill(_roles(srv)["decode"]["pid"], signal.SIGKILL)
+        for t in threads:
+            t.join(10)
+        for t_end, exc in ended:
+            assert isinstance(exc, openai.APIError), exc
+            assert "decode engine died" in str(exc)
+            assert t_end - t_kill < 1.0, t_end - t_kill
+        health = httpx.get(srv.base + "/health", timeout=5)
+        assert health.status_code == 503 and "decode" in health.json()["detail"]
+        assert _roles(srv)["decode"]["state"] == "dead" and _roles(srv)["prefill"]["state"] == "healthy"
+        while _used(srv, "prefill") != 0:
+            assert time.monotonic() - t_kill < RECLAIM_S, srv.metrics()
+            time.sleep(0.02)
+        with pytest.raises(openai.APIStatusError) as refused:
+            _client(srv).completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert refused.value.status_code == 503
+    finally:
+        srv.stop()
+
+
+def test_prefill_killed_mid_transfer(tiny_long_model_dir):
+    srv = _start(tiny_long_model_dir, "--disagg", "--reclaim-s", str(RECLAIM_S))
+    try:
+        client = _client(srv)
+        # One stream decoding already, then long prompts in prefill when the kill lands.
+        threads, started, ended = _storm(srv, 1, 50, 7500)
+        started.wait(60)
+        late: list[tuple[float, BaseException | None]] = []
+
+        def long_one(i: int) -> None:
+            try:
+                client.completions.create(model="tiny", prompt=f"epic {i} " * 600, max_tokens=4)
+                late.append((time.monotonic(), None))
+            except Exception as exc:
+                late.append((time.monotonic(), exc))
+
+        longs = [threading.Thread(target=long_one, args=(i,)) for i in range(3)]
+        for t in longs:
+            t.start()
+        deadline = time.monotonic() + 30
+        while srv.metrics()['stopline_requests_running{replica="prefill"}'] == 0:
+            assert time.monotonic() < deadline, (late, {k: v for k, v in srv.metrics().items() if "replica" in k})
+            time.sleep(0.005)
+        t_kill = time.monotonic()
+        os.kill(_roles(srv)["prefill"]["pid"], signal.SIGKILL)
+        for t in longs:
+            t.join(10)
+        assert len(late) == 3
+        for t_end, exc in late:
+            assert isinstance(exc, openai.APIError), exc
+            assert "prefill engine died" in str(exc)
+            assert t_end - t_kill < 1.0, t_end - t_kill
+        health = httpx.get(srv.base + "/health", timeout=5)
+        assert health.status_code == 503 and "prefill" in health.json()["detail"]
+        # The stream already decoding does not depend on the prefill side: it goes on.
+        assert threads[0].is_alive()
+        # Within the reclaim deadline the decode side holds the surviving stream alone.
+        while True:
+            m = srv.metrics()
+            if (m['stopline_requests_waiting{replica="decode"}'] == 0
+                    and m['stopline_requests_running{replica="decode"}'] == 1):
+                break
+            assert time.monotonic() - t_kill < RECLAIM_S, m
+            time.sleep(0.02)
+    finally:
+        srv.stop()
+        for t in threads:
+            t.join(10)
+
