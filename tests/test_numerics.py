@@ -84,6 +84,29 @@ def test_q4_1_kernel_gives_the_bf16_kernels_bits(n: int, k: int, amx: bool) -> N
 
 
 @needs_amx
+@pytest.mark.parametrize("n,k", [(32, 32), (96, 64), (64, 576)])
+def test_q8_0_blocks_give_the_bf16_copys_bits(n: int, k: int) -> None:
+    """On AMX a Q8_0 weight (SmolLM2's LM head) is read from its blocks up to 32 rows: the
+    same bits as its bf16 copy."""
+    import dataclasses
+
+    import gguf
+    import numpy as np
+
+    w = np.random.default_rng(n * k).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    deq = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)))
+    weight = BF16Weight.from_float(deq, q8_raw=raw, amx=True)
+    assert weight.q8 is not None
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(n))
+    copy = dataclasses.replace(weight, q8=None)
+    for m in (1, 5, 16, 17, 32):
+        assert torch.equal(weight(x[:m]), copy(x[:m])), f"{m} rows"
+    assert torch.equal(weight(x), copy(x))  # 40 rows: the copy either way
+    assert BF16Weight.from_float(deq, q8_raw=raw, amx=False).q8 is None
+
+
+@needs_amx
 def test_amx_off_by_env(monkeypatch) -> None:
     """STOPLINE_AMX=0 keeps the fast mode on the AVX512-BF16 kernel (a new weight takes it);
     a K the tiles cannot cut takes it too."""

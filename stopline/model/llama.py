@@ -92,13 +92,14 @@ class LlamaModel:
 
         def linear(*names: str, rows: int = max_rows) -> InvariantLinear:
             full = torch.cat([w(n) for n in names])
-            if self.numerics == "fast":  # bf16 weights, and Q4_1 blocks for few rows (same bits)
+            if self.numerics == "fast":  # bf16 weights, and Q4_1/Q8_0 blocks for few rows (same bits)
                 found = [blocks.get(n) for n in names]
-                raw = None
-                if all(f is not None and f[0] == "q4_1" for f in found) and can_pack(
-                        "q4_1", full.shape[0], full.shape[1]):
-                    raw = torch.cat([f[1] for f in found if f is not None])
-                return InvariantLinear(full, rows, fast=BF16Weight.from_float(full, raw))
+                raw = {}
+                for fmt in ("q4_1", "q8_0"):
+                    if all(f is not None and f[0] == fmt for f in found) and can_pack(fmt, *full.shape):
+                        raw[fmt] = torch.cat([f[1] for f in found if f is not None])
+                return InvariantLinear(full, rows, fast=BF16Weight.from_float(
+                    full, raw.get("q4_1"), q8_raw=raw.get("q8_0")))
             return InvariantLinear(full, rows, linear_backend,
                                    quant=quant(names), quant_max_rows=quant_max_rows)
 

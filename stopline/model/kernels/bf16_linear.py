@@ -57,6 +57,21 @@ def pack_q4_1(raw: np.ndarray, in_features: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(rec).reshape(-1))
 
 
+def pack_q8_0(raw: np.ndarray, in_features: int) -> torch.Tensor:
+    """The AMX Q8_0 kernel's layout (csrc/amx_gemm.c q8_group) of GGML Q8_0 blocks [out, groups * 34]."""
+    n, k = raw.shape[0], in_features
+    if not can_pack("q8_0", n, k) or raw.shape[1] != k // 32 * 34:
+        raise ValueError(f"cannot pack a q8_0 weight of {tuple(raw.shape)} bytes for {n} x {k}")
+    panels, groups = n // PANEL, k // 32
+    b = raw.reshape(n, groups, 34)
+    d = _f16_by_panel(b, 0, panels, groups)
+    q = b[..., 2:]  # [N, G, 32] int8 bytes in k order
+    # [P, 4 vectors, 8 columns, G, 16 pairs, 2] -> [P, G, 16 pairs, 4 vectors, 8 columns, 2]
+    lanes = q.reshape(panels, 4, 8, groups, 16, 2).transpose(0, 3, 4, 1, 2, 5).reshape(panels, groups, -1)
+    rec = np.concatenate([d, lanes.astype(np.uint8)], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(rec).reshape(-1))
+
+
 # Row counts up to which a Q4_1 weight runs from its blocks rather than its bf16 copy: both give
 # the same bits, so this is a speed choice only. Measured on SmolLM2's decode step, 2 cores
 # (bench/bf16_time.py, interleaved): AVX512-BF16 blocks/bf16 time 0.86 at 1 and 2 streams,
@@ -71,7 +86,8 @@ AMX_Q4_MAX = 32
 class BF16Weight:
     """A packed [out_features, in_features] bf16 weight and the kernel that multiplies by it;
     q4: the same weight's Q4_1 blocks in that kernel's layout, read by batches of up to
-    q4_max_rows rows (fewer bytes, the same bits); amx: every batch runs on AMX tiles."""
+    q4_max_rows rows (fewer bytes, the same bits); q8: the same for Q8_0 blocks (AMX only);
+    amx: every batch runs on AMX tiles."""
 
     out_features: int
     in_features: int
@@ -79,22 +95,26 @@ class BF16Weight:
     q4: torch.Tensor | None = None
     q4_max_rows: int = Q4_MAX_ROWS  # from_float: AMX_Q4_MAX on AMX
     amx: bool = False
+    q8: torch.Tensor | None = None
 
     @classmethod
     def from_float(cls, w: torch.Tensor, q4_raw: np.ndarray | torch.Tensor | None = None,
-                   amx: bool | None = None) -> BF16Weight:
-        """amx: None picks AMX where it runs (has_amx(), K a multiple of 32); True or False
-        forces the choice (tests, benchmarks)."""
-        q4 = None
-        if q4_raw is not None:
-            raw = q4_raw.numpy() if isinstance(q4_raw, torch.Tensor) else np.asarray(q4_raw)
-            q4 = pack_q4_1(raw, w.shape[1])
+                   amx: bool | None = None, q8_raw: np.ndarray | torch.Tensor | None = None) -> BF16Weight:
+        """w: the weight in float (a GGUF's dequantized exactly); q4_raw, q8_raw: its Q4_1 or
+        Q8_0 blocks, if it has them. amx: None picks AMX where it runs (has_amx(), K a multiple
+        of 32); True or False forces the choice (tests, benchmarks)."""
+        def arr(raw: np.ndarray | torch.Tensor) -> np.ndarray:
+            return raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+
+        q4 = pack_q4_1(arr(q4_raw), w.shape[1]) if q4_raw is not None else None
         fits = w.shape[1] % 32 == 0
         if amx is None:
             amx = fits and has_amx()
         elif amx and not (fits and amx_ready()):
             raise ValueError("AMX cannot run this weight here (no AMX, or K not a multiple of 32)")
-        return cls(w.shape[0], w.shape[1], pack(w), q4, AMX_Q4_MAX if amx else Q4_MAX_ROWS, amx=amx)
+        # Q8_0 blocks only on AMX: the AVX512-BF16 kernel has no Q8_0 path (it reads the copy).
+        q8 = pack_q8_0(arr(q8_raw), w.shape[1]) if q8_raw is not None and amx else None
+        return cls(w.shape[0], w.shape[1], pack(w), q4, AMX_Q4_MAX if amx else Q4_MAX_ROWS, amx=amx, q8=q8)
 
     @property
     def _k(self) -> int:
@@ -118,6 +138,8 @@ class BF16Weight:
         y = torch.empty(m, self._n)
         if m and self.q4 is not None and m <= self.q4_max_rows and (m <= AMX_Q4_MAX or not self.amx):
             self._q4_fn(xb.data_ptr(), self.q4.data_ptr(), y.data_ptr(), m, self._k, self._n)
+        elif m and self.q8 is not None and m <= min(self.q4_max_rows, AMX_Q4_MAX):
+            kernels().stopline_amx_q8_0_gemm(xb.data_ptr(), self.q8.data_ptr(), y.data_ptr(), m, self._k, self._n)
         elif m:
             self._fn(xb.data_ptr(), self.packed.data_ptr(), y.data_ptr(), m, self._k, self._n)
         return y if self._n == self.out_features else y[:, :self.out_features].contiguous()

@@ -163,7 +163,7 @@ def _load() -> ctypes.CDLL:
     lib.stopline_bf16_gemm.restype = None
     lib.stopline_q4_1_bf16_gemm.argtypes = [ptr, ptr, ptr, c_int, c_int, c_int]
     lib.stopline_q4_1_bf16_gemm.restype = None
-    for fn in (lib.stopline_amx_bf16_gemm, lib.stopline_amx_q4_1_gemm):
+    for fn in (lib.stopline_amx_bf16_gemm, lib.stopline_amx_q4_1_gemm, lib.stopline_amx_q8_0_gemm):
         fn.argtypes = [ptr, ptr, ptr, c_int, c_int, c_int]
         fn.restype = None
     lib.stopline_amx_init.argtypes = []

@@ -120,6 +120,28 @@ static inline TARGET void q4_group(const uint8_t* rec, uint16_t* out) {
     }
 }
 
+/* One group's 32 x 32 Q8_0 weights as bf16 in the panel layout: d[32] f16, then per k-pair
+ * 64 int8, 16 for each of the vectors A-D (lane 2j + e: column j of the vector's 8, k = 2p + e).
+ * d * q is exact in fp32 (11 by 8 significant bits), then rounded to bf16 as the copy was. */
+#define Q8_REC (PANEL * 2 + 16 * 64)
+static inline TARGET void q8_group(const uint8_t* rec, uint16_t* out) {
+    const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)rec));
+    __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 32)));
+    __m512 dA = _mm512_permutexvar_ps(lo, d0), dB = _mm512_permutexvar_ps(hi, d0);
+    __m512 dC = _mm512_permutexvar_ps(lo, d1), dD = _mm512_permutexvar_ps(hi, d1);
+    for (int p = 0; p < 16; p++) {
+        const __m128i* q = (const __m128i*)(rec + 64 + p * 64);
+        __m512 wA = _mm512_mul_ps(dA, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+        __m512 wB = _mm512_mul_ps(dB, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+        __m512 wC = _mm512_mul_ps(dC, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 2))));
+        __m512 wD = _mm512_mul_ps(dD, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 3))));
+        _mm512_store_si512((void*)(out + p * 2 * PANEL), (__m512i)_mm512_cvtne2ps_pbh(wB, wA));
+        _mm512_store_si512((void*)(out + p * 2 * PANEL + PANEL), (__m512i)_mm512_cvtne2ps_pbh(wD, wC));
+    }
+}
+
 /* Rows cut into tiles of up to 16, two tiles (a block of up to 32 rows) at a time. */
 static inline void split(int M, int c, int chunks, int* m0, int* mr) {
     *m0 = (int)((long)M * c / chunks);
@@ -168,6 +190,33 @@ TARGET void stopline_amx_q4_1_gemm(const uint16_t* x, const uint8_t* w, float* y
                 /* The dequantized group alternates between two buffers so the next group's
                  * stores do not wait on the tile loads of the last. */
                 RUN_BLOCK((q4_group(P + (long)kt * Q4_REC, buf + (kt & 1) * 16 * 2 * PANEL),
+                           buf + (kt & 1) * 16 * 2 * PANEL));
+            }
+        }
+        _tile_release();
+    }
+}
+
+/* The same from Q8_0 blocks (q8_group's layout); M at most 32. */
+TARGET void stopline_amx_q8_0_gemm(const uint16_t* x, const uint8_t* w, float* y, int M, int K, int N) {
+    long panel_bytes = (long)(K / 32) * Q8_REC, ldx = K, ldy = N;
+    int chunks = (M + TR - 1) / TR;
+    if (chunks > 2) return;
+    int ma = chunks == 2 ? M / 2 : M, mb = M - ma;
+#pragma omp parallel
+    {
+        TileCfg cfg = {0};
+        uint16_t buf[2 * 16 * 2 * PANEL] __attribute__((aligned(64)));
+        config(&cfg, ma, mb);
+#pragma omp for schedule(static)
+        for (int p = 0; p < N / PANEL; p++) {
+            const uint8_t* P = w + p * panel_bytes;
+            float* yp = y + p * PANEL;
+            {
+                float* y = yp; /* RUN_BLOCK stores through y */
+                /* The dequantized group alternates between two buffers so the next group's
+                 * stores do not wait on the tile loads of the last. */
+                RUN_BLOCK((q8_group(P + (long)kt * Q8_REC, buf + (kt & 1) * 16 * 2 * PANEL),
                            buf + (kt & 1) * 16 * 2 * PANEL));
             }
         }
