@@ -151,7 +151,9 @@ def test_stop_returns_the_blocks(server, browser: Browser):
     updates = page.evaluate("window.stopline.polls") - polls
     # The abort takes one step (ms); the view polls every 250 ms and the answer's footer waits
     # for the server's word on how the request ended (~0.3 s), so the picture is back by then.
-    assert updates <= 4, f"{updates} live-view updates before the pool showed the blocks back"
+    # 8 polls (2 s) leaves room for a loaded 2-core host (5 seen with other work running);
+    # a reclaim that waited on a timer or a sweep would take longer.
+    assert updates <= 8, f"{updates} live-view updates before the pool showed the blocks back"
     sources = page.eval_on_selector_all("#aborts tr[data-source]", "rows => rows.map(r => r.dataset.source)")
     assert set(sources) & {"disconnect", "cancel"}, sources
     meta = page.inner_text(".msg.assistant:last-child .meta")
