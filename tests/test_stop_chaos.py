@@ -128,6 +128,20 @@ def test_async_storm_over_zmq(tiny_dir, tiny, storm_work):
     assert check_storm(work, ref, res) > 10  # aborts that landed before their request ended (25-36 seen)
 
 
+def test_async_storm_through_the_split(tiny_dir, tiny, storm_work):
+    """The same storm through `serve --disagg`'s engine (a prefill and a decode process):
+    cancels land before, during and after the KV transfer; outputs equal the reference and
+    both roles' audits and pools come back clean."""
+    from stopline.disagg.frontend import disagg_engine
+
+    work, ref = storm_work
+    work = [j for j in work[:80] if not (j.race or j.resubmit)]
+    config = dataclasses.replace(storm_config("auto", True), num_blocks=60)
+    res = run_async_storm(str(tiny_dir), work, config, seed=23, max_delay=0.1,
+                          make=lambda d, c, progress: disagg_engine(d, c, progress=progress))
+    assert check_storm(work, ref, res) > 5
+
+
 def test_solo_matches_reference(tiny, storm_work):
     """The storm compares with a reference run of all its jobs in one batch; batch
     invariance makes that each job's solo output. Checked here on a sample, greedy and

@@ -126,11 +126,10 @@ class DisaggCores:
         if self.state["decode"] == "healthy":  # only the decode role streams to clients
             self.cores["decode"].pause(incarnations, paused)
 
-    async def utility(self, method: Utility) -> Any:
-        """Runs on both roles (an audit checks both); returns the decode role's result."""
+    async def utility(self, method: Utility) -> list[Any]:
+        """Runs on every live role (an audit checks both); their results, prefill first."""
         live = [r for r in ROLES if self.state[r] == "healthy"]
-        results = await asyncio.gather(*(self.cores[r].utility(method) for r in live))
-        return dict(zip(live, results, strict=True)).get("decode")
+        return list(await asyncio.gather(*(self.cores[r].utility(method) for r in live)))
 
     def _forget(self, inc: str) -> None:
         self.samples.pop(inc, None)
