@@ -285,6 +285,33 @@ def bench_replicas(args: argparse.Namespace) -> int:
     return 0
 
 
+def _disagg_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=5, help="rounds of each measure (medians reported)")
+    p.add_argument("--long-len", type=int, default=1500, help="prompt tokens of the long prompts")
+    p.add_argument("--reclaim-s", type=float, default=3.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/disagg.json")
+    add_engine_args(p)
+
+
+@bench_command("disagg", "prefill/decode split: head-of-line after cancelled long prompts, "
+               "cancel-to-reclaim on both sides, KV transfer MB/s and share of TTFT", _disagg_bench_args)
+def bench_disagg(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from stopline.bench import disagg
+
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    result = disagg.run(args.model, engine_config(args), args.rounds, args.long_len, args.seed, args.reclaim_s)
+    command = "stopline bench disagg " + " ".join(sys.argv[3:])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(disagg.render(result, command, args.model or "SmolLM2-135M-Instruct"))
+    return 0
+
+
 def _serve_bench_args(p: argparse.ArgumentParser) -> None:
     from stopline.bench.serve_cli import configure
 

@@ -72,7 +72,7 @@ class Pair:
         assert not len(self.p.sending) and not len(self.d.receiving)
 
     def close(self) -> None:
-        self.p.link.close()
+        self.p.close()
         self.d.link.close()
 
 

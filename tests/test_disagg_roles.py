@@ -29,6 +29,16 @@ def pair(loaded):
     pr.close()
 
 
+def _until_sent(pair) -> None:
+    """Step the prefill side alone until it has pushed the KV: the decode side has not
+    looked at it yet."""
+    for _ in range(100):
+        if len(pair.p.sending):
+            return
+        pair.step_p()
+    raise AssertionError("the prefill side never shipped the KV")
+
+
 def _single(loaded, reqs):
     from tests.disagg_support import config
 
@@ -70,7 +80,7 @@ def test_abort_before_the_transfer_reaches_prefill_at_a_chunk_boundary(pair):
 
 def test_abort_during_the_transfer_refuses_the_late_kv(pair):
     inc = pair.add("a", list(range(5, 30)), greedy(4))
-    pair.settle(until=lambda pr: len(pr.p.sending) == 1)  # KV pushed, no ack yet
+    _until_sent(pair)  # KV pushed, the decode side has not stepped since
     pair.d.abort(inc)  # decode side first; its KV arrives after
     pair.settle(until=lambda pr: not pr.d.has_unfinished())
     # The decode side refused the late KV (nothing written, no block taken) ...
@@ -84,7 +94,7 @@ def test_abort_during_the_transfer_refuses_the_late_kv(pair):
 
 def test_abort_during_the_transfer_prefill_first(pair):
     inc = pair.add("a", list(range(5, 30)), greedy(4))
-    pair.settle(until=lambda pr: len(pr.p.sending) == 1)
+    _until_sent(pair)
     pair.p.abort(inc)
     pair.step_p()
     assert not len(pair.p.sending) and pair.p.pool.num_used == 0  # released at once
@@ -143,7 +153,7 @@ def test_receive_side_reclaims_when_the_sender_goes_quiet(loaded):
     pr = make_pair(loaded, reclaim_s=0.3)
     try:
         pr.add("a", list(range(5, 45)), greedy(4))
-        pr.step_p()  # one chunk: its Progress arms the decode side's clock
+        pr.step_p()  # one chunk; the heartbeat's Progress arms the decode side's clock
         pr.step_d()
         t = pr.d.receiving.get(pr.d.live_requests()[0])
         assert t is not None
@@ -153,7 +163,9 @@ def test_receive_side_reclaims_when_the_sender_goes_quiet(loaded):
                 break
             time.sleep(0.005)
         assert t.deadline != float("inf")
-        # The prefill side stops stepping (wedged, or its messages are lost).
+        # The prefill side goes quiet: no step, no heartbeat (as a dead or cut-off process).
+        pr.p._stop_beat.set()
+        pr.p._beat_thread.join(2)
         t0 = time.monotonic()
         while pr.d.has_unfinished():
             pr.step_d()
@@ -172,7 +184,7 @@ def test_a_late_transfer_fails_on_block_epochs(pair):
     """The guard under the refusals: a ref taken before its block was freed and handed out
     again fails loudly, on either side, instead of reading or writing another request's KV."""
     pair.add("a", list(range(5, 30)), greedy(2))
-    pair.settle(until=lambda pr: len(pr.p.sending) == 1)
+    _until_sent(pair)
     req = pair.p.sending.requests()[0]
     refs = pair.p.sending.get(req).refs
     pair.p.abort(req.incarnation)
@@ -191,7 +203,7 @@ def test_a_late_transfer_fails_on_block_epochs(pair):
 
 def test_a_refusing_ack_errors_the_prefill_copy(pair):
     inc = pair.add("a", list(range(5, 30)), greedy(2))
-    pair.settle(until=lambda pr: len(pr.p.sending) == 1)
+    _until_sent(pair)
     pair.d.link.send(Ack(inc, "test refusal"))  # as if the decode side had refused it
     pair.d.abort(inc)
     pair.settle()

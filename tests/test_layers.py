@@ -32,8 +32,8 @@ ALLOWED: dict[str, set[str]] = {
     "server": BASE | {"engine", "tokenizer", "grammar", "__init__"},
     "cluster": BASE | {"engine", "tokenizer"},
     "bench": BASE | {"cluster", "disagg", "engine", "model", "tokenizer", "server", "cli", "kv", "__init__"},
-    "cli": BASE | {"cluster", "engine", "model", "server", "bench", "tokenizer"},
-    "disagg": BASE | {"kv", "lifecycle", "engine"},
+    "cli": BASE | {"cluster", "disagg", "engine", "model", "server", "bench", "tokenizer"},
+    "disagg": BASE | {"kv", "lifecycle", "sched", "engine"},
     "__init__": BASE | {"engine"},
 }
 

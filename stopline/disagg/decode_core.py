@@ -4,8 +4,9 @@ grammars, n > 1, speculation, stop strings, streams).
 
 A request whose prompt has a full block to ship (`split_blocks`) waits in
 `Transfers(RECV)` (a holder of the one release) instead of joining the scheduler's queue.
-Its reclaim clock starts at the first `Progress` from the prefill side and restarts at
-each one; before that the front end covers it (a prefill side that dies or ends the
+Its reclaim clock starts at the first `Progress` (the prefill side's heartbeat, every
+quarter of the deadline, naming the requests it holds) and restarts at each one; before
+that the front end covers it (a prefill side that dies or ends the
 request makes the front end abort it here). When the KV arrives the blocks are written
 into fresh blocks (wire.write checks their epochs), enter the prefix cache
 (KVManager.import_prefix), and the request joins the queue at the same step boundary, so
@@ -55,6 +56,8 @@ class DecodeCore(EngineCore):
         self._waiting: dict[str, Family] = {}  # incarnation -> family waiting for its KV
         self.link = Link(bind=spec.kv_addr, connect=spec.ack_addr)
         self.imported_blocks = 0
+        # The last transfers: (bytes, seconds from the sender's pack to the blocks written here).
+        self.transfer_log: list[tuple[int, float]] = []
 
     def has_unfinished(self) -> bool:
         return bool(len(self.receiving)) or super().has_unfinished()
@@ -121,6 +124,9 @@ class DecodeCore(EngineCore):
             self.link.send(Ack(inc, f"KV transfer failed: {exc}"))
             return
         self.imported_blocks += got
+        if head.sent_at:
+            nbytes = sum(t.numel() * t.element_size() for t in data)
+            self.transfer_log = [*self.transfer_log[-999:], (nbytes, time.monotonic() - head.sent_at)]
         self.receiving.done(req)
         fam = self._waiting.pop(inc)
         self.link.send(Ack(inc))

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from stopline.disagg.messages import LinkMsg
+from stopline.disagg.messages import LinkMsg, Progress
 from stopline.disagg.wire import TransferHeader, unpack
 
 KV_TAG = b"kv"
@@ -38,6 +38,9 @@ class Link:
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(connect)
+        self._peer = connect
+        self._beat: zmq.Socket | None = None
+        self._beat_enc = msgspec.msgpack.Encoder()
         self.inbox: queue.SimpleQueue[Received] = queue.SimpleQueue()
         self.bad: list[str] = []  # frames that could not be decoded (logged by the role)
         self._enc = msgspec.msgpack.Encoder()
@@ -50,6 +53,16 @@ class Link:
 
     def send_kv(self, frames: Sequence[bytes | memoryview]) -> None:
         self._push.send_multipart([KV_TAG, *frames], zmq.NOBLOCK, copy=False)
+
+    def beat(self, incarnations: list[str]) -> None:
+        """From the heartbeat thread only: its own socket to the same peer."""
+        if self._beat is None:
+            self._beat = self._ctx.socket(zmq.PUSH)
+            self._beat.setsockopt(zmq.SNDHWM, 0)
+            self._beat.setsockopt(zmq.LINGER, 0)
+            self._beat.connect(self._peer)
+        for inc in incarnations:
+            self._beat.send_multipart([MSG_TAG, self._beat_enc.encode(Progress(inc))], zmq.NOBLOCK)
 
     def take(self) -> list[Received]:
         out = []
@@ -77,5 +90,7 @@ class Link:
 
     def close(self) -> None:
         self._push.close(linger=0)
+        if self._beat is not None:  # the heartbeat thread has stopped (see PrefillCore.close)
+            self._beat.close(linger=0)
         self._ctx.term()  # the receiver thread sees ETERM and closes its socket
         self._thread.join(1.0)

@@ -7,25 +7,26 @@ the link, and held by `Transfers(SEND)` while the request sits paused (it takes 
 until the decode side acks, refuses, or the reclaim deadline passes. An ack finishes the
 request here (its terminal output never reaches a client: the front end forwards only
 errors); a refusal or the deadline fails it with an error, through the one release, so
-the transfer entry and then the blocks are freed in that order. Aborts apply as in one
+the transfer entry and then the blocks are freed in that order. A heartbeat thread tells the decode
+side which requests this process still holds. Aborts apply as in one
 engine: at each step start, right after a forward, and at the next chunk boundary.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from stopline.disagg.epochs import BlockEpochs
 from stopline.disagg.link import Link
-from stopline.disagg.messages import Ack, Progress, RoleSpec
+from stopline.disagg.messages import Ack, RoleSpec
 from stopline.disagg.transfers import Side, Transfers
 from stopline.disagg.wire import pack
 from stopline.engine.core import EngineCore
 from stopline.engine.output import RequestOutput
 from stopline.kv.block_pool import LedgerError
 from stopline.request import FinishReason, Request
-from stopline.sched.plan import StepPlan
 
 log = logging.getLogger("stopline.disagg.prefill")
 
@@ -43,6 +44,9 @@ class PrefillCore(EngineCore):
         self.lifecycle.holders.insert(len(self.lifecycle.holders) - 1, self.sending)
         self.link = Link(bind=spec.ack_addr, connect=spec.kv_addr)
         self.shipped_bytes = 0
+        self._stop_beat = threading.Event()
+        self._beat_thread = threading.Thread(target=self._heartbeat, daemon=True, name="stopline-beat")
+        self._beat_thread.start()
 
     # ---- the loop's view: a request waiting for its ack is paused but not idle ---------------
     def all_paused(self) -> bool:
@@ -56,11 +60,23 @@ class PrefillCore(EngineCore):
                                 f"{self.spec.reclaim_s:g} s (reclaim deadline)")
         return super().step()
 
-    def _run(self, plan: StepPlan) -> None:
-        # Each chunk tells the decode side its wait is alive (its reclaim clock restarts).
-        for inc in dict.fromkeys(c.req.incarnation for c in plan.chunks):
-            self.link.send(Progress(inc))
-        super()._run(plan)
+    def _heartbeat(self) -> None:
+        """Tell the decode side, every quarter of the reclaim deadline, which requests this
+        process still holds (queued, prefilling or sending): its wait for their KV is alive.
+        A thread, not the step: one chunk of a long prompt can take longer than the deadline.
+        A dead or wedged-out process stops beating and the decode side reclaims."""
+        while not self._stop_beat.wait(self.spec.reclaim_s / 4):
+            try:
+                incs = list(self.families.by_incarnation)
+            except RuntimeError:  # the table changed under the copy: the next beat has it
+                continue
+            self.link.beat(incs)
+
+    def close(self) -> None:
+        """Stop the heartbeat and the link (tests; a role process just exits)."""
+        self._stop_beat.set()
+        self._beat_thread.join(2.0)
+        self.link.close()
 
     def _prefilled(self, req: Request) -> bool:
         n = len(req.prompt_token_ids) // self.pool.block_size

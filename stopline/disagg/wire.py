@@ -8,6 +8,7 @@ decode garbage.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import msgspec
@@ -22,6 +23,7 @@ class TransferHeader(msgspec.Struct, frozen=True):
     refs: list[BlockRef]  # the sender's blocks, named with their epochs
     dtype: str
     shapes: list[list[int]]
+    sent_at: float = 0.0  # the sender's time.monotonic() before packing (one machine: one clock)
 
 
 class BadTransfer(ValueError):
@@ -33,10 +35,11 @@ _DEC = msgspec.msgpack.Decoder(TransferHeader)
 
 
 def pack(request_id: str, cache: KVCache, epochs: BlockEpochs, refs: Sequence[BlockRef]) -> list[bytes | memoryview]:
+    t0 = time.monotonic()
     epochs.check(refs)  # a stale ref fails before any byte is read
     data = cache.read_blocks([r.block for r in refs])
     head = TransferHeader(request_id, list(refs), str(data[0].dtype).removeprefix("torch."),
-                          [list(t.shape) for t in data])
+                          [list(t.shape) for t in data], t0)
     return [_ENC.encode(head)] + [memoryview(t.contiguous().numpy()).cast("B") for t in data]
 
 

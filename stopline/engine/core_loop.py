@@ -159,6 +159,8 @@ class CoreLoop:
         if method is Utility.AUDIT:
             self.core.audit()
             return None
+        if method is Utility.TRANSFERS:
+            return getattr(self.core, "transfer_log", None)
         return self.core.pool.reset_prefix_cache()  # Utility.RESET_PREFIX_CACHE
 
     def _sink(self, outputs: list[RequestOutput]) -> None:

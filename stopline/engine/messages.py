@@ -68,6 +68,7 @@ class Utility(Choice):
     SNAPSHOT = "snapshot"
     AUDIT = "audit"
     RESET_PREFIX_CACHE = "reset_prefix_cache"
+    TRANSFERS = "transfers"  # the KV transfers a disaggregated role timed (None elsewhere)
 
 
 class UtilityMsg(msgspec.Struct, tag="utility"):
