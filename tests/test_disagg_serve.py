@@ -203,3 +203,16 @@ def test_prefill_killed_mid_transfer(tiny_long_model_dir):
         for t in threads:
             t.join(10)
 
+
+
+def test_bench_harness_runs_on_a_tiny_model(tiny_long_model_dir):
+    """`stopline bench disagg`'s harness end to end (its figures are for the real model)."""
+    from stopline.bench import disagg
+    from stopline.config import EngineConfig
+
+    cfg = EngineConfig(block_size=4, num_blocks=2048, max_num_batched_tokens=64)
+    r = disagg.run(str(tiny_long_model_dir), cfg, rounds=1, long_len=60)
+    assert r["transfer_mb"] > 0 and r["transfer_mb_s"] > 0  # KV really crossed the link
+    assert 0 < r["transfer_share_of_ttft"] < 1
+    assert r["short_alone_s"] > 0 and r["short_after_cancelled_s"] > 0
+    assert "| head-of-line ratio" in disagg.render(r, "stopline bench disagg", "tiny")

@@ -26,7 +26,8 @@ from stopline.request import AbortSource, SamplingParams
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(1000, vocab - 1) for _ in range(n)]
+    lo = min(1000, vocab // 4)  # past the special tokens (a tiny test model has 512 in all)
+    return [rng.randrange(lo, vocab - 1) for _ in range(n)]
 
 
 async def _complete(engine: AsyncEngine, rid: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
