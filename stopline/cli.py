@@ -201,6 +201,9 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, queue_timeout=args.queue_timeout,
         drain_timeout=args.drain_timeout)
     engine = None
+    if args.disagg and (args.replicas is not None or args.in_process):
+        raise SystemExit("--disagg runs its own two engine processes: it does not combine with "
+                         "--replicas or --in-process")
     if args.replicas is not None:
         from stopline.cluster.frontend import ray_engine
 

@@ -144,6 +144,7 @@ def test_decode_killed_mid_decode(tiny_long_model_dir):
         health = httpx.get(srv.base + "/health", timeout=5)
         assert health.status_code == 503 and "decode" in health.json()["detail"]
         assert _roles(srv)["decode"]["state"] == "dead" and _roles(srv)["prefill"]["state"] == "healthy"
+        assert srv.metrics()["stopline_engine_healthy"] == 0
         while _used(srv, "prefill") != 0:
             assert time.monotonic() - t_kill < RECLAIM_S, srv.metrics()
             time.sleep(0.02)

@@ -94,7 +94,7 @@ class PrefillCore(EngineCore):
                 continue
             fam = self.families.get(msg.incarnation)
             req = fam.members[0] if fam is not None else None
-            if req is None or self.sending.done(req) is None:
+            if req is None or req.status.is_finished or self.sending.done(req) is None:
                 continue  # aborted or expired meanwhile: a late ack changes nothing
             if msg.error is None:
                 self.lifecycle.finish(req, FinishReason.STOP, HANDED_OFF)

@@ -74,8 +74,11 @@ class Transfers:
         self._live.pop(req.internal_id, None)
 
     def preempt(self, req: Request) -> None:
-        # Preemption frees the blocks the transfer names; epochs would refuse it anyway.
-        self._live.pop(req.internal_id, None)
+        # Receive side: preemption frees the reserved blocks, so the transfer can't land
+        # (epochs would refuse it anyway). Send side: the KV left at pack time; the entry
+        # still waits for the ack or the deadline, or the request would wait forever.
+        if self.side is Side.RECV:
+            self._live.pop(req.internal_id, None)
 
     def holds(self, req: Request) -> bool:
         return req.internal_id in self._live

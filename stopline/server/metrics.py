@@ -192,8 +192,11 @@ class _EngineCollector(Collector):
             yield gauge(name, doc, {r: getattr(s, field) for r, s in snaps.items()})
         yield GaugeMetricFamily("stopline_requests_open", "Requests with an open stream on this server.",
                                 value=e.num_open)
+        # The roles of --disagg (stopline/disagg): admitting needs both alive.
+        health = getattr(getattr(e, "backend", None), "health", None)
+        dead_role = health is not None and any("role" in r and r["state"] != "healthy" for r in health())
         yield GaugeMetricFamily("stopline_engine_healthy", "1 while the engine admits requests, else 0.",
-                                value=int(e.ready))
+                                value=int(e.ready and not dead_role))
         aborts = CounterMetricFamily("stopline_aborts", "Aborts applied by the engine, by source and "
                                      "the state the sequence was in.", labels=lab + ["source", "state"])
         pre = CounterMetricFamily("stopline_preemptions", "Preemptions, by mode.", labels=lab + ["mode"])
