@@ -170,56 +170,34 @@ TARGET void stopline_amx_bf16_gemm(const uint16_t* x, const uint16_t* w, float* 
     }
 }
 
-/* The same from Q4_1 blocks (bf16_gemm.c's q4 layout); M at most 32. */
-TARGET void stopline_amx_q4_1_gemm(const uint16_t* x, const uint8_t* w, float* y, int M, int K, int N) {
-    long panel_bytes = (long)(K / 32) * Q4_REC, ldx = K, ldy = N;
-    int chunks = (M + TR - 1) / TR;
-    if (chunks > 2) return;
-    int ma = chunks == 2 ? M / 2 : M, mb = M - ma;
-#pragma omp parallel
-    {
-        TileCfg cfg = {0};
-        uint16_t buf[2 * 16 * 2 * PANEL] __attribute__((aligned(64)));
-        config(&cfg, ma, mb);
-#pragma omp for schedule(static)
-        for (int p = 0; p < N / PANEL; p++) {
-            const uint8_t* P = w + p * panel_bytes;
-            float* yp = y + p * PANEL;
-            {
-                float* y = yp; /* RUN_BLOCK stores through y */
-                /* The dequantized group alternates between two buffers so the next group's
-                 * stores do not wait on the tile loads of the last. */
-                RUN_BLOCK((q4_group(P + (long)kt * Q4_REC, buf + (kt & 1) * 16 * 2 * PANEL),
-                           buf + (kt & 1) * 16 * 2 * PANEL));
-            }
-        }
-        _tile_release();
+/* y = x @ w.T from GGUF blocks, M at most 32 (two tiles of rows; the Python side sends more
+ * rows to the bf16 copy): GROUP dequantizes one record of REC bytes (32 k x 32 columns) into
+ * the B tiles' layout. The dequantized group alternates between two buffers so the next
+ * group's stores do not wait on the tile loads of the last. */
+#define BLOCK_GEMM(NAME, GROUP, REC)                                                           \
+    TARGET void NAME(const uint16_t* x, const uint8_t* w, float* y, int M, int K, int N) {     \
+        long panel_bytes = (long)(K / 32) * (REC), ldx = K, ldy = N;                           \
+        int chunks = (M + TR - 1) / TR;                                                        \
+        if (chunks > 2) return;                                                                \
+        int ma = chunks == 2 ? M / 2 : M, mb = M - ma;                                         \
+        _Pragma("omp parallel")                                                                \
+        {                                                                                      \
+            TileCfg cfg = {0};                                                                 \
+            uint16_t buf[2 * 16 * 2 * PANEL] __attribute__((aligned(64)));                     \
+            config(&cfg, ma, mb);                                                              \
+            _Pragma("omp for schedule(static)")                                                \
+            for (int p = 0; p < N / PANEL; p++) {                                              \
+                const uint8_t* P = w + p * panel_bytes;                                        \
+                float* yp = y + p * PANEL;                                                     \
+                {                                                                              \
+                    float* y = yp; /* RUN_BLOCK stores through y */                            \
+                    RUN_BLOCK((GROUP(P + (long)kt * (REC), buf + (kt & 1) * 16 * 2 * PANEL),   \
+                               buf + (kt & 1) * 16 * 2 * PANEL));                              \
+                }                                                                              \
+            }                                                                                  \
+            _tile_release();                                                                   \
+        }                                                                                      \
     }
-}
 
-/* The same from Q8_0 blocks (q8_group's layout); M at most 32. */
-TARGET void stopline_amx_q8_0_gemm(const uint16_t* x, const uint8_t* w, float* y, int M, int K, int N) {
-    long panel_bytes = (long)(K / 32) * Q8_REC, ldx = K, ldy = N;
-    int chunks = (M + TR - 1) / TR;
-    if (chunks > 2) return;
-    int ma = chunks == 2 ? M / 2 : M, mb = M - ma;
-#pragma omp parallel
-    {
-        TileCfg cfg = {0};
-        uint16_t buf[2 * 16 * 2 * PANEL] __attribute__((aligned(64)));
-        config(&cfg, ma, mb);
-#pragma omp for schedule(static)
-        for (int p = 0; p < N / PANEL; p++) {
-            const uint8_t* P = w + p * panel_bytes;
-            float* yp = y + p * PANEL;
-            {
-                float* y = yp; /* RUN_BLOCK stores through y */
-                /* The dequantized group alternates between two buffers so the next group's
-                 * stores do not wait on the tile loads of the last. */
-                RUN_BLOCK((q8_group(P + (long)kt * Q8_REC, buf + (kt & 1) * 16 * 2 * PANEL),
-                           buf + (kt & 1) * 16 * 2 * PANEL));
-            }
-        }
-        _tile_release();
-    }
-}
+BLOCK_GEMM(stopline_amx_q4_1_gemm, q4_group, Q4_REC)
+BLOCK_GEMM(stopline_amx_q8_0_gemm, q8_group, Q8_REC)
