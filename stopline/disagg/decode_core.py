@@ -30,7 +30,6 @@ from stopline.disagg.transfers import Side, Transfers
 from stopline.disagg.wire import TransferHeader, write
 from stopline.engine.core import EngineCore
 from stopline.engine.output import RequestOutput
-from stopline.kv.block_pool import LedgerError
 from stopline.request import Family, FinishReason, Request
 
 log = logging.getLogger("stopline.disagg.decode")
@@ -138,7 +137,4 @@ class DecodeCore(EngineCore):
 
     def audit(self) -> None:
         super().audit()
-        live = {r.internal_id for r in self.live_requests()}
-        for req in self.receiving.requests():
-            if req.internal_id not in live:
-                raise LedgerError(f"recv transfer of {req.incarnation!r} outlives its request")
+        self.receiving.audit(self.live_requests())

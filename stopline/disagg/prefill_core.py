@@ -25,7 +25,6 @@ from stopline.disagg.transfers import Side, Transfers
 from stopline.disagg.wire import pack
 from stopline.engine.core import EngineCore
 from stopline.engine.output import RequestOutput
-from stopline.kv.block_pool import LedgerError
 from stopline.request import FinishReason, Request
 
 log = logging.getLogger("stopline.disagg.prefill")
@@ -103,7 +102,4 @@ class PrefillCore(EngineCore):
 
     def audit(self) -> None:
         super().audit()
-        live = {r.internal_id for r in self.live_requests()}
-        for req in self.sending.requests():
-            if req.internal_id not in live:
-                raise LedgerError(f"send transfer of {req.incarnation!r} outlives its request")
+        self.sending.audit(self.live_requests())

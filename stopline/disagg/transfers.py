@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from stopline.disagg.epochs import BlockRef
+from stopline.kv.block_pool import LedgerError
 from stopline.request import Request
 
 
@@ -65,6 +66,13 @@ class Transfers:
 
     def requests(self) -> list[Request]:
         return [t.req for t in self._live.values()]
+
+    def audit(self, live: Iterable[Request]) -> None:
+        """The ledger check: no transfer outlives its request."""
+        ids = {r.internal_id for r in live}
+        for t in self._live.values():
+            if t.req.internal_id not in ids:
+                raise LedgerError(f"{self.side.value} transfer of {t.req.incarnation!r} outlives its request")
 
     def __len__(self) -> int:
         return len(self._live)
