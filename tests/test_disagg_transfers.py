@@ -95,3 +95,11 @@ class _Leaky:
 def test_bad_deadline_is_refused():
     with pytest.raises(ValueError, match="reclaim"):
         Transfers(Side.SEND, reclaim_s=0)
+
+
+@pytest.mark.parametrize("side", list(Side))
+def test_audit_names_a_transfer_that_outlives_its_request(side):
+    _, _, _, tr, req = _prefilled(side)
+    tr.audit([req])  # its request is live: nothing to report
+    with pytest.raises(LedgerError, match=f"{side.value} transfer of .* outlives its request"):
+        tr.audit([])
