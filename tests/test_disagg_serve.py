@@ -159,17 +159,19 @@ def test_prefill_killed_mid_transfer(tiny_long_model_dir):
     srv = _start(tiny_long_model_dir, "--disagg", "--reclaim-s", str(RECLAIM_S))
     try:
         client = _client(srv)
+        prefill_pid = _roles(srv)["prefill"]["pid"]
         # One stream decoding already, then long prompts in prefill when the kill lands.
         threads, started, ended = _storm(srv, 1, 50, 7500)
         started.wait(60)
-        late: list[tuple[float, BaseException | None]] = []
+        late: list[tuple[float, BaseException | None, str]] = []
 
         def long_one(i: int) -> None:
             try:
-                client.completions.create(model="tiny", prompt=f"epic {i} " * 600, max_tokens=4)
-                late.append((time.monotonic(), None))
+                r = client.completions.create(model="tiny", prompt=f"epic {i} " * 600, max_tokens=4,
+                                              extra_body={"ignore_eos": True})
+                late.append((time.monotonic(), None, r.choices[0].finish_reason))
             except Exception as exc:
-                late.append((time.monotonic(), exc))
+                late.append((time.monotonic(), exc, ""))
 
         longs = [threading.Thread(target=long_one, args=(i,)) for i in range(3)]
         for t in longs:
@@ -179,11 +181,16 @@ def test_prefill_killed_mid_transfer(tiny_long_model_dir):
             assert time.monotonic() < deadline, (late, {k: v for k, v in srv.metrics().items() if "replica" in k})
             time.sleep(0.005)
         t_kill = time.monotonic()
-        os.kill(_roles(srv)["prefill"]["pid"], signal.SIGKILL)
+        os.kill(prefill_pid, signal.SIGKILL)
         for t in longs:
             t.join(10)
         assert len(late) == 3
-        for t_end, exc in late:
+        # A prompt whose KV reached the decode side before the kill is not affected: it
+        # completes. Every other one (at least the one prefilling when it landed) errors.
+        failed = [(t_end, exc) for t_end, exc, _ in late if exc is not None]
+        assert failed, late
+        assert all(reason == "length" for _, exc, reason in late if exc is None), late
+        for t_end, exc in failed:
             assert isinstance(exc, openai.APIError), exc
             assert "prefill engine died" in str(exc)
             assert t_end - t_kill < 1.0, t_end - t_kill
