@@ -162,6 +162,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reclaim-s", type=float, default=3.0,
                    help="with --disagg: seconds a KV transfer may wait for the other side before "
                         "its blocks are freed and its request ends with an error")
+    g.add_argument("--disagg-remote", default=None, choices=["prefill", "decode"],
+                   help="with --disagg: this role runs on another host (`stopline role ROLE "
+                        "--front HOST:PORT` there); the other runs here")
+    g.add_argument("--disagg-listen", default="127.0.0.1:7100",
+                   help="with --disagg-remote: host:port P of this host the remote role connects "
+                        "to (ports P..P+4; use an address the other host reaches)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="answer 429 while this many requests wait for their first step (default: no limit)")
     g.add_argument("--queue-timeout", type=float, default=None,
@@ -204,6 +210,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.disagg and (args.replicas is not None or args.in_process):
         raise SystemExit("--disagg runs its own two engine processes: it does not combine with "
                          "--replicas or --in-process")
+    if args.disagg_remote is not None and not args.disagg:
+        raise SystemExit("--disagg-remote needs --disagg")
     if args.replicas is not None:
         from stopline.cluster.frontend import ray_engine
 
@@ -215,7 +223,8 @@ def serve(args: argparse.Namespace) -> int:
         from stopline.disagg.frontend import disagg_engine
 
         engine = disagg_engine(args.model, engine_config(args), reclaim_s=args.reclaim_s,
-                               threads=args.core_threads, max_waiting=args.max_waiting,
+                               threads=args.core_threads, remote=args.disagg_remote,
+                               listen=args.disagg_listen, max_waiting=args.max_waiting,
                                stall_timeout=args.stall_timeout, max_buffered=args.max_buffered)
     return run_server(args.model, engine_config(args), settings, host=args.host, port=args.port,
                       engine=engine,
@@ -223,6 +232,41 @@ def serve(args: argparse.Namespace) -> int:
                       core_threads=args.core_threads, stall_timeout=args.stall_timeout,
                       max_buffered=args.max_buffered, log_level=args.log_level,
                       access_log=args.access_log)
+
+
+def _role_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("role", choices=["prefill", "decode"])
+    p.add_argument("--front", required=True,
+                   help="host:port the front end listens on for this role (its --disagg-listen)")
+    p.add_argument("--reclaim-s", type=float, default=3.0,
+                   help="seconds a KV transfer may wait for the other side (as the front end's)")
+    p.add_argument("--core-threads", type=int, default=None,
+                   help="torch threads (default: all CPUs but one when there are more than two)")
+    add_engine_args(p)
+
+
+@command("role", "one engine of a split serve, on this host, for `serve --disagg --disagg-remote "
+         "ROLE` on another (docs/disagg.md)", _role_args)
+def role(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from stopline.disagg.frontend import remote_spec
+    from stopline.disagg.role import RoleFactory
+    from stopline.engine.proc import core_proc
+    from stopline.engine.proc.remote import core_addresses
+
+    if not args.reclaim_s > 0:
+        raise SystemExit(f"--reclaim-s must be > 0, got {args.reclaim_s}")
+    try:
+        addrs = core_addresses(args.front)
+    except ValueError as exc:
+        raise SystemExit(f"--front: {exc}") from None
+    cfg = engine_config(args)
+    if args.role == "decode":  # received KV enters its prefix cache
+        cfg = dataclasses.replace(cfg, enable_prefix_caching=True)
+    factory = RoleFactory(remote_spec(args.role, args.front, args.reclaim_s))
+    core_proc.main(addrs, args.model, cfg, True, None, args.core_threads, factory)
+    return 0  # not reached: main leaves with os._exit
 
 
 def _stop_bench_args(p: argparse.ArgumentParser) -> None:

@@ -53,7 +53,7 @@ class DecodeCore(EngineCore):
         self.receiving = Transfers(Side.RECV, spec.reclaim_s)
         self.lifecycle.holders.insert(len(self.lifecycle.holders) - 1, self.receiving)
         self._waiting: dict[str, Family] = {}  # incarnation -> family waiting for its KV
-        self.link = Link(bind=spec.kv_addr, connect=spec.ack_addr)
+        self.link = Link(spec.kv_addr, spec.ack_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push)
         self.imported_blocks = 0
         # The last transfers: (bytes, seconds from the sender's pack to the blocks written here).
         self.transfer_log: list[tuple[int, float]] = []

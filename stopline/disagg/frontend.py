@@ -10,6 +10,11 @@ decode role's outputs; of the prefill role's outputs only an error terminal reac
 (the stream ends with that error and the decode side's copy is aborted): its other
 terminals are the hand-off or an abort the decode side reports as well.
 
+One role may run on another host (`stopline role`, `serve --disagg --disagg-remote ROLE`):
+it is a RemoteCore reached over TCP at `listen` (ports P..P+2), and the link between the
+roles uses P+3 (KV, prefill -> decode) and P+4 (acks), all bound by the side beside the
+front end, so the remote host needs the front end's address only (remote_spec).
+
 A role that dies ends every stream it still matters to within the time its process exit
 takes to notice (the process sentinel): the decode role, all open ones; the prefill role,
 those whose KV the decode side has not taken yet. The survivor's copies are aborted, so
@@ -33,6 +38,7 @@ from stopline.disagg.messages import RoleSpec
 from stopline.disagg.role import RoleFactory
 from stopline.engine.async_engine import AsyncEngine
 from stopline.engine.messages import Batch, CoreInfo, Utility
+from stopline.engine.proc.remote import PORTS, RemoteCore, split_host_port
 from stopline.engine.proc.transport import ProcCore
 from stopline.engine.snapshot import Snapshot
 from stopline.engine.streams import EngineUnavailable
@@ -49,22 +55,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def link_addresses(listen: str) -> tuple[str, str]:
+    """(kv, ack) addresses of the link when one role is remote: ports P+3 and P+4."""
+    host, port = split_host_port(listen)
+    return f"tcp://{host}:{port + PORTS}", f"tcp://{host}:{port + PORTS + 1}"
+
+
+def remote_spec(role: str, listen: str, reclaim_s: float) -> RoleSpec:
+    """What `stopline role ROLE --front LISTEN` runs: it connects both link sockets."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    kv, ack = link_addresses(listen)
+    return RoleSpec(role, kv, ack, reclaim_s, bind_pull=False, bind_push=False)
+
+
 class DisaggCores:
     def __init__(self, model: str | None, config: EngineConfig | None, *, reclaim_s: float = 3.0,
-                 threads: int | None = None, progress: bool = True) -> None:
+                 threads: int | None = None, progress: bool = True, remote: str | None = None,
+                 listen: str = "127.0.0.1:7100") -> None:
+        """remote: the role ("prefill" or "decode") that runs elsewhere and connects to
+        `listen` (host:port of this host; ports P..P+4); None: both roles here."""
         if not reclaim_s > 0:
             raise ValueError(f"reclaim deadline must be > 0 s, got {reclaim_s}")
+        if remote is not None and remote not in ROLES:
+            raise ValueError(f"the remote role must be one of {', '.join(ROLES)}, got {remote!r}")
         cfg = config or EngineConfig()
         self.reclaim_s = reclaim_s
-        # The two roles share the CPUs: each gets half (one on two cores) rather than both
-        # spinning OpenMP threads on every core.
-        threads = threads or max(1, len(os.sched_getaffinity(0)) // 2)
-        kv, ack = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        self.remote = remote
+        # Two roles on one host share its CPUs: each gets half (one on two cores) rather than
+        # both spinning OpenMP threads on every core.
+        local_roles = 2 if remote is None else 1
+        threads = threads or max(1, len(os.sched_getaffinity(0)) // local_roles)
         # The decode role's received KV enters its prefix cache: it must have one.
         configs = {"prefill": cfg, "decode": dataclasses.replace(cfg, enable_prefix_caching=True)}
-        self.cores = {r: ProcCore(model, configs[r], progress=progress and r == "decode", threads=threads,
-                                  make_core=RoleFactory(RoleSpec(r, kv, ack, reclaim_s)))
-                      for r in ROLES}
+        if remote is None:
+            kv, ack = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+            specs = {r: RoleSpec(r, kv, ack, reclaim_s) for r in ROLES}
+        else:
+            kv, ack = link_addresses(listen)
+            specs = {r: RoleSpec(r, kv, ack, reclaim_s, bind_pull=True, bind_push=True) for r in ROLES}
+        self.cores: dict[str, ProcCore] = {}
+        for r in ROLES:
+            if r == remote:
+                self.cores[r] = RemoteCore(listen, name=f"{r} role")
+            else:
+                self.cores[r] = ProcCore(model, configs[r], progress=progress and r == "decode",
+                                         threads=threads, make_core=RoleFactory(specs[r]))
         self.state = {r: "starting" for r in ROLES}
         self.errors: dict[str, str | None] = {r: None for r in ROLES}
         self.snaps = {r: Snapshot() for r in ROLES}
@@ -81,6 +117,7 @@ class DisaggCores:
         infos = await asyncio.gather(
             self.cores["prefill"].start(self._from_prefill, lambda why: self._lost("prefill", why)),
             self.cores["decode"].start(self._from_decode, lambda why: self._lost("decode", why)))
+        _check_same_model(*infos)
         for r in ROLES:
             if self.state[r] == "starting":
                 self.state[r] = "healthy"
@@ -187,8 +224,8 @@ class DisaggCores:
 
     # ---- views ----------------------------------------------------------------------------
     def health(self) -> list[dict[str, Any]]:
-        return [{"role": r, "state": self.state[r], "pid": getattr(self.cores[r].proc, "pid", None),
-                 "last_error": self.errors[r]} for r in ROLES]
+        return [{"role": r, "state": self.state[r], "pid": self.cores[r].pid,
+                 "remote": r == self.remote, "last_error": self.errors[r]} for r in ROLES]
 
     def snapshots(self) -> dict[str, Snapshot]:
         return dict(self.snaps)
@@ -200,10 +237,26 @@ class DisaggCores:
         await asyncio.gather(*(c.close() for c in self.cores.values()))
 
 
+def _check_same_model(prefill: CoreInfo, decode: CoreInfo) -> None:
+    """KV blocks cross between the roles as they are: the two must agree on the model and
+    the block layout (a remote role loads its own copy)."""
+    for what in ("block_size", "vocab_size", "max_model_len"):
+        a, b = getattr(prefill, what), getattr(decode, what)
+        if a != b:
+            raise ValueError(f"the prefill and decode roles differ in {what}: {a} vs {b} "
+                             f"(give both the same model and engine settings)")
+    if prefill.tokenizer_state != decode.tokenizer_state:
+        raise ValueError("the prefill and decode roles loaded different tokenizers "
+                         f"({prefill.source} vs {decode.source}): give both the same model")
+
+
 def disagg_engine(model: str | None, config: EngineConfig | None, *, reclaim_s: float = 3.0,
-                  threads: int | None = None, progress: bool = True, **streams: Any) -> AsyncEngine:
-    """An AsyncEngine whose core is a prefill process and a decode process."""
-    backend = DisaggCores(model, config, reclaim_s=reclaim_s, threads=threads, progress=progress)
+                  threads: int | None = None, progress: bool = True, remote: str | None = None,
+                  listen: str = "127.0.0.1:7100", **streams: Any) -> AsyncEngine:
+    """An AsyncEngine whose core is a prefill process and a decode process (one of them
+    possibly on another host: `remote`, connecting to `listen`)."""
+    backend = DisaggCores(model, config, reclaim_s=reclaim_s, threads=threads, progress=progress,
+                          remote=remote, listen=listen)
     engine = AsyncEngine(backend, **streams)
     backend.on_lost = lambda incs, why: engine.fail(incs, why)
     return engine

@@ -1,12 +1,15 @@
-"""The link between the two roles: ZMQ PUSH -> PULL over tcp://127.0.0.1 (docs/disagg.md
-measured tcp loopback as fast as ipc, so there is no ipc path and two machines work the
-same way).
+"""The link between the two roles: ZMQ PUSH -> PULL over TCP (docs/disagg.md measured tcp
+loopback as fast as ipc, so there is no ipc path and two machines work the same way).
 
-Each role binds one PULL socket and pushes to the other's. A receiver thread puts what
-arrives into a queue that the stepping thread drains at every step start; only the
-stepping thread sends, so each socket has one user (ZMQ sockets are not thread-safe).
-High-water marks are unlimited and sends never block: a message for a dead peer waits in
-ZMQ and the reclaim deadline ends its request.
+Each role has one PULL socket (what the other sends) and one PUSH socket. With both roles
+on one machine each binds its PULL and connects its PUSH to the other's. With one role on
+another machine (`stopline role`), the role beside the front end binds both and the remote
+one connects both, so the remote side needs the front end's host and nothing else.
+
+A receiver thread puts what arrives into a queue that the stepping thread drains at every
+step start. The stepping thread and the prefill side's heartbeat thread both send, under a
+lock (ZMQ sockets are not thread-safe). High-water marks are unlimited and sends never
+block: a message for a dead peer waits in ZMQ and the reclaim deadline ends its request.
 """
 
 from __future__ import annotations
@@ -28,18 +31,17 @@ Received = LinkMsg | tuple[TransferHeader, list]
 
 
 class Link:
-    def __init__(self, bind: str, connect: str) -> None:
+    def __init__(self, pull: str, push: str, *, bind_pull: bool = True, bind_push: bool = False) -> None:
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(bind)
+        (self._pull.bind if bind_pull else self._pull.connect)(pull)
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.setsockopt(zmq.LINGER, 0)
-        self._push.connect(connect)
-        self._peer = connect
-        self._beat: zmq.Socket | None = None
+        (self._push.bind if bind_push else self._push.connect)(push)
+        self._lock = threading.Lock()
         self._beat_enc = msgspec.msgpack.Encoder()
         self.inbox: queue.SimpleQueue[Received] = queue.SimpleQueue()
         self.bad: list[str] = []  # frames that could not be decoded (logged by the role)
@@ -49,20 +51,20 @@ class Link:
         self._thread.start()
 
     def send(self, msg: msgspec.Struct) -> None:
-        self._push.send_multipart([MSG_TAG, self._enc.encode(msg)], zmq.NOBLOCK)
+        data = self._enc.encode(msg)
+        with self._lock:
+            self._push.send_multipart([MSG_TAG, data], zmq.NOBLOCK)
 
     def send_kv(self, frames: Sequence[bytes | memoryview]) -> None:
-        self._push.send_multipart([KV_TAG, *frames], zmq.NOBLOCK, copy=False)
+        with self._lock:
+            self._push.send_multipart([KV_TAG, *frames], zmq.NOBLOCK, copy=False)
 
     def beat(self, incarnations: list[str]) -> None:
-        """From the heartbeat thread only: its own socket to the same peer."""
-        if self._beat is None:
-            self._beat = self._ctx.socket(zmq.PUSH)
-            self._beat.setsockopt(zmq.SNDHWM, 0)
-            self._beat.setsockopt(zmq.LINGER, 0)
-            self._beat.connect(self._peer)
-        for inc in incarnations:
-            self._beat.send_multipart([MSG_TAG, self._beat_enc.encode(Progress(inc))], zmq.NOBLOCK)
+        """From the heartbeat thread (its own encoder; the socket under the lock)."""
+        msgs = [self._beat_enc.encode(Progress(inc)) for inc in incarnations]
+        with self._lock:
+            for data in msgs:
+                self._push.send_multipart([MSG_TAG, data], zmq.NOBLOCK)
 
     def take(self) -> list[Received]:
         out = []
@@ -89,8 +91,7 @@ class Link:
                 self.bad.append(repr(exc))
 
     def close(self) -> None:
-        self._push.close(linger=0)
-        if self._beat is not None:  # the heartbeat thread has stopped (see PrefillCore.close)
-            self._beat.close(linger=0)
+        with self._lock:  # the heartbeat thread has stopped (see PrefillCore.close)
+            self._push.close(linger=0)
         self._ctx.term()  # the receiver thread sees ETERM and closes its socket
         self._thread.join(1.0)

@@ -29,6 +29,10 @@ class RoleSpec(msgspec.Struct, frozen=True):
     kv_addr: str  # the decode side binds it (PULL); the prefill side pushes KV to it
     ack_addr: str  # the prefill side binds it (PULL); the decode side pushes acks to it
     reclaim_s: float  # the reclaim deadline, both sides
+    # How the link's sockets attach (link.py): on one machine each role binds its PULL; with
+    # one role remote, the local one binds both and the remote one connects both.
+    bind_pull: bool = True
+    bind_push: bool = False
 
 
 LinkMsg = Progress | Ack

@@ -41,7 +41,7 @@ class PrefillCore(EngineCore):
         self.sending = Transfers(Side.SEND, spec.reclaim_s)
         # The transfer entry goes before the KV manager: the entry first, the blocks last.
         self.lifecycle.holders.insert(len(self.lifecycle.holders) - 1, self.sending)
-        self.link = Link(bind=spec.ack_addr, connect=spec.kv_addr)
+        self.link = Link(spec.ack_addr, spec.kv_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push)
         self.shipped_bytes = 0
         self._stop_beat = threading.Event()
         self._beat_thread = threading.Thread(target=self._heartbeat, daemon=True, name="stopline-beat")

@@ -12,6 +12,7 @@ are aborted.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -105,7 +106,7 @@ class CoreLoop:
             source=core.loaded.source, max_model_len=core.max_model_len,
             vocab_size=core.model_config.vocab_size, num_blocks=core.pool.num_blocks,
             block_size=core.pool.block_size, load_seconds=core.loaded.load_seconds,
-            tokenizer_state=core.tokenizer.to_state() if with_tokenizer else {})
+            tokenizer_state=core.tokenizer.to_state() if with_tokenizer else {}, pid=os.getpid())
 
     def stop(self) -> None:
         self._stopping = True

@@ -38,6 +38,7 @@ class CoreInfo(msgspec.Struct, frozen=True):
     block_size: int
     load_seconds: float
     tokenizer_state: dict[str, Any]
+    pid: int = 0  # the core's process (on its own host when it is remote)
 
 
 # ---- frontend -> core -------------------------------------------------------------------

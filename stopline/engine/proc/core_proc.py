@@ -7,7 +7,9 @@ message the input thread empties the abort socket. Both threads send on the one 
 socket, under a lock (ZMQ sockets are not thread-safe).
 
 Exit codes: 0 after a shutdown message, 1 if loading or stepping failed (a FatalMsg with the
-reason goes out first), 0 when the frontend process disappears.
+reason goes out first), 0 when the frontend process disappears. A core the frontend spawned
+watches its parent's pid; a remote one (`stopline role`, over TCP) watches its connection to
+the frontend, with ZMTP heartbeats so a silent network is noticed too.
 """
 
 from __future__ import annotations
@@ -51,25 +53,44 @@ log = logging.getLogger("stopline.core_proc")
 ABORT_SWITCH_INTERVAL = 0.0002  # seconds; measured: 5 ms (default) -> p50 5 ms, 0.1 ms -> p50 0.4 ms
 
 
+HEARTBEAT_MS = 250  # ZMTP heartbeats on a remote core's sockets: a silent peer is gone after
+HEARTBEAT_TIMEOUT_MS = 1000  # this long (a killed process's connection closes at once)
+
+
+def heartbeats(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
 def main(addrs: CoreAddresses, model: str | None, config: EngineConfig | None, progress: bool,
-         parent_pid: int, threads: int | None = None,
+         parent_pid: int | None, threads: int | None = None,
          make_core: Callable[..., EngineCore] | None = None) -> None:
     """make_core: builds the core instead of EngineCore (a picklable callable taking the
-    same arguments: the prefill and decode roles of stopline/disagg)."""
+    same arguments: the prefill and decode roles of stopline/disagg). parent_pid None: a
+    remote core, reached over TCP, that exits when its frontend's connection drops."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [core] %(message)s")
-    # Ctrl-C in a terminal, and systemd's stop, signal the whole process group: the frontend
-    # decides how we stop (it drains first, then sends ShutdownMsg; if it dies, so do we).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    remote = parent_pid is None
+    if not remote:
+        # Ctrl-C in a terminal, and systemd's stop, signal the whole process group: the
+        # frontend decides how we stop (it drains first, then sends ShutdownMsg; if it dies,
+        # so do we). A remote core is its own command: those signals stop it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # The input thread must get the GIL quickly while the stepping thread runs Python code:
     # with the default 5 ms switch interval an abort waits about that long to be accepted.
     sys.setswitchinterval(ABORT_SWITCH_INTERVAL)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
-                     name="stopline-parent-watch").start()
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.SNDHWM, 0)
+    if remote:
+        heartbeats(out)
+        threading.Thread(target=_watch_frontend, args=(out.get_monitor_socket(),), daemon=True,
+                         name="stopline-frontend-watch").start()
+    else:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
+                         name="stopline-parent-watch").start()
     out.connect(addrs.output)
     lock = threading.Lock()
     enc = msgspec.msgpack.Encoder()
@@ -94,11 +115,13 @@ def main(addrs: CoreAddresses, model: str | None, config: EngineConfig | None, p
         send(FatalMsg(f"loading the model failed: {exc}"))
         _exit(out, 1)
     loop = CoreLoop(core, send)
-    inp = _pull(ctx, addrs.input)
-    abort = _pull(ctx, addrs.abort)
-    bell = Doorbell(os.open(addrs.doorbell, os.O_RDONLY | os.O_NONBLOCK))
+    inp = _pull(ctx, addrs.input, remote)
+    abort = _pull(ctx, addrs.abort, remote)
+    bell = Doorbell(os.open(addrs.doorbell, os.O_RDONLY | os.O_NONBLOCK) if addrs.doorbell else None)
     loop.before_step = bell.let_input_in
     send(ReadyMsg(loop.info()))
+    if remote:
+        log.info("engine core %d ready; serving the front end at %s", os.getpid(), addrs.input)
     threading.Thread(target=_serve_input, args=(inp, abort, loop, send, bell), daemon=True,
                      name="stopline-core-input").start()
     code = 0
@@ -126,9 +149,11 @@ def _set_threads(threads: int | None) -> None:
         log.info("torch threads: %d of %d CPUs", threads, cpus)
 
 
-def _pull(ctx: zmq.Context, addr: str) -> zmq.Socket:
+def _pull(ctx: zmq.Context, addr: str, remote: bool) -> zmq.Socket:
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if remote:
+        heartbeats(sock)
     sock.connect(addr)
     return sock
 
@@ -154,16 +179,21 @@ class Doorbell:
 
     WAIT = 0.005
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int | None) -> None:
+        """fd None: no FIFO (a remote core: its frontend is on another host)."""
         self.fd = fd
         self.answered = threading.Event()
 
     def let_input_in(self) -> None:  # stepping thread
+        if self.fd is None:
+            return
         self.answered.clear()  # before looking: a ring answered after this point sets it
         if select.select([self.fd], [], [], 0)[0]:
             self.answered.wait(self.WAIT)
 
     def silence(self) -> None:  # input thread, before it drains the abort socket
+        if self.fd is None:
+            return
         try:
             while os.read(self.fd, 4096):
                 pass
@@ -180,7 +210,8 @@ def _serve_input(inp: zmq.Socket, abort: zmq.Socket, loop: CoreLoop,
     poller = zmq.Poller()
     poller.register(abort, zmq.POLLIN)
     poller.register(inp, zmq.POLLIN)
-    poller.register(bell.fd, zmq.POLLIN)  # a ring with no message left must still be answered
+    if bell.fd is not None:
+        poller.register(bell.fd, zmq.POLLIN)  # a ring with no message left must still be answered
     while True:
         poller.poll()
         bell.silence()
@@ -229,6 +260,21 @@ def _reply(call_id: int, send: Callable[[msgspec.Struct], None]) -> Callable[[Fu
         exc = fut.exception()
         send(UtilityReply(call_id, None if exc else fut.result(), None if exc is None else repr(exc)))
     return done
+
+
+def _watch_frontend(monitor: zmq.Socket) -> None:
+    # A remote core serves one frontend: once its connection is up, a drop (the frontend
+    # exited or was killed, or heartbeats timed out) means nobody can use our output.
+    from zmq.utils.monitor import recv_monitor_message
+
+    connected = False
+    while True:
+        event = recv_monitor_message(monitor)["event"]
+        if event == zmq.EVENT_CONNECTED:
+            connected = True
+        elif event == zmq.EVENT_DISCONNECTED and connected:
+            log.warning("the front end's connection dropped: exiting")
+            os._exit(0)
 
 
 def _watch_parent(parent_pid: int) -> None:

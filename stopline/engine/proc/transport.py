@@ -63,7 +63,7 @@ class CoreAddresses(msgspec.Struct, frozen=True):
     input: str
     abort: str
     output: str
-    doorbell: str  # a FIFO: one byte per abort sent, see core_proc.Doorbell
+    doorbell: str = ""  # a FIFO: one byte per abort sent, see core_proc.Doorbell; "": none (remote)
 
 
 class ProcCore:
@@ -90,19 +90,16 @@ class ProcCore:
         self._reader: asyncio.Task | None = None
         self._dir: str | None = None
         self._bell: int | None = None
+        self.pid: int | None = None  # the core's process, once it said ready
 
     # ---- start ----------------------------------------------------------------------------
     async def start(self, on_batch: Callable[[Batch], None],
                     on_dead: Callable[[str], None]) -> CoreInfo:
-        from stopline.engine.proc import core_proc
         from stopline.tokenizer.tokenizer import Tokenizer
 
         self._aloop = aloop = asyncio.get_running_loop()
         self._on_batch, self._on_dead = on_batch, on_dead
-        self._dir = tempfile.mkdtemp(prefix="stopline-ipc-")
-        addrs = CoreAddresses(*(f"ipc://{self._dir}/{name}" for name in ("input", "abort", "output")),
-                              doorbell=f"{self._dir}/doorbell")
-        os.mkfifo(addrs.doorbell)
+        addrs = self._addresses()
         self._ctx = zmq.Context()
         self._in = self._push(addrs.input)
         self._abort = self._push(addrs.abort)
@@ -110,9 +107,38 @@ class ProcCore:
         self._out = self._actx.socket(zmq.PULL)
         self._out.setsockopt(zmq.RCVHWM, 0)
         self._out.setsockopt(zmq.LINGER, 0)
+        self._tune(self._out)
         self._out.bind(addrs.output)
         self._ready: asyncio.Future[CoreInfo] = aloop.create_future()
         self._reader = asyncio.create_task(self._read(), name="stopline-core-reader")
+        self._launch(addrs)
+        info = await self._ready
+        self.pid = info.pid
+        # The core connected before it said ready; wait until our PUSH sockets see it, so the
+        # first add can't fail for lack of a peer.
+        for sock in (self._in, self._abort):
+            if not await asyncio.to_thread(sock.poll, 10_000, zmq.POLLOUT):
+                raise EngineDead("the engine core never connected its input sockets")
+        if addrs.doorbell:
+            # The core opened the FIFO for reading before it said ready, so this can't block.
+            self._bell = os.open(addrs.doorbell, os.O_WRONLY | os.O_NONBLOCK)
+        self.tokenizer = Tokenizer.from_state(info.tokenizer_state)
+        log.info("engine core ready in process %d (%s)", info.pid, info.source)
+        return info
+
+    def _addresses(self) -> CoreAddresses:
+        self._dir = tempfile.mkdtemp(prefix="stopline-ipc-")
+        addrs = CoreAddresses(*(f"ipc://{self._dir}/{name}" for name in ("input", "abort", "output")),
+                              doorbell=f"{self._dir}/doorbell")
+        os.mkfifo(addrs.doorbell)
+        return addrs
+
+    def _tune(self, sock: zmq.Socket) -> None:
+        """Socket options before bind (the remote core adds heartbeats)."""
+
+    def _launch(self, addrs: CoreAddresses) -> None:
+        from stopline.engine.proc import core_proc
+
         mp = multiprocessing.get_context("spawn")  # a clean interpreter: no inherited threads or loop
         self.proc = mp.Process(target=core_proc.main, name="stopline-core", daemon=True,
                                args=(addrs, self.model, self.config, self.progress, os.getpid(),
@@ -120,22 +146,12 @@ class ProcCore:
         self.proc.start()
         threading.Thread(target=self._watch, args=(self.proc.sentinel,), daemon=True,
                          name="stopline-core-watch").start()
-        info = await self._ready
-        # The core connected before it said ready; wait until our PUSH sockets see it, so the
-        # first add can't fail for lack of a peer.
-        for sock in (self._in, self._abort):
-            if not await asyncio.to_thread(sock.poll, 10_000, zmq.POLLOUT):
-                raise EngineDead("the engine core never connected its input sockets")
-        # The core opened the FIFO for reading before it said ready, so this can't block.
-        self._bell = os.open(addrs.doorbell, os.O_WRONLY | os.O_NONBLOCK)
-        self.tokenizer = Tokenizer.from_state(info.tokenizer_state)
-        log.info("engine core ready in process %d (%s)", self.proc.pid, info.source)
-        return info
 
     def _push(self, addr: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
+        self._tune(sock)
         sock.bind(addr)
         return sock
 
@@ -168,6 +184,8 @@ class ProcCore:
 
     def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
         self._send(self._abort, AbortMsg(list(incarnations), source, t0))
+        if self._bell is None:
+            return  # a remote core has no doorbell
         try:
             os.write(self._bell, b"!")
         except BlockingIOError:
@@ -245,8 +263,7 @@ class ProcCore:
     def _declare_dead(self) -> None:
         if self._closing or self._dead is not None:
             return
-        code = self.proc.exitcode if self.proc is not None else None
-        reason = self._fatal or f"the engine core process exited with code {code}"
+        reason = self._fatal or self._exit_reason()
         self._dead = reason
         exc = EngineDead(reason)
         for fut in [*self._acks.values(), *self._calls.values()]:
@@ -257,6 +274,10 @@ class ProcCore:
         if not self._ready.done():
             self._ready.set_exception(exc)
         self._on_dead(reason)
+
+    def _exit_reason(self) -> str:
+        code = self.proc.exitcode if self.proc is not None else None
+        return f"the engine core process exited with code {code}"
 
     # ---- stop -------------------------------------------------------------------------------
     async def close(self) -> None:
