@@ -148,3 +148,17 @@ def test_report_states_the_latest_run_of_each_row(tmp_path: Path) -> None:
     assert "- stopline: `stopline bench serve --workloads invariance` on box B" in text
     assert "- vllm: `stopline bench serve --peers vllm` on box A" in text
     assert "abc1234" not in text and "/tmp/r" not in text
+
+
+def test_fast_mode_is_served_as_its_own_engine_and_is_not_a_peer():
+    from stopline.bench import report
+    from stopline.bench.engines import spec_for
+
+    fast = spec_for("stopline-fast")
+    assert fast.name == "stopline-fast"
+    cmd = fast.command(8123, None, {})
+    assert cmd[cmd.index("--numerics") + 1] == "fast"
+    res = {"engines": {e: {"sources": {"throughput": 0}} for e in ("stopline", "stopline-fast", "llamacpp")}}
+    # stopline against the best *peer*: its own fast mode, faster here, does not count.
+    got = report._vs_best_peer(res, {"stopline": 300.0, "stopline-fast": 600.0, "llamacpp": 100.0}, "throughput")
+    assert got == pytest.approx(3.0)

@@ -8,6 +8,7 @@ it is measured, on a free loopback port, and is stopped (its own process group) 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -120,8 +121,11 @@ def hf_spec() -> EngineSpec:
 
 
 def spec_for(name: str, model: str | None = None) -> EngineSpec:
-    makers = {"stopline": lambda: stopline_spec(model), "vllm": vllm_spec,
-              "llamacpp": llamacpp_spec, "hf": hf_spec}
+    makers = {"stopline": lambda: stopline_spec(model),
+              # the fast numerics mode (docs/numerics.md), served the same way
+              "stopline-fast": lambda: dataclasses.replace(
+                  stopline_spec(model, extra=["--numerics", "fast"]), name="stopline-fast"),
+              "vllm": vllm_spec, "llamacpp": llamacpp_spec, "hf": hf_spec}
     if name not in makers:
         raise ValueError(f"unknown engine {name!r}; known: {', '.join(makers)}")
     return makers[name]()

@@ -19,7 +19,7 @@ from stopline.bench.stats import ratio
 from stopline.bench.stop_report import reproducible, summary
 
 DASH = "—"
-PEER_ORDER = ("stopline", "vllm", "llamacpp", "hf")
+PEER_ORDER = ("stopline", "stopline-fast", "vllm", "llamacpp", "hf")
 
 
 def load(paths: list[Path]) -> dict[str, Any]:
@@ -200,12 +200,13 @@ def _throughput(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
 
 
 def _vs_best_peer(res: dict[str, Any], values: dict[str, float | None], workload: str) -> float | None:
-    """stopline's value ÷ the best peer's, among peers measured in the same run as stopline."""
+    """stopline's value ÷ the best peer's, among peers measured in the same run as stopline
+    (its own other mode, stopline-fast, is not a peer)."""
     if "stopline" not in res["engines"]:
         return None
     run = _source(res, "stopline", workload)
     peers = [v for e, v in values.items()
-             if e != "stopline" and v and _source(res, e, workload) == run]
+             if not e.startswith("stopline") and v and _source(res, e, workload) == run]
     return ratio(values.get("stopline"), max(peers)) if peers else None
 
 
