@@ -155,14 +155,17 @@ PANEL_FNS(q4)
 PANEL_FNS(q8)
 
 /* The entry points. x: M x K float32 rows (contiguous), y: M x N; K and kc multiples of 32,
- * N of 32. Each thread takes whole panels; a panel runs its rows in chunks of at most MR,
+ * N of 32. Each thread takes whole panels, so a panel's bits never depend on which thread
+ * ran it; guided, not static, so a thread the OS pauses for a neighbour does not hold its
+ * share hostage (bench/contention.py, half a core taken, step p50 slowdown: 1 stream
+ * 2.35-2.47x static -> 2.07x guided, 32 streams 1.74x -> 1.60x; quiet steps unchanged); a panel runs its rows in chunks of at most MR,
  * as even as possible (never a thin last chunk that pays a dequantization for a few rows).
  * The panel (12-30 KB) is still in L1/L2 when the next chunk reads it. */
 static void gemm(const PanelFn* panels, long rec_bytes, const float* x, const uint8_t* w, float* y,
                  int M, int K, int N, int kc) {
     long panel_bytes = (long)(K / GROUP) * rec_bytes;
     int chunks = (M + MR - 1) / MR;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(guided)
     for (int p = 0; p < N / PANEL; p++) {
         const uint8_t* P = w + p * panel_bytes;
         for (int c = 0; c < chunks; c++) {
