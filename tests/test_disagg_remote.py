@@ -1,8 +1,7 @@
 """One role of `serve --disagg` on "another host": started on its own as `stopline role`,
 reached over TCP on the address the front end listens on (loopback here). Output equals one
 engine's, the KV crosses, a cancel reaches the remote role, a killed remote role is named
-in /health and its streams end within 1 s, and a role that loaded another model is refused.
-(A remote decode role is not tested here: see docs/disagg.md.)"""
+in /health and its streams end within 1 s, and a role that loaded another model is refused."""
 
 from __future__ import annotations
 
@@ -167,6 +166,32 @@ def test_remote_prefill_killed(tiny_long_model_dir):
         while srv.metrics()['stopline_kv_blocks_used{replica="decode"}'] != 0:
             assert time.monotonic() - t_kill < RECLAIM_S, srv.metrics()
             time.sleep(0.02)
+    finally:
+        srv.stop()
+        role.stop()
+
+
+def test_remote_decode_serves_and_exits_with_the_front_end(tiny_long_model_dir):
+    srv, role = _split(tiny_long_model_dir, "decode")
+    try:
+        srv.wait_ready()
+        r = _client(srv).completions.create(model="tiny", prompt="once upon a time " * 8,
+                                            max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
+        assert _roles(srv)["decode"]["pid"] == role.proc.pid
+    finally:
+        srv.stop()
+    # Its front end gone, the remote role has nobody to serve: it leaves by itself.
+    assert role.proc.wait(10) == 0
+    role.stop()
+
+
+def test_a_role_with_another_block_size_is_refused(tiny_long_model_dir):
+    srv, role = _split(tiny_long_model_dir, "prefill", "--block-size", "8")
+    try:
+        with pytest.raises(RuntimeError) as failed:
+            srv.wait_ready(timeout=120)
+        assert "differ in block_size: 8 vs 4" in str(failed.value)
     finally:
         srv.stop()
         role.stop()

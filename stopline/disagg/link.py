@@ -9,13 +9,17 @@ one connects both, so the remote side needs the front end's host and nothing els
 A receiver thread puts what arrives into a queue that the stepping thread drains at every
 step start. The stepping thread and the prefill side's heartbeat thread both send, under a
 lock (ZMQ sockets are not thread-safe). High-water marks are unlimited and sends never
-block: a message for a dead peer waits in ZMQ and the reclaim deadline ends its request.
+block: a message for a dead peer waits and the reclaim deadline ends its request. A connected
+PUSH queues in ZMQ; a bound one has nowhere to queue until its peer has connected (at start,
+or after the peer died), so what it refuses waits in `_backlog`, in order, and goes out at
+the next send or heartbeat.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Sequence
 
 import msgspec
@@ -42,6 +46,7 @@ class Link:
         self._push.setsockopt(zmq.LINGER, 0)
         (self._push.bind if bind_push else self._push.connect)(push)
         self._lock = threading.Lock()
+        self._backlog: deque[list] = deque()  # parts a bound PUSH refused (no peer yet)
         self._beat_enc = msgspec.msgpack.Encoder()
         self.inbox: queue.SimpleQueue[Received] = queue.SimpleQueue()
         self.bad: list[str] = []  # frames that could not be decoded (logged by the role)
@@ -53,18 +58,36 @@ class Link:
     def send(self, msg: msgspec.Struct) -> None:
         data = self._enc.encode(msg)
         with self._lock:
-            self._push.send_multipart([MSG_TAG, data], zmq.NOBLOCK)
+            self._backlog.append([MSG_TAG, data])
+            self._flush()
 
     def send_kv(self, frames: Sequence[bytes | memoryview]) -> None:
         with self._lock:
-            self._push.send_multipart([KV_TAG, *frames], zmq.NOBLOCK, copy=False)
+            self._backlog.append([KV_TAG, *frames])
+            self._flush()
 
     def beat(self, incarnations: list[str]) -> None:
-        """From the heartbeat thread (its own encoder; the socket under the lock)."""
+        """From the heartbeat thread (its own encoder; the socket under the lock). A beat
+        nobody can receive yet is dropped: the next one says the same."""
         msgs = [self._beat_enc.encode(Progress(inc)) for inc in incarnations]
         with self._lock:
+            if not self._flush():
+                return
             for data in msgs:
-                self._push.send_multipart([MSG_TAG, data], zmq.NOBLOCK)
+                try:
+                    self._push.send_multipart([MSG_TAG, data], zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+
+    def _flush(self) -> bool:
+        """Send the backlog in order (under the lock); False when the peer is not there."""
+        while self._backlog:
+            try:
+                self._push.send_multipart(self._backlog[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            self._backlog.popleft()
+        return True
 
     def take(self) -> list[Received]:
         out = []

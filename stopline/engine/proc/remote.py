@@ -61,24 +61,28 @@ class RemoteCore(ProcCore):
         log.info("waiting for the remote %s to connect at %s", self.name, addrs.input)
 
     def _watch_link(self, monitor: zmq.Socket) -> None:
+        # Reads every event until the monitor stops: an unread monitor fills its pipe, and
+        # libzmq then blocks the socket's I/O thread (and disable_monitor) on the next event.
         from zmq.utils.monitor import recv_monitor_message
 
-        connected = False
-        while True:
-            try:
+        connected = reported = False
+        try:
+            while True:
                 event = recv_monitor_message(monitor)["event"]
-            except zmq.ZMQError:
-                return  # closing
-            if event == zmq.EVENT_ACCEPTED:
-                connected = True
-            elif event == zmq.EVENT_DISCONNECTED and connected:
-                try:
-                    self._aloop.call_soon_threadsafe(self._died)
-                except RuntimeError:
-                    pass  # the event loop is gone: so is everyone who cared
-                return
-            elif event == zmq.EVENT_MONITOR_STOPPED:
-                return
+                if event == zmq.EVENT_ACCEPTED:
+                    connected = True
+                elif event == zmq.EVENT_DISCONNECTED and connected and not reported:
+                    reported = True
+                    try:
+                        self._aloop.call_soon_threadsafe(self._died)
+                    except RuntimeError:
+                        pass  # the event loop is gone: so is everyone who cared
+                elif event == zmq.EVENT_MONITOR_STOPPED:
+                    return
+        except zmq.ZMQError:
+            return  # the context is terminating
+        finally:
+            monitor.close(linger=0)
 
     def _exit_reason(self) -> str:
         return f"the remote {self.name} at {self.addrs.input}: {self._lost_why}"

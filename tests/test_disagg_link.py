@@ -1,0 +1,41 @@
+"""The link's bound PUSH socket (the role beside the front end when the other role is
+remote) before its peer has connected: sends are kept, in order, and go out once it has."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import zmq
+
+from stopline.disagg.link import MSG_TAG, Link
+from stopline.disagg.messages import Ack, LinkMsg
+from tests.server_harness import free_port
+
+
+def test_a_bound_link_keeps_what_it_sends_before_its_peer_connects():
+    pull_addr, push_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    link = Link(pull_addr, push_addr, bind_pull=True, bind_push=True)
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.PULL)
+    try:
+        link.send(Ack("inc-1"))  # nobody connected: a bare NOBLOCK send raises zmq.Again here
+        link.send(Ack("inc-2", "failed"))
+        link.beat(["inc-1"])  # dropped: a beat nobody can hear says nothing the next won't
+        peer.connect(push_addr)
+        deadline = time.monotonic() + 5
+        got: list[list[bytes]] = []
+        while len(got) < 3 and time.monotonic() < deadline:
+            link.beat(["inc-3"])  # flushes the kept messages first, then beats
+            if peer.poll(100):
+                while peer.poll(0):
+                    got.append(peer.recv_multipart())
+        dec = msgspec.msgpack.Decoder(LinkMsg)
+        assert all(parts[0] == MSG_TAG for parts in got)
+        msgs = [dec.decode(parts[1]) for parts in got]
+        assert msgs[:2] == [Ack("inc-1"), Ack("inc-2", "failed")]
+        assert all(m.incarnation == "inc-3" for m in msgs[2:]) and len(msgs) >= 3
+    finally:
+        peer.close(linger=0)
+        ctx.term()
+        link.close()
