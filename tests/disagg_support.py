@@ -4,13 +4,14 @@ ordering can be set up by hand; and the front end's cut of a split request."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from stopline.config import EngineConfig
 from stopline.disagg.decode_core import DecodeCore, split_blocks
-from stopline.disagg.frontend import free_port
 from stopline.disagg.messages import RoleSpec
 from stopline.disagg.prefill_core import PrefillCore
 from stopline.engine.output import RequestOutput
@@ -29,6 +30,7 @@ def config(**kw: object) -> EngineConfig:
 class Pair:
     p: PrefillCore
     d: DecodeCore
+    link_dir: str
     out: dict[tuple[str, int], Result] = field(default_factory=dict)
     p_out: list[RequestOutput] = field(default_factory=list)
 
@@ -74,10 +76,12 @@ class Pair:
     def close(self) -> None:
         self.p.close()
         self.d.link.close()
+        shutil.rmtree(self.link_dir, ignore_errors=True)
 
 
 def make_pair(loaded: object, reclaim_s: float = 3.0, **kw: object) -> Pair:
-    kv, ack = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    link_dir = tempfile.mkdtemp(prefix="stopline-link-test-")
+    kv, ack = f"ipc://{link_dir}/kv", f"ipc://{link_dir}/ack"
     p = PrefillCore(loaded, config(**kw), spec=RoleSpec("prefill", kv, ack, reclaim_s), progress=False)
     d = DecodeCore(loaded, config(**kw), spec=RoleSpec("decode", kv, ack, reclaim_s), progress=False)
-    return Pair(p, d)
+    return Pair(p, d, link_dir)

@@ -10,11 +10,10 @@ import zmq
 
 from stopline.disagg.link import MSG_TAG, Link
 from stopline.disagg.messages import Ack, LinkMsg
-from tests.server_harness import free_port
 
 
-def test_a_bound_link_keeps_what_it_sends_before_its_peer_connects():
-    pull_addr, push_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+def test_a_bound_link_keeps_what_it_sends_before_its_peer_connects(tmp_path):
+    pull_addr, push_addr = f"ipc://{tmp_path}/ack", f"ipc://{tmp_path}/kv"
     link = Link(pull_addr, push_addr, bind_pull=True, bind_push=True)
     ctx = zmq.Context()
     peer = ctx.socket(zmq.PULL)

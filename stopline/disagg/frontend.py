@@ -27,7 +27,8 @@ import asyncio
 import dataclasses
 import logging
 import os
-import socket
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,12 +48,6 @@ from stopline.request import AbortSource, FinishReason, SamplingParams
 log = logging.getLogger("stopline.disagg")
 
 ROLES = ("prefill", "decode")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def link_addresses(listen: str) -> tuple[str, str]:
@@ -88,8 +83,12 @@ class DisaggCores:
         threads = threads or max(1, len(os.sched_getaffinity(0)) // local_roles)
         # The decode role's received KV enters its prefix cache: it must have one.
         configs = {"prefill": cfg, "decode": dataclasses.replace(cfg, enable_prefix_caching=True)}
+        self._dir: str | None = None
         if remote is None:
-            kv, ack = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+            # Both roles here: ipc in a private dir. A loopback port picked free and bound
+            # later by the role can be taken meanwhile (any client's ephemeral port).
+            self._dir = tempfile.mkdtemp(prefix="stopline-link-")
+            kv, ack = f"ipc://{self._dir}/kv", f"ipc://{self._dir}/ack"
             specs = {r: RoleSpec(r, kv, ack, reclaim_s) for r in ROLES}
         else:
             kv, ack = link_addresses(listen)
@@ -235,6 +234,8 @@ class DisaggCores:
             if self.state[r] == "healthy":
                 self.state[r] = "closed"
         await asyncio.gather(*(c.close() for c in self.cores.values()))
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _check_same_model(prefill: CoreInfo, decode: CoreInfo) -> None:

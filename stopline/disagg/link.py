@@ -1,5 +1,5 @@
-"""The link between the two roles: ZMQ PUSH -> PULL over TCP (docs/disagg.md measured tcp
-loopback as fast as ipc, so there is no ipc path and two machines work the same way).
+"""The link between the two roles: ZMQ PUSH -> PULL, ipc with both roles on one host and TCP
+with one on another (docs/disagg.md measured the two alike on loopback).
 
 Each role has one PULL socket (what the other sends) and one PUSH socket. With both roles
 on one machine each binds its PULL and connects its PUSH to the other's. With one role on
