@@ -138,7 +138,9 @@ def test_cancel_reaches_the_remote_role(remote_prefill):
 
 
 def test_remote_prefill_killed(tiny_long_model_dir):
-    srv, role = _split(tiny_long_model_dir, "prefill")
+    # Small prefill chunks and a long prompt: the prefill lasts long enough (~750 steps) for
+    # the poll below to see it running before it is handed to decode.
+    srv, role = _split(tiny_long_model_dir, "prefill", "--max-num-batched-tokens", "8")
     try:
         srv.wait_ready()
         client = _client(srv)
