@@ -86,8 +86,8 @@ def main(addrs: CoreAddresses, model: str | None, config: EngineConfig | None, p
     out.setsockopt(zmq.SNDHWM, 0)
     if remote:
         heartbeats(out)
-        threading.Thread(target=_watch_frontend, args=(out.get_monitor_socket(),), daemon=True,
-                         name="stopline-frontend-watch").start()
+        threading.Thread(target=watch_connection, daemon=True, name="stopline-frontend-watch",
+                         args=(out.get_monitor_socket(), zmq.EVENT_CONNECTED, _frontend_gone)).start()
     else:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
                          name="stopline-parent-watch").start()
@@ -262,19 +262,34 @@ def _reply(call_id: int, send: Callable[[msgspec.Struct], None]) -> Callable[[Fu
     return done
 
 
-def _watch_frontend(monitor: zmq.Socket) -> None:
-    # A remote core serves one frontend: once its connection is up, a drop (the frontend
-    # exited or was killed, or heartbeats timed out) means nobody can use our output.
+def watch_connection(monitor: zmq.Socket, up: int, on_drop: Callable[[], None]) -> None:
+    """Read a socket's monitor until it stops and call on_drop once, at the first disconnect
+    after an `up` event. Every event is read: an unread monitor fills its pipe, and libzmq
+    then blocks the socket's I/O thread (and disable_monitor) on the next event."""
     from zmq.utils.monitor import recv_monitor_message
 
-    connected = False
-    while True:
-        event = recv_monitor_message(monitor)["event"]
-        if event == zmq.EVENT_CONNECTED:
-            connected = True
-        elif event == zmq.EVENT_DISCONNECTED and connected:
-            log.warning("the front end's connection dropped: exiting")
-            os._exit(0)
+    connected = dropped = False
+    try:
+        while True:
+            event = recv_monitor_message(monitor)["event"]
+            if event == up:
+                connected = True
+            elif event == zmq.EVENT_DISCONNECTED and connected and not dropped:
+                dropped = True
+                on_drop()
+            elif event == zmq.EVENT_MONITOR_STOPPED:
+                return
+    except zmq.ZMQError:
+        return  # the context is terminating
+    finally:
+        monitor.close(linger=0)
+
+
+def _frontend_gone() -> None:
+    # A remote core serves one frontend: once its connection is up, a drop (the frontend
+    # exited or was killed, or heartbeats timed out) means nobody can use our output.
+    log.warning("the front end's connection dropped: exiting")
+    os._exit(0)
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -56,33 +56,15 @@ class RemoteCore(ProcCore):
 
     def _launch(self, addrs: CoreAddresses) -> None:
         # The input socket's connection (a plain zmq socket: the output one is asyncio's).
-        threading.Thread(target=self._watch_link, args=(self._in.get_monitor_socket(),),
-                         daemon=True, name="stopline-remote-watch").start()
+        threading.Thread(target=core_proc.watch_connection, daemon=True, name="stopline-remote-watch",
+                         args=(self._in.get_monitor_socket(), zmq.EVENT_ACCEPTED, self._link_dropped)).start()
         log.info("waiting for the remote %s to connect at %s", self.name, addrs.input)
 
-    def _watch_link(self, monitor: zmq.Socket) -> None:
-        # Reads every event until the monitor stops: an unread monitor fills its pipe, and
-        # libzmq then blocks the socket's I/O thread (and disable_monitor) on the next event.
-        from zmq.utils.monitor import recv_monitor_message
-
-        connected = reported = False
+    def _link_dropped(self) -> None:
         try:
-            while True:
-                event = recv_monitor_message(monitor)["event"]
-                if event == zmq.EVENT_ACCEPTED:
-                    connected = True
-                elif event == zmq.EVENT_DISCONNECTED and connected and not reported:
-                    reported = True
-                    try:
-                        self._aloop.call_soon_threadsafe(self._died)
-                    except RuntimeError:
-                        pass  # the event loop is gone: so is everyone who cared
-                elif event == zmq.EVENT_MONITOR_STOPPED:
-                    return
-        except zmq.ZMQError:
-            return  # the context is terminating
-        finally:
-            monitor.close(linger=0)
+            self._aloop.call_soon_threadsafe(self._died)
+        except RuntimeError:
+            pass  # the event loop is gone: so is everyone who cared
 
     def _exit_reason(self) -> str:
         return f"the remote {self.name} at {self.addrs.input}: {self._lost_why}"
