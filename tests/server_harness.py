@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,9 +24,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """A base port P with P..P+n-1 free on loopback, below Linux's ephemeral range (32768 and
+    up by default), so no client's outgoing connection takes one before it is bound."""
+    for _ in range(200):
+        base = random.randrange(20000, 32768 - n)
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
 class ServerProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None, api_key: str | None = None) -> None:
-        self.port = free_port()
+        self.port = free_ports(1)
         self.base = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile(prefix="stopline-serve-", suffix=".log", delete=False)

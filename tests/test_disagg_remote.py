@@ -6,9 +6,7 @@ in /health and its streams end within 1 s, and a role that loaded another model 
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,31 +16,12 @@ import httpx
 import openai
 import pytest
 
-from tests.server_harness import REPO, ServerProcess
+from tests.server_harness import REPO, ServerProcess, free_ports
 
 pytestmark = pytest.mark.timeout(180)
 
 RECLAIM_S = 2.0
 ENGINE = ("--block-size", "4", "--num-blocks", "4096", "--max-num-batched-tokens", "64")
-
-
-def free_ports(n: int) -> int:
-    """A base port P with P..P+n-1 free on loopback."""
-    for _ in range(200):
-        base = random.randrange(20000, 60000)
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
 
 
 class Role:

@@ -2,7 +2,8 @@
 greedy and seeded sampling with penalties, logprobs, stop strings, deadlines and queue
 timeouts, reused caller ids, cancels racing a natural finish and then resubmitted, random
 aborts in every state, a pool small enough to force preemption (recompute, swap, auto),
-async scheduling on and off, and the same through the async engine over ZMQ.
+async scheduling on and off, and the same through the async engine over ZMQ and through the
+prefill/decode split (both roles local, or the prefill role remote over TCP).
 
 Checked (docs/stop-path.md): the ledger and holder audit after every step (debug mode, freed
 blocks poisoned with NaN); the pool back to baseline at the end; every survivor's output
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -140,6 +143,45 @@ def test_async_storm_through_the_split(tiny_dir, tiny, storm_work):
     res = run_async_storm(str(tiny_dir), work, config, seed=23, max_delay=0.1,
                           make=lambda d, c, progress: disagg_engine(d, c, progress=progress))
     assert check_storm(work, ref, res) > 5
+
+
+_REMOTE_ROLE = """
+import sys
+from stopline.disagg.frontend import remote_spec
+from stopline.disagg.role import RoleFactory
+from stopline.engine.proc import core_proc
+from stopline.engine.proc.remote import core_addresses
+from tests.chaos_support import storm_config
+import dataclasses
+model, front = sys.argv[1], sys.argv[2]
+cfg = dataclasses.replace(storm_config("auto", True), num_blocks=60)
+core_proc.main(core_addresses(front), model, cfg, True, None, 1,
+               RoleFactory(remote_spec("prefill", front, 3.0)))
+"""
+
+
+def test_async_storm_through_the_split_with_a_remote_prefill_role(tiny_dir, tiny, storm_work):
+    """The split storm with the prefill role as `stopline role` does it (its own process,
+    reached over TCP, the link's sockets bound by the decode role): the storm's engine
+    settings, which the CLI does not all expose, so the role is started from Python."""
+    from stopline.disagg.frontend import disagg_engine
+    from tests.server_harness import REPO, free_ports
+
+    work, ref = storm_work
+    work = [j for j in work[:80] if not (j.race or j.resubmit)]
+    config = dataclasses.replace(storm_config("auto", True), num_blocks=60)
+    front = f"127.0.0.1:{free_ports(5)}"
+    role = subprocess.Popen([sys.executable, "-c", _REMOTE_ROLE, str(tiny_dir), front], cwd=REPO)
+    try:
+        res = run_async_storm(str(tiny_dir), work, config, seed=29, max_delay=0.1,
+                              make=lambda d, c, progress: disagg_engine(
+                                  d, c, progress=progress, remote="prefill", listen=front))
+        assert check_storm(work, ref, res) > 5
+        assert role.wait(10) == 0  # the front end's close stopped it
+    finally:
+        if role.poll() is None:
+            role.kill()
+            role.wait(5)
 
 
 def test_solo_matches_reference(tiny, storm_work):
