@@ -62,3 +62,31 @@ def test_llama_bench_ratios_from_the_same_run(tmp_path: Path) -> None:
     assert exact["decode_x_tg128"] == pytest.approx(200.0 / RUNS[1]["avg_ts"])
     assert exact["prefill_x_pp512"] == pytest.approx(600.0 / RUNS[0]["avg_ts"])
     assert fast["decode_tok_s"] == pytest.approx(250.0) and "prefill_tok_s" not in fast
+
+
+def test_step_times_take_turns_that_start_untimed(monkeypatch) -> None:
+    """Engines take turns of `turn` timed steps, each turn opened by `settle` untimed ones
+    (its weights back in cache), and each engine is timed exactly `steps` times."""
+    from stopline.bench import floors, offline
+
+    log: list[str] = []
+
+    class Fake:
+        def __init__(self, name: str) -> None:
+            self.name, self.loaded, self.left = name, None, 0
+
+        def add_request(self, rid, prompt, params) -> None:
+            self.left = params.max_tokens
+
+        def step(self) -> None:
+            log.append(self.name)
+            self.left -= 1
+
+        def has_unfinished(self) -> bool:
+            return self.left > 0
+
+    monkeypatch.setattr(offline, "chat_prompts", lambda loaded, n: [[1, 2, 3]] * n)
+    out = floors.step_times({"a": Fake("a"), "b": Fake("b")}, 1, warm=1, steps=5, turn=2, settle=1)
+    timed = log[2:2 + 2 * (3 + 3 + 2)]  # after the warm step of each: turns of 1 + 2, 1 + 2, 1 + 1
+    assert timed == list("aaabbbaaabbbaabb")
+    assert set(out) == {"a", "b"} and all(v["min_ms"] <= v["p50_ms"] for v in out.values())

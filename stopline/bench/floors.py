@@ -4,8 +4,9 @@
   threads (the engine's), best of N;
 - GEMM rates: torch's fp32 and bf16 `x @ w_t` at the 32-stream step's shapes (the model's
   linears, 32 rows), and the fast mode's bf16 kernel at the same shapes;
-- decode step time at 1 and 32 streams for each numerics mode (engines stepped alternately,
-  so a slow spell of the host lands on all alike), against the floor: max(bytes of weights
+- decode step time at 1 and 32 streams for each numerics mode (engines take turns of
+  --turn steps, each turn's first --settle steps untimed, so a slow spell of the host lands
+  on all alike and each is timed with its own weights in cache), against the floor: max(bytes of weights
   and KV the step reads / bandwidth, FMAs of the step / GEMM rate of its arithmetic);
 - prefill: tokens/s over one 512-token prompt for each mode (best of --prefill-reps);
 - with --llama-bench (or STOPLINE_LLAMA_BENCH naming the binary): llama.cpp's llama-bench
@@ -129,12 +130,18 @@ def step_floor(engine, rows: int, mean_ctx: float, bw: float, rates: dict[str, f
             "fma_floor_ms": 2 * fmas / rate * 1e3}
 
 
-def step_times(engines: dict[str, object], n: int, warm: int, steps: int) -> dict[str, dict]:
-    """p50 and min decode step of n streams in each engine, stepped alternately."""
+def step_times(engines: dict[str, object], n: int, warm: int, steps: int,
+               turn: int = 10, settle: int = 2) -> dict[str, dict]:
+    """p50 and min decode step of n streams in each engine. The engines take turns of `turn`
+    timed steps, so a slow spell of the host lands on all alike; each turn starts with
+    `settle` untimed steps, which bring that engine's weights back into the cache the other
+    engines' turns filled (stepped one by one, every step read its weights from memory,
+    which an engine serving alone does not)."""
     from stopline.bench.offline import chat_prompts
     from stopline.request import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=warm + steps + 8, ignore_eos=True)
+    turns = -(-steps // turn)
+    params = SamplingParams(temperature=0.0, max_tokens=warm + turns * (turn + settle) + 8, ignore_eos=True)
     plens = {}
     for label, eng in engines.items():
         ids = chat_prompts(eng.loaded, n)
@@ -145,11 +152,14 @@ def step_times(engines: dict[str, object], n: int, warm: int, steps: int) -> dic
         for eng in engines.values():
             eng.step()
     times: dict[str, list[float]] = {label: [] for label in engines}
-    for _ in range(steps):
+    for t in range(turns):
         for label, eng in engines.items():
-            t = time.perf_counter()
-            eng.step()
-            times[label].append(time.perf_counter() - t)
+            for _ in range(settle):
+                eng.step()
+            for _ in range(min(turn, steps - t * turn)):
+                t0 = time.perf_counter()
+                eng.step()
+                times[label].append(time.perf_counter() - t0)
     for eng in engines.values():
         while eng.has_unfinished():
             eng.step()
@@ -157,7 +167,7 @@ def step_times(engines: dict[str, object], n: int, warm: int, steps: int) -> dic
     for label, ts in times.items():
         ts.sort()
         out[label] = {"p50_ms": ts[len(ts) // 2] * 1e3, "min_ms": ts[0] * 1e3,
-                      "mean_ctx": plens[label] + warm + steps / 2}
+                      "mean_ctx": plens[label] + warm + turns * (turn + settle) / 2}
     return out
 
 
@@ -253,6 +263,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=10, help="best of this many for the probes")
     p.add_argument("--warm", type=int, default=20, help="decode steps before timing")
     p.add_argument("--steps", type=int, default=40, help="decode steps timed per engine")
+    p.add_argument("--turn", type=int, default=10, help="timed steps an engine takes in a row")
+    p.add_argument("--settle", type=int, default=2,
+                   help="untimed steps that start each turn (its weights back in cache)")
     p.add_argument("--accuracy", action="store_true",
                    help="also measure fast against exact under teacher forcing on --texts")
     p.add_argument("--texts", default=str(HELDOUT), help="held-out paragraphs, separated by blank lines")
@@ -272,8 +285,13 @@ def run(args: argparse.Namespace) -> dict:
     from stopline.cli import engine_config
     from stopline.engine.llm import LLM
 
+    if args.turn < 1 or args.settle < 0 or args.steps < 1:
+        raise SystemExit(f"--steps and --turn must be >= 1 and --settle >= 0, got "
+                         f"{args.steps}, {args.turn}, {args.settle}")
     base = engine_config(args)
-    engines = {m: LLM(args.model, config=replace(base, numerics=m, enable_prefix_caching=False),
+    # Speculation off: a timed step is one token per stream, as the floors and tg128 count.
+    engines = {m: LLM(args.model, config=replace(base, numerics=m, enable_prefix_caching=False,
+                                                 speculative="off"),
                       progress=False).engine for m in args.modes}
     bw = bandwidth(args.buffer_mib, args.reps)
     first = next(iter(engines.values()))
@@ -286,7 +304,7 @@ def run(args: argparse.Namespace) -> dict:
                     "gemm_gflops_512_rows": {k: v / 1e9 for k, v in peak.items()},
                     "numerics": {m: e.runner.model.numerics for m, e in engines.items()}, "steps": []}
     for n in args.streams:
-        timed = step_times(engines, n, args.warm, args.steps)
+        timed = step_times(engines, n, args.warm, args.steps, args.turn, args.settle)
         for mode, t in timed.items():
             floor = step_floor(engines[mode], n, t["mean_ctx"], bw, rates | peak)
             best = max(floor["bandwidth_floor_ms"], floor["fma_floor_ms"])
