@@ -135,6 +135,9 @@ class DecodeCore(EngineCore):
         for inc in [i for i, f in self._waiting.items() if f.members[0].status.is_finished]:
             del self._waiting[inc]
 
+    def transfers(self) -> list[tuple[int, float]]:
+        return self.transfer_log
+
     def audit(self) -> None:
         super().audit()
         self.receiving.audit(self.live_requests())

@@ -580,6 +580,11 @@ class EngineCore:
     def live_requests(self) -> list[Request]:
         return self.families.live_requests()
 
+    def transfers(self) -> list[tuple[int, float]] | None:
+        """(bytes, seconds) of the KV transfers this core received; None: it receives none
+        (only a split's decode role does)."""
+        return None
+
     def audit(self) -> None:
         """The ledger contract: raises LedgerError on any leak, double count, or holder still
         holding a finished request."""

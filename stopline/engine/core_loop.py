@@ -161,7 +161,7 @@ class CoreLoop:
             self.core.audit()
             return None
         if method is Utility.TRANSFERS:
-            return getattr(self.core, "transfer_log", None)
+            return self.core.transfers()
         return self.core.pool.reset_prefix_cache()  # Utility.RESET_PREFIX_CACHE
 
     def _sink(self, outputs: list[RequestOutput]) -> None:
