@@ -84,6 +84,29 @@ def test_q4_1_kernel_gives_the_bf16_kernels_bits(n: int, k: int, amx: bool) -> N
 
 
 @needs_amx
+def test_amx_block_kernel_takes_any_row_count() -> None:
+    """Called with more than its 32-row tiles (the Python side never does), the Q4_1 block
+    kernel runs passes of 32 rows instead of leaving y unwritten: the bf16 copy's bits."""
+    import dataclasses
+
+    import gguf
+    import numpy as np
+
+    from stopline.model.kernels.native import kernels
+
+    n, k, m = 96, 64, 45
+    w = np.random.default_rng(7).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    deq = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1)))
+    weight = BF16Weight.from_float(deq, raw, amx=True)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
+    xb = x.to(torch.bfloat16).contiguous()
+    y = torch.full((m, n), float("nan"))
+    kernels().stopline_amx_q4_1_gemm(xb.data_ptr(), weight.q4.data_ptr(), y.data_ptr(), m, k, n)
+    assert torch.equal(y, dataclasses.replace(weight, q4=None)(x))
+
+
+@needs_amx
 @pytest.mark.parametrize("n,k", [(32, 32), (96, 64), (64, 576)])
 def test_q8_0_blocks_give_the_bf16_copys_bits(n: int, k: int) -> None:
     """On AMX a Q8_0 weight (SmolLM2's LM head) is read from its blocks up to 32 rows: the

@@ -170,15 +170,20 @@ TARGET void stopline_amx_bf16_gemm(const uint16_t* x, const uint16_t* w, float* 
     }
 }
 
-/* y = x @ w.T from GGUF blocks, M at most 32 (two tiles of rows; the Python side sends more
- * rows to the bf16 copy): GROUP dequantizes one record of REC bytes (32 k x 32 columns) into
- * the B tiles' layout. The dequantized group alternates between two buffers so the next
- * group's stores do not wait on the tile loads of the last. */
+/* y = x @ w.T from GGUF blocks, 32 rows (two tiles) a pass: GROUP dequantizes one record of
+ * REC bytes (32 k x 32 columns) into the B tiles' layout. More rows take more passes, each
+ * dequantizing again (the Python side sends them to the bf16 copy, which reads no blocks);
+ * a row's bits are its own lane's either way. The dequantized group alternates between two
+ * buffers so the next group's stores do not wait on the tile loads of the last. */
 #define BLOCK_GEMM(NAME, GROUP, REC)                                                           \
     TARGET void NAME(const uint16_t* x, const uint8_t* w, float* y, int M, int K, int N) {     \
         long panel_bytes = (long)(K / 32) * (REC), ldx = K, ldy = N;                           \
+        if (M > 2 * TR) {                                                                      \
+            for (int r0 = 0; r0 < M; r0 += 2 * TR)                                             \
+                NAME(x + (long)r0 * ldx, w, y + (long)r0 * ldy, M - r0 < 2 * TR ? M - r0 : 2 * TR, K, N); \
+            return;                                                                            \
+        }                                                                                      \
         int chunks = (M + TR - 1) / TR;                                                        \
-        if (chunks > 2) return;                                                                \
         int ma = chunks == 2 ? M / 2 : M, mb = M - ma;                                         \
         _Pragma("omp parallel")                                                                \
         {                                                                                      \
