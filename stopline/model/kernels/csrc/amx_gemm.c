@@ -12,7 +12,7 @@
  * Weights: the bf16 panel layout of bf16_gemm.c (per k-pair 32 columns x 2 bf16, 128 bytes)
  * is already the B tile's layout: 16 pairs x 16 columns, rows 128 bytes apart, columns 0-15 at
  * +0 and 16-31 at +64. The Q4_1 path dequantizes a group of 32 k into that layout in a 2 KiB
- * buffer (the exact dequantization and rounding of bf16_gemm.c's q4 kernel, so the same B
+ * buffer (q4_bf16.h, the dequantization and rounding of bf16_gemm.c's q4 kernel, so the same B
  * tile and the same bits) and loads B from there: fewer bytes read for few rows.
  *
  * Tile state needs the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM); stopline_amx_init
@@ -23,6 +23,8 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "q4_bf16.h"
 
 #define PANEL 32
 #define TR 16 /* rows a tile holds */
@@ -94,29 +96,14 @@ static TARGET void bf16_block(const uint16_t* x, long ldx, const uint16_t* P, fl
     RUN_BLOCK(P + (long)kt * 16 * 2 * PANEL);
 }
 
-/* One group's 32 x 32 Q4_1 weights as bf16 in the panel layout (as q4_bf16_panel). */
+/* One group's 32 x 32 Q4_1 weights as bf16 in the panel layout (q4_bf16.h, as bf16_gemm.c). */
 static inline TARGET void q4_group(const uint8_t* rec, uint16_t* out) {
-    const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-    const __m512i f = _mm512_set1_epi32(15);
-    __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)rec));
-    __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 32)));
-    __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 64)));
-    __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 96)));
-    __m512 dA = _mm512_permutexvar_ps(lo, d0), dB = _mm512_permutexvar_ps(hi, d0);
-    __m512 dC = _mm512_permutexvar_ps(lo, d1), dD = _mm512_permutexvar_ps(hi, d1);
-    __m512 mA = _mm512_permutexvar_ps(lo, m0), mB = _mm512_permutexvar_ps(hi, m0);
-    __m512 mC = _mm512_permutexvar_ps(lo, m1), mD = _mm512_permutexvar_ps(hi, m1);
+    Q4Scales sc = q4_scales(rec);
     for (int p = 0; p < 16; p++) {
-        __m256i v = _mm256_loadu_si256((const __m256i*)(rec + 128 + p * PANEL));
-        __m512i a = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(v));
-        __m512i b = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1));
-        __m512 wA = _mm512_fmadd_ps(dA, _mm512_cvtepi32_ps(_mm512_and_si512(a, f)), mA);
-        __m512 wB = _mm512_fmadd_ps(dB, _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), mB);
-        __m512 wC = _mm512_fmadd_ps(dC, _mm512_cvtepi32_ps(_mm512_and_si512(b, f)), mC);
-        __m512 wD = _mm512_fmadd_ps(dD, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), mD);
-        _mm512_store_si512((void*)(out + p * 2 * PANEL), (__m512i)_mm512_cvtne2ps_pbh(wB, wA));
-        _mm512_store_si512((void*)(out + p * 2 * PANEL + PANEL), (__m512i)_mm512_cvtne2ps_pbh(wD, wC));
+        __m512bh w0, w1;
+        q4_pair(rec, p, &sc, &w0, &w1);
+        _mm512_store_si512((void*)(out + p * 2 * PANEL), (__m512i)w0);
+        _mm512_store_si512((void*)(out + p * 2 * PANEL + PANEL), (__m512i)w1);
     }
 }
 

@@ -17,6 +17,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "q4_bf16.h"
+
 #define PANEL 32
 #define MR 12
 #define UNROLL _Pragma("GCC unroll 12")
@@ -44,44 +46,23 @@ bf16_panel(const uint16_t* x, long ldx, const uint16_t* P, float* y, long ldy, i
     }
 }
 
-/* The same products from Q4_1 weights kept in their blocks (5 bits a weight instead of 16): each
- * weight is dequantized exactly in fp32, fma(d, q, m) (as quant_gemm.c), then rounded to bf16
- * (round to nearest even, as the bf16 weights were from the fp32 dequantized ones), so both
- * kernels give every output the same bits and the caller may pick either by row count.
- * Packed per panel of 32 columns and group of 32 k: d[32] f16, m[32] f16, then per k-pair 32
- * bytes: byte i < 16 holds lane i of vectors A (low nibble) and B (high), byte 16 + i of C
- * and D, where A's lane 2j + e is column j's weight k = 2p + e (B: columns 8.., C: 16..,
- * D: 24..). cvtne2ps turns (A, B) into columns 0-15 as bf16 pairs, (C, D) 16-31. */
+/* The same products from Q4_1 weights kept in their blocks (5 bits a weight instead of 16),
+ * dequantized to bf16 by q4_bf16.h exactly as the bf16 copy was made, so both kernels give
+ * every output the same bits and the caller may pick either by row count. */
 #define Q4_REC (PANEL * 2 * 2 + 16 * PANEL)
 
 static inline TARGET __attribute__((always_inline)) void
 q4_bf16_panel(const uint16_t* x, long ldx, const uint8_t* P, float* y, long ldy, int mr, int K) {
     __m512 acc[MR][2];
-    const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-    const __m512i f = _mm512_set1_epi32(15);
     UNROLL for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int g = 0; g < K / 32; g++) {
         const uint8_t* rec = P + (long)g * Q4_REC;
         for (int o = 0; o < Q4_REC; o += 64) _mm_prefetch((const char*)(rec + 4096 + o), _MM_HINT_T0);
-        __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)rec));
-        __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 32)));
-        __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 64)));
-        __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 96)));
-        __m512 dA = _mm512_permutexvar_ps(lo, d0), dB = _mm512_permutexvar_ps(hi, d0);
-        __m512 dC = _mm512_permutexvar_ps(lo, d1), dD = _mm512_permutexvar_ps(hi, d1);
-        __m512 mA = _mm512_permutexvar_ps(lo, m0), mB = _mm512_permutexvar_ps(hi, m0);
-        __m512 mC = _mm512_permutexvar_ps(lo, m1), mD = _mm512_permutexvar_ps(hi, m1);
+        Q4Scales sc = q4_scales(rec);
         const uint16_t* xg = x + g * 32;
         for (int p = 0; p < 16; p++) {
-            __m256i v = _mm256_loadu_si256((const __m256i*)(rec + 128 + p * PANEL));
-            __m512i a = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(v));
-            __m512i b = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1));
-            __m512 wA = _mm512_fmadd_ps(dA, _mm512_cvtepi32_ps(_mm512_and_si512(a, f)), mA);
-            __m512 wB = _mm512_fmadd_ps(dB, _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), mB);
-            __m512 wC = _mm512_fmadd_ps(dC, _mm512_cvtepi32_ps(_mm512_and_si512(b, f)), mC);
-            __m512 wD = _mm512_fmadd_ps(dD, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), mD);
-            __m512bh w0 = _mm512_cvtne2ps_pbh(wB, wA), w1 = _mm512_cvtne2ps_pbh(wD, wC);
+            __m512bh w0, w1;
+            q4_pair(rec, p, &sc, &w0, &w1);
             UNROLL for (int r = 0; r < mr; r++) {
                 __m512bh xv = (__m512bh)_mm512_set1_epi32(*(const int32_t*)(xg + r * ldx + 2 * p));
                 acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
