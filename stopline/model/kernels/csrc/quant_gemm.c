@@ -56,9 +56,13 @@ static inline void q4_deq(const uint8_t* rec, int pair, __m512 d0, __m512 d1, __
     __m256i v = _mm256_loadu_si256((const __m256i*)(rec + 128 + pair * PANEL));
     __m512i a = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(v));
     __m512i b = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1));
-    __m512i f = _mm512_set1_epi32(15);
-    *we0 = _mm512_fmadd_ps(d0, _mm512_cvtepi32_ps(_mm512_and_si512(a, f)), m0);
-    *we1 = _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(_mm512_and_si512(b, f)), m1);
+    /* The low nibble's float(q) by table: permutexvar reads only an index's low 4 bits, so one
+     * shuffle replaces a mask and a conversion (the same exact values; the high nibble keeps
+     * its conversion, which balances the two vector ports better). bench/quant_time.py
+     * --against, same bits, two runs: 0.95-0.99x the time from 1 to 12 rows. */
+    const __m512 q = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    *we0 = _mm512_fmadd_ps(d0, _mm512_permutexvar_ps(a, q), m0);
+    *we1 = _mm512_fmadd_ps(d1, _mm512_permutexvar_ps(b, q), m1);
     *wo0 = _mm512_fmadd_ps(d0, _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), m0);
     *wo1 = _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), m1);
 }
