@@ -37,14 +37,18 @@ static inline Q4_TARGET Q4Scales q4_scales(const uint8_t* rec) {
 /* k-pair p of the record as bf16 pairs: *w0 columns 0-15, *w1 columns 16-31. */
 static inline Q4_TARGET void q4_pair(const uint8_t* rec, int p, const Q4Scales* s, __m512bh* w0,
                                      __m512bh* w1) {
-    const __m512i f = _mm512_set1_epi32(15);
+    /* float(q) by table (permutexvar reads an index's low 4 bits, so the low nibble needs no
+     * mask): the same exact values as a conversion, on the other vector port. Against mask and
+     * convert (the AMX kernel on SmolLM2's layer shapes, same bits, two runs): 0.87-0.89x the
+     * time at 1-4 rows, 0.92x at 16, 0.97x at 32. */
+    const __m512 q = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     __m256i v = _mm256_loadu_si256((const __m256i*)(rec + 128 + p * Q4_PANEL));
     __m512i a = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(v));
     __m512i b = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1));
-    __m512 wA = _mm512_fmadd_ps(s->dA, _mm512_cvtepi32_ps(_mm512_and_si512(a, f)), s->mA);
-    __m512 wB = _mm512_fmadd_ps(s->dB, _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), s->mB);
-    __m512 wC = _mm512_fmadd_ps(s->dC, _mm512_cvtepi32_ps(_mm512_and_si512(b, f)), s->mC);
-    __m512 wD = _mm512_fmadd_ps(s->dD, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s->mD);
+    __m512 wA = _mm512_fmadd_ps(s->dA, _mm512_permutexvar_ps(a, q), s->mA);
+    __m512 wB = _mm512_fmadd_ps(s->dB, _mm512_permutexvar_ps(_mm512_srli_epi32(a, 4), q), s->mB);
+    __m512 wC = _mm512_fmadd_ps(s->dC, _mm512_permutexvar_ps(b, q), s->mC);
+    __m512 wD = _mm512_fmadd_ps(s->dD, _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), q), s->mD);
     *w0 = _mm512_cvtne2ps_pbh(wB, wA);
     *w1 = _mm512_cvtne2ps_pbh(wD, wC);
 }
