@@ -3,7 +3,7 @@ greedy and seeded sampling with penalties, logprobs, stop strings, deadlines and
 timeouts, reused caller ids, cancels racing a natural finish and then resubmitted, random
 aborts in every state, a pool small enough to force preemption (recompute, swap, auto),
 async scheduling on and off, and the same through the async engine over ZMQ and through the
-prefill/decode split (both roles local, or the prefill role remote over TCP).
+prefill/decode split (both roles local, or either one remote over TCP).
 
 Checked (docs/stop-path.md): the ledger and holder audit after every step (debug mode, freed
 blocks poisoned with NaN); the pool back to baseline at the end; every survivor's output
@@ -153,17 +153,20 @@ from stopline.engine.proc import core_proc
 from stopline.engine.proc.remote import core_addresses
 from tests.chaos_support import storm_config
 import dataclasses
-model, front = sys.argv[1], sys.argv[2]
+model, front, role = sys.argv[1:4]
 cfg = dataclasses.replace(storm_config("auto", True), num_blocks=60)
+if role == "decode":  # as `stopline role decode`: received KV enters its prefix cache
+    cfg = dataclasses.replace(cfg, enable_prefix_caching=True)
 core_proc.main(core_addresses(front), model, cfg, True, None, 1,
-               RoleFactory(remote_spec("prefill", front, 3.0)))
+               RoleFactory(remote_spec(role, front, 3.0)))
 """
 
 
-def test_async_storm_through_the_split_with_a_remote_prefill_role(tiny_dir, tiny, storm_work):
-    """The split storm with the prefill role as `stopline role` does it (its own process,
-    reached over TCP, the link's sockets bound by the decode role): the storm's engine
-    settings, which the CLI does not all expose, so the role is started from Python."""
+@pytest.mark.parametrize("remote", ["prefill", "decode"])
+def test_async_storm_through_the_split_with_a_remote_role(tiny_dir, tiny, storm_work, remote):
+    """The split storm with one role as `stopline role` runs it (its own process, reached
+    over TCP, the link's sockets bound by the local role): the storm's engine settings, which
+    the CLI does not all expose, so the role is started from Python."""
     from stopline.disagg.frontend import disagg_engine
     from tests.server_harness import REPO, free_ports
 
@@ -171,11 +174,11 @@ def test_async_storm_through_the_split_with_a_remote_prefill_role(tiny_dir, tiny
     work = [j for j in work[:80] if not (j.race or j.resubmit)]
     config = dataclasses.replace(storm_config("auto", True), num_blocks=60)
     front = f"127.0.0.1:{free_ports(5)}"
-    role = subprocess.Popen([sys.executable, "-c", _REMOTE_ROLE, str(tiny_dir), front], cwd=REPO)
+    role = subprocess.Popen([sys.executable, "-c", _REMOTE_ROLE, str(tiny_dir), front, remote], cwd=REPO)
     try:
         res = run_async_storm(str(tiny_dir), work, config, seed=29, max_delay=0.1,
                               make=lambda d, c, progress: disagg_engine(
-                                  d, c, progress=progress, remote="prefill", listen=front))
+                                  d, c, progress=progress, remote=remote, listen=front))
         assert check_storm(work, ref, res) > 5
         assert role.wait(10) == 0  # the front end's close stopped it
     finally:
