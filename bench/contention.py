@@ -39,10 +39,18 @@ def main() -> None:
     ap.add_argument("requests", type=int)
     ap.add_argument("--busy-ms", type=float, default=2.0)
     ap.add_argument("--idle-ms", type=float, default=5.0)
-    ap.add_argument("--rounds", type=int, default=8, help="alternations of 5 steps each way")
+    ap.add_argument("--rounds", type=int, default=8, help="alternations of --steps steps each way")
+    ap.add_argument("--steps", type=int, default=5, help="steps timed in each phase")
+    ap.add_argument("--settle", type=int, default=0,
+                    help="untimed steps that open each phase (the engine's thread choice reads the "
+                         "last 0.5 s of CPU use: a persistent neighbour, not one that comes and goes)")
+    ap.add_argument("--no-adapt-threads", action="store_true", help="keep every thread whatever the neighbours")
     args = ap.parse_args()
-    eng = LLM(config=EngineConfig(kv_cache_memory_gb=2.0), progress=False).engine
-    params = SamplingParams(temperature=0.0, max_tokens=40 + 10 * args.rounds + 8, ignore_eos=True)
+    # Speculation off: every timed step is one decode token per stream.
+    eng = LLM(config=EngineConfig(kv_cache_memory_gb=2.0, speculative="off",
+                                  adapt_threads=not args.no_adapt_threads),
+              progress=False).engine
+    params = SamplingParams(temperature=0.0, max_tokens=40 + 2 * args.rounds * (args.steps + args.settle) + 8, ignore_eos=True)
     for i, ids in enumerate(chat_prompts(eng.loaded, args.requests)):
         eng.add_request(f"c{i}", ids, params)
     for _ in range(30):
@@ -54,7 +62,9 @@ def main() -> None:
                     if label == "background" else None)
             try:
                 time.sleep(0.05)
-                for _ in range(5):
+                for _ in range(args.settle):
+                    eng.step()
+                for _ in range(args.steps):
                     t = time.perf_counter()
                     eng.step()
                     times[label].append(time.perf_counter() - t)
@@ -66,6 +76,7 @@ def main() -> None:
     for label, ts in times.items():
         print(f"{args.requests} requests, {label}: step p50 {statistics.median(ts) * 1e3:.1f} ms, "
               f"mean {statistics.mean(ts) * 1e3:.1f} ms")
+    print(f"steps on fewer threads: {eng.runner.threads.dropped_steps}")
     print(f"background: {share:.0%} of one CPU; step p50 ratio "
           f"{statistics.median(times['background']) / statistics.median(times['quiet']):.2f}")
 

@@ -61,6 +61,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention through stopline's C kernel, reading the paged KV cache in place "
                         "(native), or torch's ops (torch); auto: native where it runs")
+    g.add_argument("--adapt-threads", action=argparse.BooleanOptionalAction, default=True,
+                   help="run small decode steps on one thread fewer while other processes take "
+                        "at least 0.4 of a core of ours (only steps whose kernels are all "
+                        "stopline's, so no token changes)")
     g.add_argument("--decode-rows", action=argparse.BooleanOptionalAction, default=True,
                    help="with torch attention: decoding sequences keep a contiguous copy of their "
                         "K/V (up to twice the KV pool's memory) instead of gathering their blocks "
@@ -92,6 +96,7 @@ def engine_config(args: argparse.Namespace):
         async_scheduling=args.async_scheduling, enable_prefix_caching=not args.no_prefix_caching,
         grammar_deadline=args.grammar_deadline,
         attention_backend=args.attention_backend, decode_rows=args.decode_rows,
+        adapt_threads=args.adapt_threads,
         linear_backend=args.linear_backend,
         quant_max_rows=args.quant_max_rows, numerics=getattr(args, "numerics", "exact"),
         speculative=args.speculative, speculative_tokens=args.speculative_tokens,

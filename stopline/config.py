@@ -92,6 +92,8 @@ class EngineConfig:
     # is only preempted again, its prefill thrown away (0: off).
     admission_lookahead: int = 8
     async_scheduling: bool = False
+    # Small decode steps drop a thread while neighbours take our CPUs (worker/cpu_share.py).
+    adapt_threads: bool = True
     # "auto": the C kernel where it runs (CPU, AVX-512, a C compiler, head_dim 16 to 128),
     # else torch; "native" fails at start where it can't run; "torch" always torch. The two
     # give a position different bits, so an engine uses one for every step.

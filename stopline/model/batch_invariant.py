@@ -23,8 +23,10 @@ kernel, and a weight keeps one library for every batch (two libraries' bits diff
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,26 @@ from stopline.config import LINEAR_BACKENDS
 from stopline.model.kernels.bf16_linear import BF16Weight
 from stopline.model.kernels.native import try_kernels
 from stopline.model.kernels.quant_linear import QuantWeight
+
+_pinned = threading.local()
+
+
+def _threads() -> int:
+    """The thread count the library's orders are looked up for: the current one, or the
+    one pinned while a step runs on fewer threads (stopline/worker/cpu_share.py)."""
+    return getattr(_pinned, "threads", None) or torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def threads_pinned(threads: int) -> Iterator[None]:
+    """Within it, kc() and heights() answer for `threads` whatever the current count: a step
+    moved to fewer threads keeps the block orders found at the full count."""
+    before = getattr(_pinned, "threads", None)
+    _pinned.threads = threads
+    try:
+        yield
+    finally:
+        _pinned.threads = before
 
 # A tile costs its rows plus this many rows' worth of fixed overhead (call, weight reads).
 _TILE_OVERHEAD_ROWS = 8
@@ -198,7 +220,7 @@ class InvariantLinear:
 
     def heights(self) -> tuple[int, ...]:
         # The library's choice of kernel depends on the thread count too.
-        threads = torch.get_num_threads()
+        threads = _threads()
         found = self._heights.get(threads)
         if found is None:
             key = (self.backend, self.in_features, self.out_features, self.dtype,
@@ -214,7 +236,7 @@ class InvariantLinear:
         the kernel is not used for this weight (none, unavailable, or no order matched)."""
         if self.quant is None:
             return None
-        threads = torch.get_num_threads()
+        threads = _threads()
         if threads not in self._kc:
             self._kc[threads] = self._find_kc(threads)
         return self._kc[threads]
@@ -246,6 +268,13 @@ class InvariantLinear:
                 _KC[key] = kc
                 return kc
         return None
+
+    def own_kernel(self, rows: int) -> bool:
+        """Whether `rows` rows run on stopline's kernels, whose bits never depend on the
+        thread count (the bf16 ones, or the quantized one with a matched order)."""
+        if self.fast is not None:
+            return True
+        return 0 < rows <= self.quant_max_rows and self.kc() is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast is not None:

@@ -161,6 +161,12 @@ class LlamaModel:
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return (x * cos).add_(torch.roll(x, x.shape[-1] // 2, dims=-1).mul_(sin))
 
+    def own_kernels(self, rows: int, logit_rows: int) -> bool:
+        """Whether a step of `rows` rows (`logit_rows` of them through the LM head) runs all
+        its linears on stopline's kernels: the fused decoder and the head's own kernel."""
+        return (self.c_glue and self.c_layers and self.decoder is not None
+                and self.decoder.can_run(rows, None) and self.lm_head.own_kernel(logit_rows))
+
     def forward(self, inp: StepInputs, kv: KVCache, interrupt: threading.Event | None = None,
                 decode_rows: DecodeRows | None = None) -> torch.Tensor:
         """Run one step; returns float32 logits for inp.logit_rows. decode_rows: the buffers

@@ -11,9 +11,11 @@ from stopline.config import EngineConfig
 from stopline.kv.decode_rows import DecodeRows
 from stopline.kv.kv_cache import KVCache
 from stopline.model.attention import KEY_TILE
+from stopline.model.batch_invariant import threads_pinned
 from stopline.model.kernels.paged_attention import PagedRows
 from stopline.model.llama import DecodeBatch, LlamaModel, PrefillSeq, StepInputs
 from stopline.sched.plan import ScheduledChunk, StepPlan
+from stopline.worker.cpu_share import CpuShare, ThreadPolicy
 
 
 @dataclass
@@ -52,6 +54,8 @@ class ModelRunner:
         self.tile_blocks = KEY_TILE // self.bs if KEY_TILE % self.bs == 0 else 1
         self.rows: DecodeRows | None = None
         self.paged = model.attention == "native"  # reads the cache in place: no rows to keep
+        share = CpuShare() if config.adapt_threads and self.device == "cpu" else None
+        self.threads = ThreadPolicy(torch.get_num_threads(), share)
         if config.decode_rows and not self.paged:
             mc = model.config
             pool_bytes = sum(t.numel() * t.element_size() for t in kv.k + kv.v)
@@ -172,10 +176,24 @@ class ModelRunner:
         return self._inputs(r, prefills=prefills, decode=decode)
 
     @torch.inference_mode()
+    def _forward(self, inputs: StepInputs, interrupt: threading.Event | None) -> torch.Tensor:
+        """The model's forward, on fewer threads when neighbours take our CPUs and the step
+        allows it (worker/cpu_share.py); the count is back to full when it returns."""
+        rows, full = inputs.token_ids.shape[0], self.threads.threads
+        n = self.threads.pick(rows, self.model.own_kernels(rows, inputs.logit_rows.numel()))
+        if n == full:
+            return self.model.forward(inputs, self.kv, interrupt, self.rows)
+        torch.set_num_threads(n)
+        try:
+            with threads_pinned(full):
+                return self.model.forward(inputs, self.kv, interrupt, self.rows)
+        finally:
+            torch.set_num_threads(full)
+
     def execute(self, plan: StepPlan, interrupt: threading.Event | None = None) -> StepResult:
         try:
             inputs, r = self.prepare(plan)
-            logits = self.model.forward(inputs, self.kv, interrupt, self.rows)
+            logits = self._forward(inputs, interrupt)
         except BaseException:
             if self.rows is not None:  # rows the failed step half wrote are rebuilt
                 self.rows.reset()
