@@ -2,8 +2,9 @@
 greedy and seeded sampling with penalties, logprobs, stop strings, deadlines and queue
 timeouts, reused caller ids, cancels racing a natural finish and then resubmitted, random
 aborts in every state, a pool small enough to force preemption (recompute, swap, auto),
-async scheduling on and off, and the same through the async engine over ZMQ and through the
-prefill/decode split (both roles local, or either one remote over TCP).
+async scheduling on and off, small steps moved to fewer threads, and the same through the
+async engine over ZMQ and through the prefill/decode split (both roles local, or either one
+remote over TCP).
 
 Checked (docs/stop-path.md): the ledger and holder audit after every step (debug mode, freed
 blocks poisoned with NaN); the pool back to baseline at the end; every survivor's output
@@ -227,6 +228,44 @@ def test_storm_mixing_the_quantized_kernel_and_the_library(tiny_dir, tmp_path_fa
     assert res.engine.model.one_row_ok and res.engine.model.lm_head.kc() is not None
     assert sum(res.engine.lifecycle.stats.preemptions.values()) > 10
     assert check_storm(work, ref, res) > 50
+
+
+def test_storm_with_small_steps_on_fewer_threads(tiny_dir, tmp_path_factory, stopline_cache_dir,
+                                               monkeypatch):
+    """The Q4_1 storm on two threads with a neighbour always taking a core: every small step
+    on stopline's kernels runs on one thread (worker/cpu_share.py), the others on two, and
+    outputs still equal the reference run on two threads, to the logprob."""
+    import torch
+
+    from stopline.model.kernels.native import try_kernels
+
+    if try_kernels() is None:
+        pytest.skip("stopline's C kernels are not built here")
+
+    class Neighbour:
+        def others(self) -> float:
+            return 1.0
+
+    monkeypatch.setattr("stopline.worker.runner.CpuShare", Neighbour)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gguf_path = make_tiny_gguf(tiny_dir, tmp_path_factory.mktemp("chaos_q4_threads") / "tiny.gguf",
+                                   qtype="Q4_1")
+        q4 = load_model(gguf_path, progress=False, cache_dir=stopline_cache_dir)
+        work = make_workload(seed=17, count=150, vocab=q4.config.vocab_size)
+        if work[-1].race:
+            work = work[:-1]  # a raced job comes with its resubmit
+        for job in work:
+            job.params = dataclasses.replace(job.params, logprobs=0)
+        ref = run_reference(q4, work)
+        config = dataclasses.replace(storm_config("auto", True), quant_max_rows=8)
+        res = run_storm(q4, work, config, seed=8)
+        assert res.engine.runner.threads.dropped_steps > 20, res.engine.runner.threads.dropped_steps
+        assert sum(res.engine.lifecycle.stats.preemptions.values()) > 5
+        assert check_storm(work, ref, res) > 20
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_storm_on_torch_attention(tiny):
