@@ -9,11 +9,8 @@ import torch
 
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
-from stopline.model.kernels.native import try_kernels
-from stopline.model.loaders.loader import load_model
 from stopline.request import SamplingParams
 from stopline.worker.cpu_share import CpuShare, ThreadPolicy
-from tests.tiny_model import make_tiny_gguf, make_tiny_llama_dir
 
 
 class FakeProc:
@@ -68,29 +65,20 @@ class Busy:
 
 
 def test_only_small_steps_on_our_kernels_drop_a_thread() -> None:
+    yes, no = (lambda: True), (lambda: False)
     p = ThreadPolicy(2, Busy(0.6))
-    assert p.pick(1, True) == 1 and p.pick(4, True) == 1
-    assert p.pick(5, True) == 2  # a bigger step keeps both
-    assert p.pick(1, False) == 2  # the GEMM library's bits may follow the thread count
-    assert ThreadPolicy(2, Busy(0.3)).pick(1, True) == 2  # a light neighbour: both threads
-    assert ThreadPolicy(1, Busy(1.0)).pick(1, True) == 1
-    assert ThreadPolicy(2, None).pick(1, True) == 2  # adapt_threads off
-
-
-@pytest.fixture(scope="module")
-def q4(tmp_path_factory, stopline_cache_dir):
-    if try_kernels() is None:
-        pytest.skip("stopline's C kernels are not built here")
-    hf = make_tiny_llama_dir(tmp_path_factory.mktemp("share") / "tiny", seed=4, init_std=0.1,
-                             vocab_size=384, layers=3)
-    path = make_tiny_gguf(hf, tmp_path_factory.mktemp("share_q4") / "tiny.gguf", qtype="Q4_1")
-    return load_model(path, progress=False, cache_dir=stopline_cache_dir)
+    assert p.pick(1, yes) == 1 and p.pick(4, yes) == 1
+    assert p.pick(5, yes) == 2  # a bigger step keeps both
+    assert p.pick(1, no) == 2  # the GEMM library's bits may follow the thread count
+    assert ThreadPolicy(2, Busy(0.3)).pick(1, yes) == 2  # a light neighbour: both threads
+    assert ThreadPolicy(1, Busy(1.0)).pick(1, yes) == 1
+    assert ThreadPolicy(2, None).pick(1, yes) == 2  # adapt_threads off
 
 
 def _run(q4, busy: float | None) -> tuple[dict, EngineCore]:
     eng = EngineCore(q4, EngineConfig(num_blocks=128, block_size=4, max_num_batched_tokens=64,
                                       quant_max_rows=16, debug=True, target_step_ms=None,
-                                      adapt_threads=busy is not None))
+                                      speculative="off", adapt_threads=busy is not None))
     if busy is not None:
         eng.runner.threads.share = Busy(busy)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -115,12 +103,12 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def test_a_step_moved_to_fewer_threads_gives_the_same_bits(q4, two_threads) -> None:
-    want, _ = _run(q4, None)
-    got, eng = _run(q4, busy=1.0)
+def test_a_step_moved_to_fewer_threads_gives_the_same_bits(tiny_q4, two_threads) -> None:
+    want, _ = _run(tiny_q4, None)
+    got, eng = _run(tiny_q4, busy=1.0)
     assert eng.runner.threads.threads == 2
     assert eng.model.own_kernels(2, 2), "the tiny Q4_1 model's steps should run on the fused decoder"
-    # The two streams' decode steps moved (the prefill step, 15 rows, did not).
+    # The two streams' 11 decode steps moved (the prefill step, 15 rows, did not; no drafts).
     assert eng.runner.threads.dropped_steps >= 10, eng.runner.threads.dropped_steps
     assert got == want  # tokens and logprobs, to the bit
     assert torch.get_num_threads() == 2  # the count is back after each moved step

@@ -92,9 +92,11 @@ class ThreadPolicy:
         self.busy, self.small_rows = busy, small_rows
         self.dropped_steps = 0  # steps run on fewer threads (for tests and the curious)
 
-    def pick(self, rows: int, own_kernels: bool) -> int:
-        if (self.share is None or self.threads < 2 or not own_kernels or rows > self.small_rows
-                or self.share.others() < self.busy):
+    def pick(self, rows: int, own_kernels: Callable[[], bool]) -> int:
+        """own_kernels: asked last, only for a step that could move (the common step, big or
+        on a quiet host, pays for none of it)."""
+        if (self.share is None or self.threads < 2 or rows > self.small_rows
+                or self.share.others() < self.busy or not own_kernels()):
             return self.threads
         self.dropped_steps += 1
         return self.threads - 1

@@ -175,12 +175,11 @@ class ModelRunner:
                                  staged=staged)
         return self._inputs(r, prefills=prefills, decode=decode)
 
-    @torch.inference_mode()
     def _forward(self, inputs: StepInputs, interrupt: threading.Event | None) -> torch.Tensor:
         """The model's forward, on fewer threads when neighbours take our CPUs and the step
         allows it (worker/cpu_share.py); the count is back to full when it returns."""
         rows, full = inputs.token_ids.shape[0], self.threads.threads
-        n = self.threads.pick(rows, self.model.own_kernels(rows, inputs.logit_rows.numel()))
+        n = self.threads.pick(rows, lambda: self.model.own_kernels(rows, inputs.logit_rows.numel()))
         if n == full:
             return self.model.forward(inputs, self.kv, interrupt, self.rows)
         torch.set_num_threads(n)
@@ -190,6 +189,7 @@ class ModelRunner:
         finally:
             torch.set_num_threads(full)
 
+    @torch.inference_mode()
     def execute(self, plan: StepPlan, interrupt: threading.Event | None = None) -> StepResult:
         try:
             inputs, r = self.prepare(plan)
