@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_model import make_tiny_llama_dir
+from tests.tiny_model import make_tiny_gguf, make_tiny_llama_dir
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +58,18 @@ def smollm2_hf_dir(smollm2, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from stopline.model.loaders.loader import export_hf_dir
 
     return export_hf_dir(smollm2, tmp_path_factory.mktemp("smollm2_hf"))
+
+
+@pytest.fixture(scope="session")
+def tiny_q4(tmp_path_factory: pytest.TempPathFactory, stopline_cache_dir: Path):
+    """A 3-layer tiny Llama loaded from a Q4_1 GGUF, so that every linear runs on the
+    quantized kernel and a step on the fused C decoder; skips without the C kernels."""
+    from stopline.model.kernels.native import try_kernels
+    from stopline.model.loaders.loader import load_model
+
+    if try_kernels() is None:
+        pytest.skip("stopline's C kernels are not built here")
+    hf = make_tiny_llama_dir(tmp_path_factory.mktemp("tiny_q4") / "tiny", seed=9, init_std=0.1,
+                             vocab_size=384, layers=3)
+    path = make_tiny_gguf(hf, tmp_path_factory.mktemp("tiny_q4_gguf") / "tiny.gguf", qtype="Q4_1")
+    return load_model(path, progress=False, cache_dir=stopline_cache_dir)

@@ -8,22 +8,16 @@ import pytest
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
 from stopline.model.decoder_native import DecoderLoop, StepInterrupt
-from stopline.model.kernels.native import try_kernels
 from stopline.model.loaders.loader import load_model
 from stopline.request import FinishReason, SamplingParams
-from tests.tiny_model import make_tiny_gguf, make_tiny_llama_dir
+from tests.tiny_model import make_tiny_llama_dir
 
 PROMPT = [5, 17, 99, 23, 42, 7, 300, 12, 9, 81]
 
 
-@pytest.fixture(scope="module")
-def q4(tmp_path_factory, stopline_cache_dir):
-    if try_kernels() is None:
-        pytest.skip("stopline's C kernels are not built here")
-    hf = make_tiny_llama_dir(tmp_path_factory.mktemp("decoder") / "tiny", seed=9, init_std=0.1,
-                             vocab_size=384, layers=3)
-    path = make_tiny_gguf(hf, tmp_path_factory.mktemp("decoder_q4") / "tiny.gguf", qtype="Q4_1")
-    return load_model(path, progress=False, cache_dir=stopline_cache_dir)
+@pytest.fixture
+def q4(tiny_q4):
+    return tiny_q4
 
 
 def engine(q4, **kw) -> EngineCore:
