@@ -41,6 +41,51 @@ def test_floors_on_tiny_model(tmp_path: Path, tmp_path_factory: pytest.TempPathF
     assert "read bandwidth" in capsys.readouterr().out
 
 
+def test_floors_serves_each_engine_last(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                        capsys) -> None:
+    """--served: after the in-process part, stopline is served through its HTTP API and its
+    output rate at each stream count lands in the same result."""
+    model = sharp_tiny_dir(tmp_path_factory)
+    out = tmp_path / "floors.json"
+    rc = main(["bench", "floors", "--model", str(model), "--modes", "exact", "--streams", "1",
+               "--buffer-mib", "16", "--reps", "1", "--warm", "1", "--steps", "2", "--num-blocks", "64",
+               "--prefill-tokens", "0", "--out", str(out), "--served", "stopline",
+               "--served-streams", "1", "2", "--served-tokens", "6", "--served-prompt-tokens", "8"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    sv = r["served"]["engines"]["stopline"]
+    assert set(sv["tok_s"]) == {"1", "2"} and all(t > 0 for t in sv["tok_s"].values()) and sv["errors"] == 0
+    assert Path(r["served"]["results"]).is_file()
+    assert r["served_ratios"] == [{"engine": "stopline"}]  # no peer and no llama-bench to compare with
+    assert "stopline: 1 streams" in capsys.readouterr().out
+
+
+def test_served_ratios_against_tg128_and_the_best_peer() -> None:
+    from stopline.bench import floors
+
+    r = {"llama_bench": {"tg128_tok_s": 100.0},
+         "served": {"engines": {"stopline": {"tok_s": {"1": 250.0, "32": 600.0}},
+                                "stopline-fast": {"tok_s": {"1": 300.0, "32": 900.0}},
+                                "llamacpp": {"tok_s": {"1": 80.0, "32": 150.0}},
+                                "vllm": {"tok_s": {"1": 20.0, "32": 200.0}},
+                                "hf": {"error": "setup_failed"}}}}
+    exact, fast = floors.served_ratios(r)
+    assert exact == {"engine": "stopline", "one_stream_tok_s": 250.0, "one_stream_x_tg128": 2.5,
+                     "streams": 32, "tok_s": 600.0, "best_peer": "vllm", "x_best_peer": 3.0}
+    assert fast["one_stream_x_tg128"] == 3.0 and fast["x_best_peer"] == 4.5
+
+
+def test_served_refuses_an_unknown_engine(tmp_path: Path) -> None:
+    import argparse
+
+    from stopline.bench import floors
+
+    args = argparse.Namespace(served="stopline,nope", served_streams=[1], served_tokens=4,
+                              served_prompt_tokens=4, out=str(tmp_path / "f.json"), model=None)
+    with pytest.raises(SystemExit, match="unknown engine.*nope"):
+        floors.served(args, ["stopline", "nope"])
+
+
 def test_llama_bench_ratios_from_the_same_run(tmp_path: Path) -> None:
     """llama-bench's rates (a stand-in binary) against each mode's one-stream decode and prefill."""
     import argparse

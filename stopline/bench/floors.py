@@ -13,12 +13,17 @@
   pp512 and tg128 on the same GGUF with the same thread count, in the same run, and each
   mode's one-stream decode (1000 / step p50) and prefill rates against them;
 - with --accuracy: the fast mode's distance from exact (the fp32 oracle) under teacher
-  forcing on a held-out text (bench/heldout.txt): per-token top-1 agreement and perplexity.
+  forcing on a held-out text (bench/heldout.txt): per-token top-1 agreement and perplexity;
+- with --served ENGINES: last, once the in-process engines are gone, each engine served alone
+  through its OpenAI API (`stopline bench serve`'s throughput workload at --served-streams),
+  and stopline's served one-stream rate against tg128 and its served rate at the most streams
+  against the best peer's, all from this run.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -275,6 +280,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="also run llama.cpp's llama-bench (pp512, tg128) on the same GGUF; PATH or "
                         "STOPLINE_LLAMA_BENCH names the binary (default: bench/peers' build)")
     p.add_argument("--reps-llama-bench", type=int, default=3, help="llama-bench's -r")
+    p.add_argument("--served", default="", metavar="ENGINES",
+                   help="also serve these engines one at a time, last (comma-separated: stopline, "
+                        "stopline-fast, llamacpp, vllm, hf; peers set up by bench/peers/setup_*.sh)")
+    p.add_argument("--served-streams", type=int, nargs="+", default=[1, 32],
+                   help="concurrent streams of the served throughput levels")
+    p.add_argument("--served-tokens", type=int, default=256, help="output tokens of each served request")
+    p.add_argument("--served-prompt-tokens", type=int, default=128, help="prompt tokens of each served request")
     p.add_argument("--out", default="bench-results/floors.json")
     add_engine_args(p)
 
@@ -323,7 +335,62 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit("--accuracy needs --modes exact fast")
         texts = [t.strip() for t in Path(args.texts).read_text().split("\n\n") if t.strip()]
         result["accuracy"] = accuracy(engines["exact"], engines["fast"], texts)
+    if args.served:
+        engines.clear()  # the served engines get the machine to themselves
+        gc.collect()
+        result["served"] = served(args, [e for e in args.served.split(",") if e])
+        result["served_ratios"] = served_ratios(result)
     return result
+
+
+def served(args: argparse.Namespace, names: list[str]) -> dict:
+    """Served output tok/s of each engine at each of --served-streams, one engine at a time
+    (`stopline bench serve`'s throughput workload; its results file is kept beside --out)."""
+    from dataclasses import replace
+
+    from stopline.bench.serve import new_run_dir, run_bench
+    from stopline.bench.serve_cli import ENGINES
+    from stopline.bench.workloads.config import BenchConfig
+
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown:
+        raise SystemExit(f"--served: unknown engine(s) {', '.join(unknown)}; known: {', '.join(ENGINES)}")
+    cfg = replace(BenchConfig(), workloads=("throughput",), concurrencies=tuple(args.served_streams),
+                  output_tokens=args.served_tokens, prompt_tokens=args.served_prompt_tokens, waves=1)
+    path = run_bench(names, cfg, new_run_dir(Path(args.out).parent / "floors-served"), model=args.model,
+                     progress=False, command="stopline bench floors --served " + args.served)
+    out: dict = {"results": str(path), "tokens": args.served_tokens, "engines": {}}
+    for name, e in json.loads(path.read_text())["engines"].items():
+        levels = e.get("workloads", {}).get("throughput", {}).get("levels")
+        if e.get("status") != "ok" or not levels:
+            why = e.get("error") or e.get("workloads", {}).get("throughput", {}).get("error") or e.get("status")
+            out["engines"][name] = {"error": str(why).splitlines()[0] if why else "no result"}
+            continue
+        out["engines"][name] = {"tok_s": {str(lv["concurrency"]): lv["output_tok_s"] for lv in levels},
+                                "errors": sum(lv["requests"] - lv["ok"] for lv in levels)}
+    return out
+
+
+def served_ratios(r: dict) -> list[dict]:
+    """Each served stopline engine's one-stream rate over tg128 (when llama-bench ran) and its
+    rate at the most streams over the best peer's there."""
+    engines = {n: e["tok_s"] for n, e in r["served"]["engines"].items() if "tok_s" in e}
+    peers = {n: t for n, t in engines.items() if not n.startswith("stopline")}
+    tg128 = r.get("llama_bench", {}).get("tg128_tok_s")
+    out = []
+    for name, tok_s in engines.items():
+        if not name.startswith("stopline"):
+            continue
+        row: dict = {"engine": name}
+        if tg128 and tok_s.get("1"):
+            row["one_stream_tok_s"] = tok_s["1"]
+            row["one_stream_x_tg128"] = tok_s["1"] / tg128
+        most = max(tok_s, key=int)
+        best = max(((n, t[most]) for n, t in peers.items() if t.get(most)), key=lambda p: p[1], default=None)
+        if best and tok_s[most]:
+            row.update(streams=int(most), tok_s=tok_s[most], best_peer=best[0], x_best_peer=tok_s[most] / best[1])
+        out.append(row)
+    return out
 
 
 def vs_peer(r: dict, peer: dict) -> list[dict]:
@@ -384,6 +451,19 @@ def summary(r: dict) -> str:
         lines.append(f"fast vs exact, teacher forced over {a['tokens']} tokens of {a['texts']} texts: "
                      f"top-1 agreement {a['top1_agreement'] * 100:.2f}%, perplexity {a['ppl_fast']:.3f} "
                      f"vs {a['ppl_exact']:.3f} (ratio {a['ppl_ratio']:.4f})")
+    if "served" in r:
+        sv = r["served"]
+        lines.append(f"served ({sv['tokens']} output tokens a request; {sv['results']}):")
+        for name, e in sv["engines"].items():
+            lines.append(f"  {name}: " + (f"not run ({e['error']})" if "error" in e else ", ".join(
+                f"{n} streams {t:.0f} tok/s" for n, t in e["tok_s"].items())))
+        for v in r.get("served_ratios", []):
+            parts = []
+            if "one_stream_x_tg128" in v:
+                parts.append(f"1 stream {v['one_stream_x_tg128']:.2f}x tg128")
+            if "x_best_peer" in v:
+                parts.append(f"{v['streams']} streams {v['x_best_peer']:.2f}x {v['best_peer']}")
+            lines.append(f"  {v['engine']}: " + (", ".join(parts) or "no peer or tg128 to compare with"))
     return "\n".join(lines)
 
 
