@@ -492,6 +492,11 @@ def bench_floors(args: argparse.Namespace) -> int:
 
     from stopline.bench import floors
 
+    if args.served:
+        import signal
+
+        # SIGTERM unwinds like Ctrl-C, so an engine --served started is stopped on the way out.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = floors.run(args)
     result["command"] = "stopline bench floors " + " ".join(sys.argv[3:])
     floors.write(result, Path(args.out))

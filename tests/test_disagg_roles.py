@@ -149,6 +149,39 @@ def test_send_side_reclaims_when_the_receiver_never_acks(loaded):
         pr.close()
 
 
+def test_kv_waiting_for_a_peer_goes_with_its_request(loaded, tmp_path):
+    """A bound link with no peer yet keeps the KV frames it could not send (the local role of
+    a remote split before the other has connected): the request's release drops them, so an
+    aborted or reclaimed request leaves nothing on the link, and the audit would see if it did."""
+    from stopline.disagg.messages import RoleSpec
+    from stopline.disagg.prefill_core import PrefillCore
+    from tests.disagg_support import config
+
+    spec = RoleSpec("prefill", f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/ack", 0.3, bind_push=True)
+    p = PrefillCore(loaded, config(), spec=spec, progress=False)
+    try:
+        for rid in ("a", "b"):
+            p.add_request(rid, list(range(5, 25)), SamplingParams(max_tokens=1), incarnation=f"inc-{rid}")
+        for _ in range(100):
+            if len(p.sending) == 2:
+                break
+            p.step()
+            p.audit()
+        assert p.link.queued() == {"inc-a", "inc-b"}
+        p.abort("inc-a")
+        p.step()
+        p.audit()
+        assert p.link.queued() == {"inc-b"}
+        t0 = time.monotonic()
+        while p.has_unfinished():  # b: nobody acks, the reclaim deadline ends it
+            p.step()
+            p.audit()
+            assert time.monotonic() - t0 < 5
+        assert p.link.queued() == set() and p.pool.num_used == 0
+    finally:
+        p.close()
+
+
 def test_receive_side_reclaims_when_the_sender_goes_quiet(loaded):
     pr = make_pair(loaded, reclaim_s=0.3)
     try:

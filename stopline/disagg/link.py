@@ -12,7 +12,9 @@ lock (ZMQ sockets are not thread-safe). High-water marks are unlimited and sends
 block: a message for a dead peer waits and the reclaim deadline ends its request. A connected
 PUSH queues in ZMQ; a bound one has nowhere to queue until its peer has connected (at start,
 or after the peer died), so what it refuses waits in `_backlog`, in order, and goes out at
-the next send or heartbeat.
+the next send or heartbeat. A transfer's frames waiting there belong to its request: its
+release drops them (`drop`), and the audit finds any left (`queued`), through the prefill
+role's `Backlog` holder.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class Link:
         self._push.setsockopt(zmq.LINGER, 0)
         (self._push.bind if bind_push else self._push.connect)(push)
         self._lock = threading.Lock()
-        self._backlog: deque[list] = deque()  # parts a bound PUSH refused (no peer yet)
+        # (request incarnation or None, parts) a bound PUSH refused (no peer yet), in order
+        self._backlog: deque[tuple[str | None, list]] = deque()
         self._beat_enc = msgspec.msgpack.Encoder()
         self.inbox: queue.SimpleQueue[Received] = queue.SimpleQueue()
         self.bad: list[str] = []  # frames that could not be decoded (logged by the role)
@@ -58,13 +61,25 @@ class Link:
     def send(self, msg: msgspec.Struct) -> None:
         data = self._enc.encode(msg)
         with self._lock:
-            self._backlog.append([MSG_TAG, data])
+            self._backlog.append((None, [MSG_TAG, data]))
             self._flush()
 
-    def send_kv(self, frames: Sequence[bytes | memoryview]) -> None:
+    def send_kv(self, incarnation: str, frames: Sequence[bytes | memoryview]) -> None:
+        """One request's KV transfer; kept under its incarnation while no peer can take it."""
         with self._lock:
-            self._backlog.append([KV_TAG, *frames])
+            self._backlog.append((incarnation, [KV_TAG, *frames]))
             self._flush()
+
+    def drop(self, incarnation: str) -> None:
+        """The request ended: its transfer's frames not sent yet are not sent at all."""
+        with self._lock:
+            if any(key == incarnation for key, _ in self._backlog):
+                self._backlog = deque(e for e in self._backlog if e[0] != incarnation)
+
+    def queued(self) -> set[str]:
+        """Incarnations whose KV frames wait for a peer."""
+        with self._lock:
+            return {key for key, _ in self._backlog if key is not None}
 
     def beat(self, incarnations: list[str]) -> None:
         """From the heartbeat thread (its own encoder; the socket under the lock). A beat
@@ -83,7 +98,7 @@ class Link:
         """Send the backlog in order (under the lock); False when the peer is not there."""
         while self._backlog:
             try:
-                self._push.send_multipart(self._backlog[0], zmq.NOBLOCK, copy=False)
+                self._push.send_multipart(self._backlog[0][1], zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return False
             self._backlog.popleft()

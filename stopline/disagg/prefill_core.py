@@ -25,11 +25,31 @@ from stopline.disagg.transfers import Side, Transfers
 from stopline.disagg.wire import pack
 from stopline.engine.core import EngineCore
 from stopline.engine.output import RequestOutput
+from stopline.kv.block_pool import LedgerError
 from stopline.request import FinishReason, Request
 
 log = logging.getLogger("stopline.disagg.prefill")
 
 HANDED_OFF = "handed off to the decode engine"
+
+
+class Backlog:
+    """Holder of a request's KV frames the link could not send yet (no peer connected): the
+    request's release drops them, so a transfer never outlives its request on the link."""
+
+    name = "link backlog"
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+
+    def release(self, req: Request) -> None:
+        self.link.drop(req.incarnation)
+
+    def preempt(self, req: Request) -> None:
+        pass  # packed at hand-off: the frames are the transfer, which waits for its ack
+
+    def holds(self, req: Request) -> bool:
+        return req.incarnation in self.link.queued()
 
 
 class PrefillCore(EngineCore):
@@ -42,6 +62,8 @@ class PrefillCore(EngineCore):
         # The transfer entry goes before the KV manager: the entry first, the blocks last.
         self.lifecycle.holders.insert(len(self.lifecycle.holders) - 1, self.sending)
         self.link = Link(spec.ack_addr, spec.kv_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push)
+        # Frames still on the link go with the transfer entry, before the blocks.
+        self.lifecycle.holders.insert(len(self.lifecycle.holders) - 1, Backlog(self.link))
         self.shipped_bytes = 0
         self._stop_beat = threading.Event()
         self._beat_thread = threading.Thread(target=self._heartbeat, daemon=True, name="stopline-beat")
@@ -83,7 +105,7 @@ class PrefillCore(EngineCore):
         frames = pack(req.incarnation, self.kv, self.epochs, refs)
         self.sending.start(req, refs)
         req.paused = True  # holds its blocks, takes no step
-        self.link.send_kv(frames)
+        self.link.send_kv(req.incarnation, frames)
         self.shipped_bytes += sum(len(f) for f in frames)
         return True
 
@@ -102,4 +124,8 @@ class PrefillCore(EngineCore):
 
     def audit(self) -> None:
         super().audit()
-        self.sending.audit(self.live_requests())
+        live = self.live_requests()
+        self.sending.audit(live)
+        stray = self.link.queued() - {r.incarnation for r in live}
+        if stray:
+            raise LedgerError(f"KV frames of ended requests wait on the link: {sorted(stray)}")
