@@ -26,7 +26,6 @@
 
 #include "q4_bf16.h"
 
-#define PANEL 32
 #define TR 16 /* rows a tile holds */
 #define Q4_REC (PANEL * 2 * 2 + 16 * PANEL)
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))

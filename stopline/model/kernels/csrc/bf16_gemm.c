@@ -19,7 +19,6 @@
 
 #include "q4_bf16.h"
 
-#define PANEL 32
 #define MR 12
 #define UNROLL _Pragma("GCC unroll 12")
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))

@@ -21,7 +21,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define PANEL 32
+#include "panel.h"
+
 #define GROUP 32
 #define Q4_REC (PANEL * 2 * 2 + GROUP / 2 * PANEL)
 #define Q8_REC (PANEL * 2 + GROUP * PANEL)
