@@ -479,6 +479,31 @@ def bench_soak(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _neighbours_bench_args(p: argparse.ArgumentParser) -> None:
+    from stopline.bench.neighbours import configure
+
+    configure(p)
+    p.add_argument("--out", default="bench-results/neighbours.json")
+
+
+@bench_command("neighbours", "decode step time quiet and beside a process taking a slice of our CPUs "
+               "(phases alternate; --no-adapt-threads for the A/B)", _neighbours_bench_args)
+def bench_neighbours(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from stopline.bench import neighbours
+
+    result = neighbours.run(args)
+    result["command"] = "stopline bench neighbours " + " ".join(sys.argv[3:])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(neighbours.summary(result))
+    print(f"results: {out}")
+    return 0
+
+
 def _floors_bench_args(p: argparse.ArgumentParser) -> None:
     from stopline.bench.floors import configure
 

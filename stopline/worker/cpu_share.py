@@ -1,7 +1,7 @@
 """How many threads a step runs on, from how much of our CPUs other processes take.
 
 Every step runs ~300 parallel regions, and each waits for whichever of its threads the OS
-has paused for a neighbour. Measured with `bench/contention.py` (another process spinning
+has paused for a neighbour. Measured with `stopline bench neighbours` (another process spinning
 for part of every 2-10 ms) on a 2-core host: beside a neighbour taking half a core, a
 one-stream step took 13.3 ms on two threads and 11.3 on one; beside 10% or 25% of a core,
 and at 32 streams, two threads stayed faster. So small steps drop one thread while the

@@ -1,0 +1,98 @@
+"""`stopline bench neighbours`: how much a decode step slows while another process takes a
+slice of our CPUs.
+
+One engine decodes N streams (speculation off: one token per stream a step). Phases of
+--steps timed steps alternate, quiet and beside a neighbour process that spins for
+--busy-ms then sleeps for --idle-ms, so both readings share the host's drift. Each phase
+opens with --settle untimed steps: the engine's thread choice (worker/cpu_share.py) reads
+the last 0.5 s of CPU use, so a persistent neighbour needs them and one that comes and goes
+does not. `--no-adapt-threads` keeps every thread whatever the neighbours, for the A/B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+NEIGHBOUR = """
+import sys, time
+busy, idle = float(sys.argv[1]) / 1000, float(sys.argv[2]) / 1000
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < busy:
+        pass
+    time.sleep(idle)
+"""
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    from stopline.cli import add_engine_args
+
+    p.add_argument("--streams", type=int, default=1, help="requests decoding together")
+    p.add_argument("--busy-ms", type=float, default=1.0, help="the neighbour spins this long ...")
+    p.add_argument("--idle-ms", type=float, default=1.0, help="... then sleeps this long (1 / 1: half a core)")
+    p.add_argument("--rounds", type=int, default=4, help="alternations of a quiet and a neighbour phase")
+    p.add_argument("--steps", type=int, default=10, help="steps timed in each phase")
+    p.add_argument("--settle", type=int, default=60, help="untimed steps that open each phase")
+    p.add_argument("--warm", type=int, default=30, help="steps before the first phase")
+    add_engine_args(p)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from stopline.bench.offline import chat_prompts
+    from stopline.cli import engine_config
+    from stopline.engine.llm import LLM
+    from stopline.request import SamplingParams
+
+    if min(args.rounds, args.steps, args.streams) < 1 or min(args.settle, args.warm) < 0:
+        raise SystemExit("--streams, --rounds and --steps must be >= 1, --settle and --warm >= 0")
+    if args.busy_ms <= 0 or args.idle_ms < 0:
+        raise SystemExit(f"--busy-ms must be > 0 and --idle-ms >= 0, got {args.busy_ms}, {args.idle_ms}")
+    config = replace(engine_config(args), speculative="off")
+    eng = LLM(args.model, config=config, progress=False).engine
+    tokens = args.warm + 2 * args.rounds * (args.settle + args.steps) + 8
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    incs = [eng.add_request(f"n{i}", ids, params) for i, ids in enumerate(chat_prompts(eng.loaded, args.streams))]
+    for _ in range(args.warm):
+        eng.step()
+    times: dict[str, list[float]] = {"quiet": [], "neighbour": []}
+    moved = {"quiet": 0, "neighbour": 0}
+    policy = eng.runner.threads  # ThreadPolicy: its count of steps moved to fewer threads
+    for _ in range(args.rounds):
+        for label in times:
+            spin = (subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(args.busy_ms), str(args.idle_ms)])
+                    if label == "neighbour" else None)
+            try:
+                time.sleep(0.05)
+                for _ in range(args.settle):
+                    eng.step()
+                before = policy.dropped_steps
+                for _ in range(args.steps):
+                    t = time.perf_counter()
+                    eng.step()
+                    times[label].append(time.perf_counter() - t)
+                moved[label] += policy.dropped_steps - before
+            finally:
+                if spin is not None:
+                    spin.kill()
+                    spin.wait()
+    eng.abort(incs)
+    while eng.has_unfinished():
+        eng.step()
+    quiet, busy = statistics.median(times["quiet"]), statistics.median(times["neighbour"])
+    return {"streams": args.streams, "neighbour_cores": args.busy_ms / (args.busy_ms + args.idle_ms),
+            "adapt_threads": config.adapt_threads, "threads": policy.threads,
+            "quiet_p50_ms": quiet * 1e3, "neighbour_p50_ms": busy * 1e3, "slowdown": busy / quiet,
+            "steps_each": len(times["quiet"]), "moved_steps": moved}
+
+
+def summary(r: dict) -> str:
+    return (f"{r['streams']} streams, a neighbour taking {r['neighbour_cores']:.0%} of a core "
+            f"({r['threads']} threads, adapting {'on' if r['adapt_threads'] else 'off'}): step p50 {r['quiet_p50_ms']:.2f} ms quiet, "
+            f"{r['neighbour_p50_ms']:.2f} ms beside it, slowdown {r['slowdown']:.2f}x; steps on fewer "
+            f"threads: {r['moved_steps']['neighbour']} of {r['steps_each']} beside it, "
+            f"{r['moved_steps']['quiet']} quiet")
