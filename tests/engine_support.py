@@ -161,6 +161,22 @@ def drive(engine: EngineCore, requests: Sequence[tuple[str, Sequence[int], Sampl
     return results
 
 
+def greedy_logprobs(eng: EngineCore, prompts: Sequence[Sequence[int]]) -> dict:
+    """Each prompt's 12 greedy tokens and top-2 logprobs (request id -> (tokens, logprobs)),
+    run to the end on `eng`, then audited."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    out: dict = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks, lps = out.setdefault(o.request_id, ([], []))
+            toks += o.new_token_ids
+            lps += [(lp.logprob, lp.top) for lp in o.new_logprobs]
+    eng.audit()
+    return out
+
+
 def assert_idle(engine: EngineCore) -> None:
     engine.audit()
     assert not engine.families, f"finished engine still tracks {list(engine.families)}"

@@ -9,8 +9,8 @@ import torch
 
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
-from stopline.request import SamplingParams
 from stopline.worker.cpu_share import CpuShare, ThreadPolicy
+from tests.engine_support import greedy_logprobs
 
 
 class FakeProc:
@@ -81,17 +81,7 @@ def _run(q4, busy: float | None) -> tuple[dict, EngineCore]:
                                       speculative="off", adapt_threads=busy is not None))
     if busy is not None:
         eng.runner.threads.share = Busy(busy)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-    for i, p in enumerate([[5, 17, 99, 23, 42, 7, 300, 12, 9, 81], [3, 1, 4, 1, 5]]):
-        eng.add_request(f"r{i}", p, params)
-    out: dict = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            toks, lps = out.setdefault(o.request_id, ([], []))
-            toks += o.new_token_ids
-            lps += [(lp.logprob, lp.top) for lp in o.new_logprobs]
-    eng.audit()
-    return out, eng
+    return greedy_logprobs(eng, [[5, 17, 99, 23, 42, 7, 300, 12, 9, 81], [3, 1, 4, 1, 5]]), eng
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from stopline.engine.core import EngineCore
 from stopline.model.decoder_native import DecoderLoop, StepInterrupt
 from stopline.model.loaders.loader import load_model
 from stopline.request import FinishReason, SamplingParams
+from tests.engine_support import greedy_logprobs
 from tests.tiny_model import make_tiny_llama_dir
 
 PROMPT = [5, 17, 99, 23, 42, 7, 300, 12, 9, 81]
@@ -40,20 +41,6 @@ def count_runs(eng: EngineCore) -> dict:
     return calls
 
 
-def outputs(eng: EngineCore, prompts: list[list[int]]) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, params)
-    out: dict = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            toks, lps = out.setdefault(o.request_id, ([], []))
-            toks += o.new_token_ids
-            lps += [(lp.logprob, lp.top) for lp in o.new_logprobs]
-    eng.audit()
-    return out
-
-
 def test_the_c_loop_gives_every_row_the_python_loops_bits(q4):
     """Same tokens and the same float logprobs, for decode steps (C loop) and for prefill
     steps past quant_max_rows (Python loop, library GEMMs) alike."""
@@ -61,10 +48,10 @@ def test_the_c_loop_gives_every_row_the_python_loops_bits(q4):
     c_eng = engine(q4)
     assert c_eng.model.decoder is not None
     calls = count_runs(c_eng)
-    with_c = outputs(c_eng, prompts)
+    with_c = greedy_logprobs(c_eng, prompts)
     py_eng = engine(q4)
     py_eng.model.c_layers = False
-    assert with_c == outputs(py_eng, prompts)
+    assert with_c == greedy_logprobs(py_eng, prompts)
     assert calls["n"] > 10  # the decode steps ran in C
 
 
@@ -84,12 +71,12 @@ def test_fast_mode_c_loop_gives_the_python_loops_bits(q4, kernel, monkeypatch):
     assert lin is not None and lin.q4 is not None and lin.amx == (kernel == "amx")
     assert c_eng.model.decoder is not None
     calls = count_runs(c_eng)
-    with_c = outputs(c_eng, prompts)
+    with_c = greedy_logprobs(c_eng, prompts)
     py_eng = engine(q4, numerics="fast")
     py_eng.model.c_layers = False
-    assert with_c == outputs(py_eng, prompts)
+    assert with_c == greedy_logprobs(py_eng, prompts)
     assert calls["n"] > 10
-    exact = outputs(engine(q4), prompts)
+    exact = greedy_logprobs(engine(q4), prompts)
     assert exact != with_c  # really the fast arithmetic
 
 
@@ -114,8 +101,8 @@ def test_abort_of_every_request_stops_the_c_loop(q4):
     assert eng.interrupted_steps == 1
     assert finished == {"x": FinishReason.ABORT, "y": FinishReason.ABORT}
     eng.model.decoder.run = run
-    alone = outputs(engine(q4), [PROMPT * 2])
-    assert outputs(eng, [PROMPT * 2]) == alone
+    alone = greedy_logprobs(engine(q4), [PROMPT * 2])
+    assert greedy_logprobs(eng, [PROMPT * 2]) == alone
 
 
 def test_step_interrupt_mirrors_its_state_for_c():
