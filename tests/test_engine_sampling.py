@@ -369,3 +369,29 @@ def test_logit_bias_under_speculation(model_dir: Path) -> None:
         assert _tokens(spec, loop, params) == plain
         out.append(spec.engine.lifecycle.stats.spec_verify_steps)
     assert sum(out) > 0, out  # drafts were really verified
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
+@pytest.mark.parametrize("vocab", [5, 16, 17, 49152])
+def test_nonfinite_rows_are_torchs(vocab, path, monkeypatch):
+    """sampler.nonfinite_rows (in C, or torch without the kernels) flags exactly the rows
+    whose torch amax is not finite: a NaN or +inf anywhere, all -inf; a -inf among finite
+    values is fine."""
+    from stopline.worker import sampler
+
+    if path == "torch":
+        monkeypatch.setattr(sampler, "try_kernels", lambda: None)
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(20, vocab, generator=gen)
+    x[1, vocab - 1] = float("nan")
+    x[2, 0] = float("inf")
+    x[3, :] = float("-inf")
+    x[4, 0] = float("-inf")
+    x[5, vocab // 2] = float("nan")
+    x[5, 0] = float("inf")
+    x[6, vocab - 1] = float("-inf")
+    want = {i for i, ok in enumerate(torch.isfinite(x.amax(dim=-1)).tolist()) if not ok}
+    assert want == {1, 2, 3, 5}
+    assert sampler.nonfinite_rows(x) == want
+    assert sampler.nonfinite_rows(x[:3]) == {1, 2}  # fewer rows than the parallel threshold
+    assert sampler.nonfinite_rows(x[:, :0]) == set()

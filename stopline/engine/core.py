@@ -51,7 +51,7 @@ from stopline.sched.scheduler import Scheduler
 from stopline.spec.drafts import Drafts
 from stopline.stats import StopStats
 from stopline.worker.runner import ModelRunner, StepResult
-from stopline.worker.sampler import Sampled, SampleTask, sample, score_tokens
+from stopline.worker.sampler import Sampled, SampleTask, nonfinite_rows, sample, score_tokens
 
 log = logging.getLogger("stopline.engine")
 
@@ -324,11 +324,7 @@ class EngineCore:
         nothing above -inf. Sampling would turn them into an arbitrary token."""
         if result.bad_rows is not None:
             return result.bad_rows
-        if not result.logits.numel():
-            return set()
-        # max propagates NaN and is +inf / -inf in the other cases: one cheap reduction.
-        finite = torch.isfinite(result.logits.amax(dim=-1)).tolist()
-        return {i for i, ok in enumerate(finite) if not ok}
+        return nonfinite_rows(result.logits)
 
     def _process(self, result: StepResult,
                  sampled: dict[tuple[int, int], Sampled | str] | None = None) -> None:

@@ -180,6 +180,21 @@ def argmax_rows(logits: torch.Tensor, rows: list[int]) -> list[int]:
     return out.tolist()
 
 
+def nonfinite_rows(logits: torch.Tensor) -> set[int]:
+    """Rows of logits ([N, vocab]) no token can be drawn from: a NaN or +inf anywhere, or
+    nothing above -inf. In C on CPU where it is built (one pass over the rows in place);
+    torch's amax propagates NaN the same way."""
+    if not logits.numel():
+        return set()
+    lib = try_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if lib is None or logits.dim() != 2 or logits.stride(1) != 1:
+        finite = torch.isfinite(logits.amax(dim=-1)).tolist()
+        return {i for i, ok in enumerate(finite) if not ok}
+    ok = torch.empty(logits.shape[0], dtype=torch.uint8)
+    lib.stopline_rows_ok(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], ok.data_ptr())
+    return {i for i, v in enumerate(ok.tolist()) if not v}
+
+
 def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
            eos_token_ids: Collection[int] = (),
            grammar_masks: Mapping[int, torch.Tensor] | None = None) -> list[Sampled]:

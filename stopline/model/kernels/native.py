@@ -152,6 +152,8 @@ def _load() -> ctypes.CDLL:
     lib.stopline_silu_mul.restype = None
     lib.stopline_row_argmax.argtypes = [ptr, c_long, ptr, c_int, c_int, ptr]
     lib.stopline_row_argmax.restype = None
+    lib.stopline_rows_ok.argtypes = [ptr, c_long, c_int, c_int, ptr]
+    lib.stopline_rows_ok.restype = None
     lib.stopline_sample_rows.argtypes = [ptr, c_long, ptr, ptr, ptr, c_int, c_int, ptr]
     lib.stopline_sample_rows.restype = None
     lib.stopline_paged_attention.argtypes = [ptr, c_long, ptr, ptr, ptr, c_int, c_int, c_int, c_int,
