@@ -27,6 +27,8 @@
 #define Q4_REC (PANEL * 2 * 2 + GROUP / 2 * PANEL)
 #define Q8_REC (PANEL * 2 + GROUP * PANEL)
 #define AHEAD_BYTES 2048
+#define FAR_BYTES 12288
+#define FAR_ROWS 2
 
 /* Rows a panel pass carries: 12 rows x 2 vectors of 16 columns = 24 accumulators, which with
  * the dequantized weights and their scales fill the 32 vector registers, and each x broadcast
@@ -45,11 +47,17 @@
  * layers' weights, interleaved with the kernel without it: 14% less time at one row, 8% at
  * four, none from eight (compute bound). 2 KiB ahead rather than 4: on the Intel Xeon host
  * (bench/quant_time.py --against, same bits, three runs) 0.96x the time at one row, 0.90-0.99x
- * at two, level at four and eight; 1 KiB was no better than 4 KiB. A prefetch past the end of the weights is harmless:
+ * at two, level at four and eight; 1 KiB was no better than 4 KiB. Passes of one or two rows
+ * also fetch 12 KiB ahead into L2: those rows are too few to hide the memory's latency behind
+ * their FMAs (the same kernel from cache runs ~1.5x faster). bench/quant_time.py --against,
+ * same bits, three runs: 0.90-0.96x the time at one row, 0.94-0.97x at two; at eight rows and
+ * more it cost 2-11%, so they skip it. A prefetch past the end of the weights is harmless:
  * prefetches do not fault. Always inlined: a call gcc leaves out of line has no effect it can
  * see, so it deletes the call, prefetches and all. */
-static inline __attribute__((always_inline)) void fetch_ahead(const uint8_t* rec, int bytes) {
+static inline __attribute__((always_inline)) void fetch_ahead(const uint8_t* rec, int bytes, int mr) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(rec + AHEAD_BYTES + o), _MM_HINT_T0);
+    if (mr <= FAR_ROWS)
+        for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(rec + FAR_BYTES + o), _MM_HINT_T1);
 }
 
 static inline void q4_deq(const uint8_t* rec, int pair, __m512 d0, __m512 d1, __m512 m0, __m512 m1,
@@ -96,7 +104,7 @@ q4_panel(const float* x, long ldx, const uint8_t* P, float* y, long ldy, int mr,
         UNROLL for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int g = k0 / GROUP; g < k1 / GROUP; g++) {
             const uint8_t* rec = P + (long)g * Q4_REC;
-            fetch_ahead(rec, Q4_REC);
+            fetch_ahead(rec, Q4_REC, mr);
             __m512 d0 = f16x16(rec), d1 = f16x16(rec + 32), m0 = f16x16(rec + 64), m1 = f16x16(rec + 96);
             const float* xk = x + g * GROUP;
             for (int p = 0; p < GROUP / 2; p++) {
@@ -124,7 +132,7 @@ q8_panel(const float* x, long ldx, const uint8_t* P, float* y, long ldy, int mr,
         UNROLL for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int g = k0 / GROUP; g < k1 / GROUP; g++) {
             const uint8_t* rec = P + (long)g * Q8_REC;
-            fetch_ahead(rec, Q8_REC);
+            fetch_ahead(rec, Q8_REC, mr);
             __m512 d0 = f16x16(rec), d1 = f16x16(rec + 32);
             const float* xk = x + g * GROUP;
             for (int k = 0; k < GROUP; k++) {
