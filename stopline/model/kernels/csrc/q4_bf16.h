@@ -43,9 +43,9 @@ static inline Q4_TARGET void q4_pair(const uint8_t* rec, int p, const Q4Scales* 
      * convert (the AMX kernel on SmolLM2's layer shapes, same bits, two runs): 0.87-0.89x the
      * time at 1-4 rows, 0.92x at 16, 0.97x at 32. */
     const __m512 q = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    __m256i v = _mm256_loadu_si256((const __m256i*)(rec + 128 + p * PANEL));
-    __m512i a = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(v));
-    __m512i b = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1));
+    const __m128i* v = (const __m128i*)(rec + 128 + p * PANEL);
+    __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(v));
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(v + 1));
     __m512 wA = _mm512_fmadd_ps(s->dA, _mm512_permutexvar_ps(a, q), s->mA);
     __m512 wB = _mm512_fmadd_ps(s->dB, _mm512_permutexvar_ps(_mm512_srli_epi32(a, 4), q), s->mB);
     __m512 wC = _mm512_fmadd_ps(s->dC, _mm512_permutexvar_ps(b, q), s->mC);

@@ -62,9 +62,9 @@ static inline __attribute__((always_inline)) void fetch_ahead(const uint8_t* rec
 
 static inline void q4_deq(const uint8_t* rec, int pair, __m512 d0, __m512 d1, __m512 m0, __m512 m1,
                           __m512* we0, __m512* we1, __m512* wo0, __m512* wo1) {
-    __m256i v = _mm256_loadu_si256((const __m256i*)(rec + 128 + pair * PANEL));
-    __m512i a = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(v));
-    __m512i b = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(v, 1));
+    const __m128i* v = (const __m128i*)(rec + 128 + pair * PANEL);
+    __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(v));
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(v + 1));
     /* The low nibble's float(q) by table: permutexvar reads only an index's low 4 bits, so one
      * shuffle replaces a mask and a conversion (the same exact values; the high nibble keeps
      * its conversion, which balances the two vector ports better). bench/quant_time.py
@@ -136,9 +136,9 @@ q8_panel(const float* x, long ldx, const uint8_t* P, float* y, long ldy, int mr,
             __m512 d0 = f16x16(rec), d1 = f16x16(rec + 32);
             const float* xk = x + g * GROUP;
             for (int k = 0; k < GROUP; k++) {
-                __m256i v = _mm256_loadu_si256((const __m256i*)(rec + 64 + k * PANEL));
-                __m512 w0 = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))));
-                __m512 w1 = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))));
+                const __m128i* v = (const __m128i*)(rec + 64 + k * PANEL);
+                __m512 w0 = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(v))));
+                __m512 w1 = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(v + 1))));
                 UNROLL for (int r = 0; r < mr; r++) {
                     __m512 xv = _mm512_set1_ps(xk[r * ldx + k]);
                     acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
