@@ -190,18 +190,23 @@ def test_quant_max_rows_is_a_command_line_setting_and_refuses_negatives():
         engine_config(p.parse_args(["--quant-max-rows", "-1"]))
 
 
-def test_the_gemm_timer_runs_and_compares_two_builds() -> None:
+@pytest.mark.parametrize("kernel", ["exact", "amx"])
+def test_the_gemm_timer_runs_and_compares_two_builds(kernel: str) -> None:
     """bench/quant_time.py (not a test of speed): it runs, and compared with itself as the
-    'other build' it reports the same bits at a panel's row counts and past one chunk."""
+    'other build' it reports the same bits at a panel's row counts and past one chunk, for
+    the exact kernel and (--amx) the fast mode's AMX block kernels."""
     import subprocess
     import sys
     from pathlib import Path
 
     if native.try_kernels() is None:
         pytest.skip("the C kernels are not built here")
+    if kernel == "amx" and not native.amx_ready():
+        pytest.skip("no AMX tiles on this CPU or OS")
     script = Path(__file__).resolve().parents[1] / "bench" / "quant_time.py"
+    extra = ["--amx"] if kernel == "amx" else []
     done = subprocess.run([sys.executable, str(script), "--rows", "1", "13", "--layers", "1", "--rounds", "1",
-                           "--against", native.kernels()._name], capture_output=True, text=True, timeout=120)
+                           "--against", native.kernels()._name, *extra], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = [ln for ln in done.stdout.splitlines() if " rows: " in ln]
     assert len(lines) == 2 and all("same bits" in ln for ln in lines), done.stdout
