@@ -95,7 +95,6 @@ static TARGET void bf16_block(const uint16_t* x, long ldx, const uint16_t* P, fl
     RUN_BLOCK(P + (long)kt * 16 * 2 * PANEL);
 }
 
-/* One group's 32 x 32 Q4_1 weights as bf16 in the panel layout (q4_bf16.h, as bf16_gemm.c). */
 /* A record's bytes 2 KiB ahead into L1 and 12 KiB ahead into L2, as quant_gemm.c fetches its
  * records at few rows: the hardware prefetcher stops at each 4 KiB page, and at few rows the
  * dequantization leaves the memory's latency exposed. bench/quant_time.py --amx --against,
@@ -106,6 +105,7 @@ static inline TARGET void fetch_ahead(const uint8_t* rec, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(rec + 12288 + o), _MM_HINT_T1);
 }
 
+/* One group's 32 x 32 Q4_1 weights as bf16 in the panel layout (q4_bf16.h, as bf16_gemm.c). */
 static inline TARGET void q4_group(const uint8_t* rec, uint16_t* out) {
     fetch_ahead(rec, Q4_REC);
     Q4Scales sc = q4_scales(rec);
