@@ -24,6 +24,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "fetch.h"
 #include "q4_bf16.h"
 
 #define TR 16 /* rows a tile holds */
@@ -95,19 +96,14 @@ static TARGET void bf16_block(const uint16_t* x, long ldx, const uint16_t* P, fl
     RUN_BLOCK(P + (long)kt * 16 * 2 * PANEL);
 }
 
-/* A record's bytes 2 KiB ahead into L1 and 12 KiB ahead into L2, as quant_gemm.c fetches its
- * records at few rows: the hardware prefetcher stops at each 4 KiB page, and at few rows the
- * dequantization leaves the memory's latency exposed. bench/quant_time.py --amx --against,
- * same bits: 0.73-0.76x the time at one row and at eight, 0.83-0.85x at 32; 1 or 4 KiB ahead
- * into L1 and 16 or 24 KiB into L2 were no different. */
-static inline TARGET void fetch_ahead(const uint8_t* rec, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(rec + 2048 + o), _MM_HINT_T0);
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(rec + 12288 + o), _MM_HINT_T1);
-}
-
-/* One group's 32 x 32 Q4_1 weights as bf16 in the panel layout (q4_bf16.h, as bf16_gemm.c). */
+/* One group's 32 x 32 Q4_1 weights as bf16 in the panel layout (q4_bf16.h, as bf16_gemm.c).
+ * Its record is fetched 2 KiB ahead into L1 and 12 KiB into L2 first (fetch.h; as for
+ * q8_group): a group's dequantization is too little work to hide the memory's latency
+ * behind. bench/quant_time.py --amx --against, same bits: 0.73-0.76x the time at one row and
+ * at eight, 0.83-0.85x at 32; 1 or 4 KiB ahead into L1 and 16 or 24 KiB into L2 were no
+ * different. */
 static inline TARGET void q4_group(const uint8_t* rec, uint16_t* out) {
-    fetch_ahead(rec, Q4_REC);
+    fetch_record(rec, Q4_REC, 1);
     Q4Scales sc = q4_scales(rec);
     for (int p = 0; p < 16; p++) {
         __m512bh w0, w1;
@@ -122,7 +118,7 @@ static inline TARGET void q4_group(const uint8_t* rec, uint16_t* out) {
  * d * q is exact in fp32 (11 by 8 significant bits), then rounded to bf16 as the copy was. */
 #define Q8_REC (PANEL * 2 + 16 * 64)
 static inline TARGET void q8_group(const uint8_t* rec, uint16_t* out) {
-    fetch_ahead(rec, Q8_REC);
+    fetch_record(rec, Q8_REC, 1);
     const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
     __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)rec));

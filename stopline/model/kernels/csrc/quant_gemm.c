@@ -21,14 +21,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "fetch.h"
 #include "panel.h"
 
 #define GROUP 32
 #define Q4_REC (PANEL * 2 * 2 + GROUP / 2 * PANEL)
 #define Q8_REC (PANEL * 2 + GROUP * PANEL)
-#define AHEAD_BYTES 2048
-#define FAR_BYTES 12288
-#define FAR_ROWS 2
 
 /* Rows a panel pass carries: 12 rows x 2 vectors of 16 columns = 24 accumulators, which with
  * the dequantized weights and their scales fill the 32 vector registers, and each x broadcast
@@ -41,24 +39,15 @@
  * own whatever gcc's unrolling limits. */
 #define UNROLL _Pragma("GCC unroll 12")
 
-/* Bytes of weights a pass fetches ahead of the record it reads. Panels lie one after another,
- * but the hardware prefetcher stops at each 4 KB page, and a small batch is bound by how fast
- * the weights stream in: a step of a few rows reads ~100 MB of them (SmolLM2). Measured on the
- * layers' weights, interleaved with the kernel without it: 14% less time at one row, 8% at
- * four, none from eight (compute bound). 2 KiB ahead rather than 4: on the Intel Xeon host
- * (bench/quant_time.py --against, same bits, three runs) 0.96x the time at one row, 0.90-0.99x
- * at two, level at four and eight; 1 KiB was no better than 4 KiB. Passes of one or two rows
- * also fetch 12 KiB ahead into L2: those rows are too few to hide the memory's latency behind
- * their FMAs (the same kernel from cache runs ~1.5x faster). bench/quant_time.py --against,
- * same bits, three runs: 0.90-0.96x the time at one row, 0.94-0.97x at two; at eight rows and
- * more it cost 2-11%, so they skip it. A prefetch past the end of the weights is harmless:
- * prefetches do not fault. Always inlined: a call gcc leaves out of line has no effect it can
- * see, so it deletes the call, prefetches and all. */
-static inline __attribute__((always_inline)) void fetch_ahead(const uint8_t* rec, int bytes, int mr) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(rec + AHEAD_BYTES + o), _MM_HINT_T0);
-    if (mr <= FAR_ROWS)
-        for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(rec + FAR_BYTES + o), _MM_HINT_T1);
-}
+/* How far a pass fetches its records (fetch.h). Measured on the layers' weights, interleaved
+ * with the kernel without it: 14% less time at one row, 8% at four, none from eight (compute
+ * bound). 2 KiB ahead into L1 rather than 4: on the Intel Xeon host (bench/quant_time.py
+ * --against, same bits, three runs) 0.96x the time at one row, 0.90-0.99x at two, level at
+ * four and eight; 1 KiB was no better than 4 KiB. Passes of up to FAR_ROWS rows also fetch
+ * 12 KiB ahead into L2: they are too few rows to hide the memory's latency behind their FMAs
+ * (the same kernel from cache runs ~1.5x faster). Three runs, same bits: 0.90-0.96x the time
+ * at one row, 0.94-0.97x at two; at eight rows and more it cost 2-11%, so they skip it. */
+#define FAR_ROWS 2
 
 static inline void q4_deq(const uint8_t* rec, int pair, __m512 d0, __m512 d1, __m512 m0, __m512 m1,
                           __m512* we0, __m512* we1, __m512* wo0, __m512* wo1) {
@@ -104,7 +93,7 @@ q4_panel(const float* x, long ldx, const uint8_t* P, float* y, long ldy, int mr,
         UNROLL for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int g = k0 / GROUP; g < k1 / GROUP; g++) {
             const uint8_t* rec = P + (long)g * Q4_REC;
-            fetch_ahead(rec, Q4_REC, mr);
+            fetch_record(rec, Q4_REC, mr <= FAR_ROWS);
             __m512 d0 = f16x16(rec), d1 = f16x16(rec + 32), m0 = f16x16(rec + 64), m1 = f16x16(rec + 96);
             const float* xk = x + g * GROUP;
             for (int p = 0; p < GROUP / 2; p++) {
@@ -132,7 +121,7 @@ q8_panel(const float* x, long ldx, const uint8_t* P, float* y, long ldy, int mr,
         UNROLL for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int g = k0 / GROUP; g < k1 / GROUP; g++) {
             const uint8_t* rec = P + (long)g * Q8_REC;
-            fetch_ahead(rec, Q8_REC, mr);
+            fetch_record(rec, Q8_REC, mr <= FAR_ROWS);
             __m512 d0 = f16x16(rec), d1 = f16x16(rec + 32);
             const float* xk = x + g * GROUP;
             for (int k = 0; k < GROUP; k++) {
