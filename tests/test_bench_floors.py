@@ -36,6 +36,13 @@ def test_floors_on_tiny_model(tmp_path: Path, tmp_path_factory: pytest.TempPathF
     if fast:
         a = r["accuracy"]
         assert a["tokens"] > 10 and 0 <= a["top1_agreement"] <= 1 and a["ppl_ratio"] > 0
+    li = r["linears_in_step"]
+    assert set(li) == set(r["numerics"]) and all(v["streams"] == 4 for v in li.values())
+    # An HF model's exact linears run on the GEMM library, outside the fused decoder; the fast
+    # mode's run in it, so they are timed inside the step.
+    assert "fused C decoder" in li["exact"]["error"]
+    if fast:
+        assert li["fast"]["layers_ms"] > 0 and li["fast"]["head_ms"] > 0 and li["fast"]["gflops"] > 0
     assert {p["mode"] for p in r["prefill"]} == set(r["numerics"]) and all(p["tok_s"] > 0 for p in r["prefill"])
     assert "GGUF" in r["llama_bench"]["error"]  # an HF directory: llama-bench cannot read it
     assert "read bandwidth" in capsys.readouterr().out

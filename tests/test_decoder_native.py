@@ -120,3 +120,16 @@ def test_no_c_loop_without_quantized_weights(tmp_path_factory):
     hf = make_tiny_llama_dir(tmp_path_factory.mktemp("decoder_f32") / "tiny", seed=9, vocab_size=384)
     eng = EngineCore(load_model(str(hf), progress=False), EngineConfig(num_blocks=32, block_size=4))
     assert eng.model.decoder is None and not DecoderLoop.supports(eng.model)
+
+
+def test_the_c_loop_times_its_linears_without_changing_a_bit(q4):
+    """DecoderLoop.linear_s (what `bench floors` reads): set, the loop adds its linears'
+    seconds to it, and every logprob is the untimed loop's."""
+    import torch
+
+    prompts = [PROMPT[: 4 + i] for i in range(4)]
+    untimed = greedy_logprobs(engine(q4), prompts)
+    timed_eng = engine(q4)
+    timed_eng.model.decoder.linear_s = torch.zeros(1, dtype=torch.float64)
+    assert greedy_logprobs(timed_eng, prompts) == untimed
+    assert timed_eng.model.decoder.linear_s[0] > 0

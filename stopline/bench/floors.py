@@ -8,6 +8,9 @@
   --turn steps, each turn's first --settle steps untimed, so a slow spell of the host lands
   on all alike and each is timed with its own weights in cache), against the floor: max(bytes of weights
   and KV the step reads / bandwidth, FMAs of the step / GEMM rate of its arithmetic);
+- the linears timed inside the step at the most streams, for each mode: the fused decoder's
+  kernel calls (bf16 conversion of their inputs included) and the LM head's call, weights and
+  caches as a real step leaves them, in GFLOPS over the linears' FMAs;
 - prefill: tokens/s over one 512-token prompt for each mode (best of --prefill-reps);
 - with --llama-bench (or STOPLINE_LLAMA_BENCH naming the binary): llama.cpp's llama-bench
   pp512 and tg128 on the same GGUF with the same thread count, in the same run, and each
@@ -176,6 +179,67 @@ def step_times(engines: dict[str, object], n: int, warm: int, steps: int,
     return out
 
 
+class _Timed:
+    """A callable whose calls add their seconds to `seconds[0]`; its other attributes are the
+    callable's (the LM head, while its step is timed)."""
+
+    def __init__(self, fn, seconds: list[float]) -> None:
+        self._fn, self._seconds = fn, seconds
+
+    def __getattr__(self, name: str):
+        return getattr(self._fn, name)
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self._fn(*args, **kwargs)
+        finally:
+            self._seconds[0] += time.perf_counter() - t
+
+
+def linears_in_step(engine, n: int, warm: int, steps: int) -> dict:
+    """GFLOPS of an n-stream decode step's linears, timed inside `steps` real steps: the fused
+    decoder's kernel calls (DecoderLoop.linear_s) plus the LM head's call, so the weights come
+    from wherever the rest of the step left them. An error instead where the step's layers do
+    not run in the fused decoder."""
+    from stopline.bench.offline import chat_prompts
+    from stopline.request import SamplingParams
+
+    model = engine.runner.model
+    decoder = model.decoder
+    if decoder is None or not (model.c_glue and model.c_layers) or not decoder.can_run(n, None):
+        return {"streams": n, "error": "this model's layers do not run in the fused C decoder"}
+    params = SamplingParams(temperature=0.0, max_tokens=warm + steps + 1000, ignore_eos=True)
+    for i, ids in enumerate(chat_prompts(engine.loaded, n)):
+        engine.add_request(f"linears-{n}-{i}", ids, params)
+    for _ in range(warm):
+        engine.step()
+    for _ in range(1000):  # every step timed below is n decode rows
+        if not any(r.is_prefilling for r in engine.live_requests()):
+            break
+        engine.step()
+    head, head_s = model.lm_head, [0.0]
+    decoder.linear_s = torch.zeros(1, dtype=torch.float64)
+    model.lm_head = _Timed(head, head_s)
+    try:
+        for _ in range(steps):
+            engine.step()
+        layers_s = float(decoder.linear_s[0])
+    finally:
+        model.lm_head, decoder.linear_s = head, None
+    live = len(engine.live_requests())
+    engine.abort([r.incarnation for r in engine.live_requests()])
+    while engine.has_unfinished():
+        engine.step()
+    if live != n:
+        return {"streams": n, "error": f"{live} of {n} streams were still decoding after the timed steps"}
+    if layers_s <= 0 or head_s[0] <= 0:
+        return {"streams": n, "error": "the timed steps did not run the fused decoder and the head"}
+    fmas = n * steps * sum(k * out * count for k, out, count in linear_shapes(model))
+    return {"streams": n, "steps": steps, "layers_ms": layers_s / steps * 1e3, "head_ms": head_s[0] / steps * 1e3,
+            "gflops": 2 * fmas / (layers_s + head_s[0]) / 1e9}
+
+
 def prefill_rate(engine, tokens: int, reps: int) -> float:
     """Tokens/s of one `tokens`-token prompt's prefill (to its first token), best of reps."""
     from stopline.request import SamplingParams
@@ -322,6 +386,8 @@ def run(args: argparse.Namespace) -> dict:
             best = max(floor["bandwidth_floor_ms"], floor["fma_floor_ms"])
             result["steps"].append({"streams": n, "mode": mode, **t, **floor, "floor_ms": best,
                                     "x_floor": t["p50_ms"] / best})
+    most = max(args.streams)
+    result["linears_in_step"] = {m: linears_in_step(e, most, args.warm, args.steps) for m, e in engines.items()}
     if args.prefill_tokens > 0:
         result["prefill"] = [{"mode": m, "tokens": args.prefill_tokens,
                               "tok_s": prefill_rate(e, args.prefill_tokens, args.prefill_reps)}
@@ -422,9 +488,18 @@ def summary(r: dict) -> str:
                      f"{s['fma_floor_ms']:>9.2f} {s['x_floor']:>7.2f}")
     if "bf16 kernel" in r["gemm_gflops_32_rows"]:
         best = max(v for k, v in g.items() if "bf16" in k)
-        lines.append(f"fast mode's linears at 32 rows: {r['gemm_gflops_32_rows']['bf16 kernel']:.0f} GFLOPS = "
+        lines.append(f"fast mode's kernel alone, each shape from cache through its Python wrapper, at 32 rows: "
+                     f"{r['gemm_gflops_32_rows']['bf16 kernel']:.0f} GFLOPS = "
                      f"{r['gemm_gflops_32_rows']['bf16 kernel'] / best * 100:.0f}% of the best bf16 rate "
                      f"measured ({best:.0f})")
+    for mode, li in r.get("linears_in_step", {}).items():
+        if "error" in li:
+            lines.append(f"{mode} linears inside the {li['streams']}-stream step: not timed ({li['error']})")
+            continue
+        best = best_rate(g, mode == "fast")
+        lines.append(f"{mode} linears inside the {li['streams']}-stream step: {li['gflops']:.0f} GFLOPS (layers "
+                     f"{li['layers_ms']:.2f} ms + head {li['head_ms']:.2f} ms a step) = {li['gflops'] / best * 100:.0f}% "
+                     f"of the best {'bf16' if mode == 'fast' else 'fp32'} rate measured ({best:.0f})")
     modes = {s["mode"] for s in r["steps"]}
     if {"exact", "fast"} <= modes:
         for n in sorted({s["streams"] for s in r["steps"]}):

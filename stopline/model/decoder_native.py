@@ -60,7 +60,7 @@ class Step(ctypes.Structure):
                [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("slots", ctypes.c_int64)] + \
                [(name, _P) for name in ("positions", "write_slots", "cos", "sin", "nkeys", "table_at",
                                         "tables", "h", "qkv", "q", "attn", "o", "gu", "act", "res",
-                                        "interrupt", "xb")]
+                                        "interrupt", "xb", "linear_s")]
 
 
 class DecoderLoop:
@@ -74,6 +74,8 @@ class DecoderLoop:
         self._tables: dict[int, ctypes.Array] = {}
         self._kv: KVCache | None = None  # the cache whose pointers the table holds, kept alive
         self._idle = StepInterrupt()  # for calls without an event: never set
+        # float64 [1] the C loop adds its linears' seconds to, while a benchmark sets it.
+        self.linear_s: torch.Tensor | None = None
         self._fn = kernels().stopline_decoder_layers
 
     @staticmethod
@@ -130,7 +132,9 @@ class DecoderLoop:
                     positions=positions.data_ptr(), write_slots=slots.data_ptr(),
                     cos=m.cos.data_ptr(), sin=m.sin.data_ptr(), nkeys=paged.nkeys.data_ptr(),
                     table_at=paged.table_at.data_ptr(), tables=paged.tables.data_ptr(),
-                    interrupt=flag.data_ptr(), xb=xb.data_ptr(), **{k: v.data_ptr() for k, v in bufs.items()})
+                    interrupt=flag.data_ptr(), xb=xb.data_ptr(),
+                    linear_s=None if self.linear_s is None else self.linear_s.data_ptr(),
+                    **{k: v.data_ptr() for k, v in bufs.items()})
         ran = ctypes.c_int(0)
         rc = self._fn(ctypes.addressof(self._table(kv)), len(m.layers), ctypes.addressof(step),
                       x.data_ptr(), ctypes.addressof(ran))

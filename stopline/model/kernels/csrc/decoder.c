@@ -8,8 +8,13 @@
  * row gets the bits the Python loop gives it (model/llama.py `_layers_native`).
  *
  * An abort that empties the step sets *interrupt; the loop checks it before each layer, as
- * the Python loop checks its event. */
+ * the Python loop checks its event.
+ *
+ * Step.linear_s, where not null, gets the seconds the linears took added to it (bf16
+ * conversion of their inputs included): `stopline bench floors` times the linears inside a
+ * real step with it, weights and caches as the step leaves them. */
 #include <stdint.h>
+#include <time.h>
 
 void stopline_q4_1_gemm(const float* x, const uint8_t* w, float* y, int M, int K, int N, int kc);
 void stopline_q8_0_gemm(const float* x, const uint8_t* w, float* y, int M, int K, int N, int kc);
@@ -71,6 +76,7 @@ typedef struct {
     float* res;   /* [rows][hidden] the MLP's output, added to x by the next layer's norm */
     const volatile int32_t* interrupt;
     uint16_t* xb; /* [rows][max K] a fast linear's input as bf16 */
+    double* linear_s;
 } Step;
 
 /* torch's float -> bf16 (round to nearest even; NaN stays NaN), the layer loop's
@@ -101,14 +107,22 @@ static void fast_gemm(const Layer* l, int which, const Step* s, const float* x, 
         stopline_bf16_gemm(s->xb, l->bf[which], y, M, K, N);
 }
 
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
 static void gemm(const Layer* l, int which, const Step* s, const float* x, float* y, int M, int K,
                  int N) {
+    double t0 = s->linear_s ? seconds() : 0.0;
     if (l->fmt[which] == FAST)
         fast_gemm(l, which, s, x, y, M, K, N);
     else if (l->fmt[which] == Q4_1)
         stopline_q4_1_gemm(x, l->w[which], y, M, K, N, l->kc[which]);
     else
         stopline_q8_0_gemm(x, l->w[which], y, M, K, N, l->kc[which]);
+    if (s->linear_s) *s->linear_s += seconds() - t0;
 }
 
 /* x: [rows][hidden], the residual stream, updated in place. Returns 0 when every layer ran,
