@@ -80,9 +80,12 @@ typedef struct {
 } Step;
 
 /* torch's float -> bf16 (round to nearest even; NaN stays NaN), the layer loop's
- * x.to(torch.bfloat16), so the fused loop gives the kernels the same inputs. */
+ * x.to(torch.bfloat16), so the fused loop gives the kernels the same inputs. On all threads
+ * from 8192 elements (16 rows of SmolLM2's narrowest input), so the other thread does not
+ * sleep through it between two GEMMs (layer_ops.c). */
 static void to_bf16(const float* x, uint16_t* out, long n) {
     const uint32_t* u = (const uint32_t*)x;
+    #pragma omp parallel for if (n >= 8192) schedule(static)
     for (long i = 0; i < n; i++) {
         uint32_t b = u[i];
         out[i] = (b & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0

@@ -3,7 +3,8 @@
  * Why here: torch's fused rms_norm is about eight ops on the CPU (18 us for a few rows, 1 ms
  * for 512), and a step runs 61 of them. A row's sum of squares runs in one fixed order (16
  * lanes over the row, then the lanes added in a fixed tree), so its bits never depend on
- * the other rows or on the threads. */
+ * the other rows or on the threads. All threads from 16 rows: a serial pass in the fused
+ * decoder lets the other thread fall asleep (layer_ops.c says why and what it measured). */
 #include <immintrin.h>
 #include <math.h>
 
@@ -25,7 +26,7 @@ static inline void norm_row(const float* xr, const float* w, float* yr, int n, f
 }
 
 void stopline_rms_norm(const float* x, const float* w, float* y, int rows, int n, float eps) {
-    #pragma omp parallel for if (rows >= 64) schedule(static)
+    #pragma omp parallel for if (rows >= 16) schedule(static)
     for (int r = 0; r < rows; r++) norm_row(x + (long)r * n, w, y + (long)r * n, n, eps);
 }
 
@@ -33,7 +34,7 @@ void stopline_rms_norm(const float* x, const float* w, float* y, int rows, int n
  * the same IEEE add torch does, so x gets the same bits as `x + res`. */
 void stopline_add_rms_norm(float* x, const float* res, const float* w, float* y, int rows, int n,
                            float eps) {
-    #pragma omp parallel for if (rows >= 64) schedule(static)
+    #pragma omp parallel for if (rows >= 16) schedule(static)
     for (int r = 0; r < rows; r++) {
         float* xr = x + (long)r * n;
         const float* rr = res + (long)r * n;
