@@ -12,36 +12,56 @@
  * 0.83-0.95x at 16 (fast), 0.95-0.99x at 8 (exact). */
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "simd_math.h"
+
+/* How many rows ahead a row's cache rows are fetched for writing: they are cold lines (a
+ * slot is written once), and owning them before the stores took one layer's call at 32 rows
+ * of SmolLM2, slots scattered over a 1.5 GB cache, from 34 to 17 us (1 to 8 rows ahead
+ * alike). */
+#define AHEAD 2
 
 /* Rotary embedding of a step's q and k heads, and k, v stored in the layer's cache.
  * qkv: rows of [q (hq heads) | k (hk) | v (hk)], d floats a head; cos, sin: [positions][d]
  * tables, sin with its first half negated, so rotate_half(x) * sin == roll(x, d / 2) * sin;
  * each element is (x * cos) + (roll(x) * sin), torch's order. q_out: [n][hq][d];
  * kc, vc: [hk][slots][d]; slots[i]: where row i's k and v go. */
+__attribute__((target("prfchw")))
 void stopline_rope_store(const float* qkv, int n, int hq, int hk, int d, const int64_t* pos,
                          const float* cos, const float* sin, const int64_t* slots, float* kc,
                          float* vc, long nslots, float* q_out) {
     int width = (hq + 2 * hk) * d, half = d / 2;
     #pragma omp parallel for if (n >= 8) schedule(static)
     for (int i = 0; i < n; i++) {
+        if (i + AHEAD < n)
+            for (int e = 0; e < hk; e++)
+                for (int j = 0; j < d; j += 16) {
+                    _m_prefetchw(kc + (e * nslots + slots[i + AHEAD]) * d + j);
+                    _m_prefetchw(vc + (e * nslots + slots[i + AHEAD]) * d + j);
+                }
         const float* row = qkv + (long)i * width;
         const float* c = cos + pos[i] * d;
         const float* s = sin + pos[i] * d;
         for (int e = 0; e < hq + hk; e++) {
             const float* x = row + e * d;
             float* o = e < hq ? q_out + ((long)i * hq + e) * d : kc + ((e - hq) * nslots + slots[i]) * d;
-            for (int j = 0; j < half; j++) {
-                o[j] = x[j] * c[j] + x[j + half] * s[j];
-                o[j + half] = x[j + half] * c[j + half] + x[j] * s[j + half];
+            /* 16 lanes at a time: gcc left the plain loop scalar (o might alias the row).
+             * Each lane is the same two products and one add. Warm cache, 32 rows: 12 ->
+             * 7 us a layer. */
+            for (int j = 0; j < half; j += 16) {
+                __mmask16 m = half - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (half - j)) - 1);
+                __m512 a = _mm512_maskz_loadu_ps(m, x + j), b = _mm512_maskz_loadu_ps(m, x + j + half);
+                __m512 lo = _mm512_add_ps(_mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, c + j)),
+                                          _mm512_mul_ps(b, _mm512_maskz_loadu_ps(m, s + j)));
+                __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_maskz_loadu_ps(m, c + j + half)),
+                                          _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s + j + half)));
+                _mm512_mask_storeu_ps(o + j, m, lo);
+                _mm512_mask_storeu_ps(o + j + half, m, hi);
             }
         }
-        for (int e = 0; e < hk; e++) {
-            const float* v = row + (hq + hk + e) * d;
-            float* o = vc + (e * nslots + slots[i]) * d;
-            for (int j = 0; j < d; j++) o[j] = v[j];
-        }
+        for (int e = 0; e < hk; e++)
+            memcpy(vc + (e * nslots + slots[i]) * d, row + (hq + hk + e) * d, sizeof(float) * (size_t)d);
     }
 }
 
