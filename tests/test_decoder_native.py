@@ -55,20 +55,26 @@ def test_the_c_loop_gives_every_row_the_python_loops_bits(q4):
     assert calls["n"] > 10  # the decode steps ran in C
 
 
-@pytest.mark.parametrize("kernel", ["amx", "avx512"])
+@pytest.mark.parametrize("kernel", ["amx", "avx512", "int8"])
 def test_fast_mode_c_loop_gives_the_python_loops_bits(q4, kernel, monkeypatch):
     """The fast numerics mode runs every step's layers in C (any row count: prefill too),
-    on the kernel each weight was built for and with the Q4_1 blocks up to the same row
-    count, so rows get the layer loop's bits exactly."""
+    on the kernel each weight was built for (bf16 with the Q4_1 blocks up to the same row
+    count, or the blocks against int8 inputs), so rows get the layer loop's bits exactly."""
+    from stopline.model.kernels.bf16_linear import BF16Weight
+    from stopline.model.kernels.int8_linear import Int8Weight, has_vnni
     from stopline.model.kernels.native import amx_ready, has_bf16
 
-    if not has_bf16() or (kernel == "amx" and not amx_ready()):
-        pytest.skip(f"no {kernel} bf16 kernel on this host")
+    if not has_bf16() or (kernel == "amx" and not amx_ready()) or (kernel == "int8" and not has_vnni()):
+        pytest.skip(f"no {kernel} kernel on this host")
     monkeypatch.setenv("STOPLINE_AMX", "1" if kernel == "amx" else "0")
+    monkeypatch.setenv("STOPLINE_INT8", "1" if kernel == "int8" else "0")
     prompts = [PROMPT[: 3 + i] * (1 + i % 3) for i in range(9)]
     c_eng = engine(q4, numerics="fast")
     lin = c_eng.model.layers[0]["gate_up"].fast
-    assert lin is not None and lin.q4 is not None and lin.amx == (kernel == "amx")
+    if kernel == "int8":
+        assert isinstance(lin, Int8Weight)
+    else:
+        assert isinstance(lin, BF16Weight) and lin.q4 is not None and lin.amx == (kernel == "amx")
     assert c_eng.model.decoder is not None
     calls = count_runs(c_eng)
     with_c = greedy_logprobs(c_eng, prompts)

@@ -1,6 +1,7 @@
-"""The fast numerics mode (docs/numerics.md): its kernel equals a plain torch reference of the
-same arithmetic bit for bit, and an engine in fast mode is batch-invariant (alone vs 24
-concurrent, chunked, preempted), like exact mode (tests/test_engine_invariance.py)."""
+"""The fast numerics mode (docs/numerics.md): its kernels equal plain torch references of the
+same arithmetic bit for bit (bf16, and int8 activations against Q4_1/Q8_0 blocks), and an
+engine in fast mode is batch-invariant (alone vs 24 concurrent, chunked, preempted) on every
+kernel this host has, like exact mode (tests/test_engine_invariance.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 from stopline import LLM
 from stopline.config import EngineConfig, Numerics
 from stopline.model.kernels.bf16_linear import BF16Weight, reference, resolve
+from stopline.model.kernels.int8_linear import Int8Weight, has_vnni
+from stopline.model.kernels.int8_linear import reference as int8_reference
 from stopline.model.kernels.native import amx_ready, has_bf16, try_kernels
 from tests.engine_support import greedy, random_prompts, record_plans, sharp_tiny_dir
 from tests.tiny_model import make_tiny_gguf
@@ -21,6 +24,8 @@ FAST = has_bf16() and try_kernels() is not None
 needs_fast = pytest.mark.skipif(not FAST, reason="no AVX512-BF16 or no C kernels on this host")
 AMX = FAST and amx_ready()
 needs_amx = pytest.mark.skipif(not AMX, reason="no AMX-BF16 (or its tile state refused) on this host")
+INT8 = FAST and has_vnni()
+needs_int8 = pytest.mark.skipif(not INT8, reason="no AVX512-VNNI (or no C kernels) on this host")
 MAX_NEW = 24
 LENGTHS = [1, 3, 5, 8, 12, 16, 17, 20, 24, 31, 32, 33, 40, 47, 50, 63, 64, 65, 70, 80, 96, 100, 120, 150]
 
@@ -142,6 +147,63 @@ def test_amx_off_by_env(monkeypatch) -> None:
         BF16Weight.from_float(torch.randn(32, 48), amx=True)
 
 
+def _blocks(fmt: str, n: int, k: int, seed: int):
+    """GGML blocks of a random [n, k] weight, and the weight they dequantize to."""
+    import gguf
+    import numpy as np
+
+    qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(w, qtype)
+    return raw, torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype)))
+
+
+@needs_int8
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m,n,k", [(1, 32, 32), (7, 96, 64), (13, 960, 576), (40, 64, 1536)])
+def test_int8_kernel_equals_reference(fmt: str, m: int, n: int, k: int) -> None:
+    """Block weights against int8 activations (the fast mode's kernel for them on VNNI): the
+    torch reference's bits, every row the same alone as in the batch, and close to (not equal
+    to) the float product."""
+    raw, deq = _blocks(fmt, n, k, seed=m + n + k)
+    weight = Int8Weight.from_raw(fmt, raw, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    y = weight(x)
+    assert y.shape == (m, n)
+    assert torch.equal(y, int8_reference(x, fmt, raw))
+    assert torch.equal(torch.cat([weight(x[i:i + 1]) for i in range(m)]), y)
+    if m > 2:
+        assert torch.equal(torch.cat([weight(x[:2]), weight(x[2:])]), y)
+    full = x @ deq.T
+    assert not torch.equal(y, full)
+    assert (y - full).abs().max() <= 0.02 * full.abs().max()
+
+
+@needs_int8
+def test_int8_nonfinite_input_spoils_only_its_row() -> None:
+    """A NaN or an infinity in a row's input makes that row's outputs NaN (so the engine's
+    bad-row check sees it), as float arithmetic would; the other rows keep their bits."""
+    raw, _ = _blocks("q4_1", 64, 96, seed=3)
+    weight = Int8Weight.from_raw("q4_1", raw, 96)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(5))
+    clean = weight(x)
+    x[1, 5], x[2, 70] = float("nan"), float("inf")
+    y = weight(x)
+    assert y[1].isnan().all() and y[2].isnan().all()
+    assert torch.equal(y[[0, 3]], clean[[0, 3]])
+    assert torch.equal(y.nan_to_num(7.0), int8_reference(x, "q4_1", raw).nan_to_num(7.0))
+
+
+@needs_int8
+def test_int8_weight_refuses_what_it_cannot_take() -> None:
+    raw, _ = _blocks("q4_1", 64, 96, seed=3)
+    weight = Int8Weight.from_raw("q4_1", raw, 96)
+    with pytest.raises(ValueError, match="int8 linear takes 2-d CPU rows of 96"):
+        weight(torch.randn(2, 64))
+    with pytest.raises(ValueError, match="cannot pack a q4_1 weight"):
+        Int8Weight.from_raw("q4_1", raw[:40], 96)
+
+
 def test_numerics_setting_is_checked() -> None:
     assert EngineConfig(numerics="fast").numerics is Numerics.FAST
     with pytest.raises(ValueError, match="numerics"):
@@ -154,21 +216,26 @@ def test_fast_off_cpu_falls_back_loudly() -> None:
     assert resolve("exact", "cpu") == "exact"
 
 
-@pytest.fixture(scope="module", params=["amx", "avx512"])
+@pytest.fixture(scope="module", params=["amx", "avx512", "int8"])
 def kernel(request) -> Iterator[str]:
-    """The engine tests run on each fast kernel this host has: AMX tiles, and AVX512-BF16
-    (forced by STOPLINE_AMX=0, as on a CPU without AMX)."""
+    """The engine tests run on each fast kernel this host has: AMX tiles, AVX512-BF16 (forced
+    by STOPLINE_AMX=0, as on a CPU without AMX), and int8 activations against block weights
+    (VNNI; STOPLINE_INT8=0 turns it off for the other two)."""
     import os
 
     if request.param == "amx" and not AMX:
         pytest.skip("no AMX-BF16 on this host")
-    old = os.environ.get("STOPLINE_AMX")
-    os.environ["STOPLINE_AMX"] = "0" if request.param == "avx512" else "1"
+    if request.param == "int8" and not INT8:
+        pytest.skip("no AVX512-VNNI on this host")
+    old = {name: os.environ.get(name) for name in ("STOPLINE_AMX", "STOPLINE_INT8")}
+    os.environ["STOPLINE_AMX"] = "1" if request.param == "amx" else "0"
+    os.environ["STOPLINE_INT8"] = "1" if request.param == "int8" else "0"
     yield request.param
-    if old is None:
-        os.environ.pop("STOPLINE_AMX", None)
-    else:
-        os.environ["STOPLINE_AMX"] = old
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="module", params=["f32", "q4_1"])
@@ -176,6 +243,8 @@ def model_dir(request, kernel: str, tmp_path_factory: pytest.TempPathFactory) ->
     """The tiny model as float32 (every batch on the bf16 weights) and as a Q4_1 GGUF (batches
     of up to Q4_MAX_ROWS rows on its blocks, larger ones on the bf16 copy)."""
     hf = sharp_tiny_dir(tmp_path_factory)
+    if request.param == "f32" and kernel == "int8":
+        pytest.skip("float weights take the bf16 kernels: the avx512 case")
     if request.param == "f32":
         return hf
     return make_tiny_gguf(hf, tmp_path_factory.mktemp("q4") / "tiny-q4_1.gguf", qtype="Q4_1")
@@ -200,9 +269,13 @@ def _signature(c) -> list[tuple]:
 def alone(model_dir: Path, kernel: str, prompts) -> list[list[tuple]]:
     llm = _engine(model_dir)
     assert llm.engine.model.numerics == "fast"
-    q4 = llm.engine.model.layers[0]["gate_up"].fast.q4 is not None
-    assert q4 == (model_dir.suffix == ".gguf")
-    assert llm.engine.model.layers[0]["gate_up"].fast.amx == (kernel == "amx")
+    fast = llm.engine.model.layers[0]["gate_up"].fast
+    if kernel == "int8":
+        assert isinstance(fast, Int8Weight) and isinstance(llm.engine.model.lm_head.fast, Int8Weight)
+    else:
+        assert isinstance(fast, BF16Weight)
+        assert (fast.q4 is not None) == (model_dir.suffix == ".gguf")
+        assert fast.amx == (kernel == "amx")
     return [_signature(llm.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts]
 
 

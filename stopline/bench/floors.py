@@ -107,12 +107,8 @@ def _weight_bytes(model, rows: int) -> int:
     """Bytes of linear weights a step of `rows` rows reads (the path each linear takes)."""
     total = 0
     for lin in [model.lm_head, *(v for layer in model.layers for v in layer.values() if hasattr(v, "fast"))]:
-        if lin.fast is not None and lin.fast.q4 is not None and rows <= lin.fast.q4_max_rows:
-            total += lin.fast.q4.numel()
-        elif lin.fast is not None and lin.fast.q8 is not None and rows <= min(lin.fast.q4_max_rows, 32):
-            total += lin.fast.q8.numel()
-        elif lin.fast is not None:
-            total += lin.fast.packed.numel() * 2
+        if lin.fast is not None:
+            total += lin.fast.bytes_read(rows)
         elif lin.quant is not None and rows <= lin.quant_max_rows and lin.kc() is not None:
             total += lin.quant.packed.numel()
         else:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from stopline.config import LINEAR_BACKENDS
 from stopline.model.kernels.bf16_linear import BF16Weight
+from stopline.model.kernels.int8_linear import Int8Weight
 from stopline.model.kernels.native import try_kernels
 from stopline.model.kernels.quant_linear import QuantWeight
 
@@ -189,16 +190,18 @@ class InvariantLinear:
     sums in the library's order, so its rows carry the library's bits (checked at first use;
     where they would not, the kernel is not used).
 
-    fast: the weight as bf16 (the fast numerics mode); every batch then runs through its
-    kernel, whose rows are invariant by construction, and no library path is built."""
+    fast: the weight for the fast numerics mode (bf16, or blocks against int8 activations);
+    every batch then runs through its kernel, whose rows are invariant by construction, and
+    no library path is built."""
 
     def __init__(self, w: torch.Tensor, max_rows: int, backend: str = "auto",
                  quant: QuantWeight | None = None, quant_max_rows: int = 16,
-                 fast: BF16Weight | None = None) -> None:
+                 fast: BF16Weight | Int8Weight | None = None) -> None:
         self.out_features, self.in_features = w.shape
         self.fast = fast
         if fast is not None:
-            self.device, self.dtype, self.max_rows, self.backend = w.device, w.dtype, max(2, max_rows), "bf16"
+            self.device, self.dtype, self.max_rows = w.device, w.dtype, max(2, max_rows)
+            self.backend = "int8" if isinstance(fast, Int8Weight) else "bf16"
             self.quant, self.quant_max_rows, self._kc, self._heights = None, 0, {}, {}
             return
         self.device, self.dtype = w.device, w.dtype

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from stopline.model.kernels.bf16_linear import BF16Weight
+from stopline.model.kernels.int8_linear import Int8Weight
 from stopline.model.kernels.native import kernels
 
 if TYPE_CHECKING:
@@ -29,7 +31,8 @@ if TYPE_CHECKING:
 _P = ctypes.c_void_p
 _LINEARS = ("qkv", "o", "gate_up", "down")
 _FMT = {"q4_1": 0, "q8_0": 1}
-_FAST = 2
+_FAST = 2  # a BF16Weight
+_INT8 = {"q4_1": 3, "q8_0": 4}  # an Int8Weight's blocks
 
 
 class StepInterrupt(threading.Event):
@@ -60,7 +63,7 @@ class Step(ctypes.Structure):
                [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("slots", ctypes.c_int64)] + \
                [(name, _P) for name in ("positions", "write_slots", "cos", "sin", "nkeys", "table_at",
                                         "tables", "h", "qkv", "q", "attn", "o", "gu", "act", "res",
-                                        "interrupt", "xb", "linear_s")]
+                                        "interrupt", "xb", "linear_s", "q8x", "q8d", "q8ds", "q8s")]
 
 
 class DecoderLoop:
@@ -69,6 +72,9 @@ class DecoderLoop:
     def __init__(self, model: LlamaModel) -> None:
         self.model = model
         self.fast = model.layers[0]["qkv"].fast is not None
+        kinds = {type(layer[name].fast) for layer in model.layers for name in _LINEARS}
+        self.bf16 = BF16Weight in kinds  # the kinds of buffer a step needs for its inputs
+        self.int8 = Int8Weight in kinds
         # The bf16 kernels take any row count; the quantized one only up to quant_max_rows.
         self.max_rows = 1 << 30 if self.fast else min(model.layers[0][name].quant_max_rows for name in _LINEARS)
         self._tables: dict[int, ctypes.Array] = {}
@@ -95,6 +101,9 @@ class DecoderLoop:
                 t = table[li]
                 for j, name in enumerate(_LINEARS):
                     lin = layer[name]
+                    if isinstance(lin.fast, Int8Weight):
+                        t.fmt[j], t.w[j] = _INT8[lin.fast.fmt], lin.fast.packed.data_ptr()
+                        continue
                     if lin.fast is not None:
                         f = lin.fast
                         t.fmt[j], t.bf[j], t.amx[j] = _FAST, f.packed.data_ptr(), int(f.amx)
@@ -123,8 +132,12 @@ class DecoderLoop:
         bufs = {name: torch.empty(n, width) for name, width in
                 (("h", c.hidden_size), ("qkv", qkv_width), ("q", hd), ("attn", hd), ("o", c.hidden_size),
                  ("gu", 2 * inter), ("act", inter), ("res", c.hidden_size))}
-        # A fast linear's input as bf16 (unused in exact mode).
-        xb = torch.empty(n * max(c.hidden_size, hd, inter) if self.fast else 1, dtype=torch.bfloat16)
+        # A fast linear's input as bf16, or as int8 with its groups' scales (unused in exact mode).
+        widest = max(c.hidden_size, hd, inter)
+        xb = torch.empty(n * widest if self.bf16 else 1, dtype=torch.bfloat16)
+        q8x = torch.empty(n * widest if self.int8 else 1, dtype=torch.int8)
+        q8d, q8ds = (torch.empty(n * widest // 32 if self.int8 else 1) for _ in range(2))
+        q8s = torch.empty(n * widest // 32 if self.int8 else 1, dtype=torch.int32)
         positions, slots = inp.positions.contiguous(), inp.write_slots.contiguous()
         step = Step(rows=n, hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads,
                     d=c.head_dim, inter=inter, bs=kv.block_size, max_keys=paged.max_keys,
@@ -132,7 +145,8 @@ class DecoderLoop:
                     positions=positions.data_ptr(), write_slots=slots.data_ptr(),
                     cos=m.cos.data_ptr(), sin=m.sin.data_ptr(), nkeys=paged.nkeys.data_ptr(),
                     table_at=paged.table_at.data_ptr(), tables=paged.tables.data_ptr(),
-                    interrupt=flag.data_ptr(), xb=xb.data_ptr(),
+                    interrupt=flag.data_ptr(), xb=xb.data_ptr(), q8x=q8x.data_ptr(), q8d=q8d.data_ptr(),
+                    q8ds=q8ds.data_ptr(), q8s=q8s.data_ptr(),
                     linear_s=None if self.linear_s is None else self.linear_s.data_ptr(),
                     **{k: v.data_ptr() for k, v in bufs.items()})
         ran = ctypes.c_int(0)

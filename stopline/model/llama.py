@@ -18,6 +18,7 @@ from stopline.model.config import ModelConfig
 from stopline.model.decoder_native import DecoderLoop
 from stopline.model.kernels.bf16_linear import BF16Weight
 from stopline.model.kernels.bf16_linear import resolve as fast_numerics
+from stopline.model.kernels.int8_linear import Int8Weight, int8_ready
 from stopline.model.kernels.layer_ops import add_rms_norm, rope_store, silu_mul
 from stopline.model.kernels.paged_attention import PagedRows, paged_attention
 from stopline.model.kernels.paged_attention import pick as pick_attention
@@ -58,6 +59,16 @@ class StepInputs:
     paged: PagedRows | None = None
 
 
+def fast_weight(full: torch.Tensor, raw: dict[str, torch.Tensor]) -> BF16Weight | Int8Weight:
+    """A fast-mode linear: block weights (raw: Q4_1 or Q8_0 blocks of `full`) on the int8
+    kernel where it runs, everything else on bf16 (which reads Q4_1/Q8_0 blocks for few rows,
+    with the same bits as its bf16 copy). Fixed per weight at load, never by the row count."""
+    if raw and int8_ready():
+        fmt, blocks = next(iter(raw.items()))
+        return Int8Weight.from_raw(fmt, blocks, full.shape[1])
+    return BF16Weight.from_float(full, raw.get("q4_1"), q8_raw=raw.get("q8_0"))
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, max_rows: int,
                  max_logit_rows: int, device: str = "cpu", linear_backend: str = "auto",
@@ -92,14 +103,13 @@ class LlamaModel:
 
         def linear(*names: str, rows: int = max_rows) -> InvariantLinear:
             full = torch.cat([w(n) for n in names])
-            if self.numerics == "fast":  # bf16 weights, and Q4_1/Q8_0 blocks for few rows (same bits)
+            if self.numerics == "fast":
                 found = [blocks.get(n) for n in names]
                 raw = {}
                 for fmt in ("q4_1", "q8_0"):
                     if all(f is not None and f[0] == fmt for f in found) and can_pack(fmt, *full.shape):
                         raw[fmt] = torch.cat([f[1] for f in found if f is not None])
-                return InvariantLinear(full, rows, fast=BF16Weight.from_float(
-                    full, raw.get("q4_1"), q8_raw=raw.get("q8_0")))
+                return InvariantLinear(full, rows, fast=fast_weight(full, raw))
             return InvariantLinear(full, rows, linear_backend,
                                    quant=quant(names), quant_max_rows=quant_max_rows)
 

@@ -116,6 +116,19 @@ class BF16Weight:
         q8 = pack_q8_0(arr(q8_raw), w.shape[1]) if q8_raw is not None and amx else None
         return cls(w.shape[0], w.shape[1], pack(w), q4, AMX_Q4_MAX if amx else Q4_MAX_ROWS, amx=amx, q8=q8)
 
+    def _source(self, rows: int) -> str:
+        """What a call of `rows` rows reads: the "q4" or "q8" blocks, or the bf16 "copy"."""
+        if rows and self.q4 is not None and rows <= self.q4_max_rows and (rows <= AMX_Q4_MAX or not self.amx):
+            return "q4"
+        if rows and self.q8 is not None and rows <= min(self.q4_max_rows, AMX_Q4_MAX):
+            return "q8"
+        return "copy"
+
+    def bytes_read(self, rows: int) -> int:
+        """Weight bytes a call of `rows` rows reads."""
+        source = self._source(rows)
+        return self.packed.numel() * 2 if source == "copy" else getattr(self, source).numel()
+
     @property
     def _k(self) -> int:
         return self.in_features + (self.in_features & 1)
@@ -136,9 +149,10 @@ class BF16Weight:
         else:
             xb = x.to(torch.bfloat16).contiguous()
         y = torch.empty(m, self._n)
-        if m and self.q4 is not None and m <= self.q4_max_rows and (m <= AMX_Q4_MAX or not self.amx):
+        source = self._source(m)
+        if source == "q4":
             self._q4_fn(xb.data_ptr(), self.q4.data_ptr(), y.data_ptr(), m, self._k, self._n)
-        elif m and self.q8 is not None and m <= min(self.q4_max_rows, AMX_Q4_MAX):
+        elif source == "q8":
             kernels().stopline_amx_q8_0_gemm(xb.data_ptr(), self.q8.data_ptr(), y.data_ptr(), m, self._k, self._n)
         elif m:
             self._fn(xb.data_ptr(), self.packed.data_ptr(), y.data_ptr(), m, self._k, self._n)

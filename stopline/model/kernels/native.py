@@ -168,6 +168,11 @@ def _load() -> ctypes.CDLL:
     for fn in (lib.stopline_amx_bf16_gemm, lib.stopline_amx_q4_1_gemm, lib.stopline_amx_q8_0_gemm):
         fn.argtypes = [ptr, ptr, ptr, c_int, c_int, c_int]
         fn.restype = None
+    lib.stopline_quantize_rows.argtypes = [ptr, c_int, c_int, ptr, ptr, ptr, ptr]
+    lib.stopline_quantize_rows.restype = None
+    for fn in (lib.stopline_q4_1_i8_gemm, lib.stopline_q8_0_i8_gemm):
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int, c_int, c_int]
+        fn.restype = None
     lib.stopline_amx_init.argtypes = []
     lib.stopline_amx_init.restype = c_int
     return lib

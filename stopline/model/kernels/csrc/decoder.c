@@ -33,9 +33,15 @@ void stopline_bf16_gemm(const uint16_t* x, const uint16_t* w, float* y, int M, i
 void stopline_q4_1_bf16_gemm(const uint16_t* x, const uint8_t* w, float* y, int M, int K, int N);
 void stopline_amx_bf16_gemm(const uint16_t* x, const uint16_t* w, float* y, int M, int K, int N);
 void stopline_amx_q4_1_gemm(const uint16_t* x, const uint8_t* w, float* y, int M, int K, int N);
+void stopline_quantize_rows(const float* x, int M, int K, int8_t* q, float* d, float* ds, int32_t* s);
+void stopline_q4_1_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
+                           const uint8_t* w, float* y, int M, int K, int N);
+void stopline_q8_0_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
+                           const uint8_t* w, float* y, int M, int K, int N);
 
 enum { QKV, O, GATE_UP, DOWN };
-enum { Q4_1, Q8_0, FAST };
+/* FAST: a BF16Weight; INT8_*: an Int8Weight's blocks (w), against int8 inputs. */
+enum { Q4_1, Q8_0, FAST, INT8_Q4_1, INT8_Q8_0 };
 
 /* One layer's weights (packed blocks, see quant_gemm.c) and cache. */
 typedef struct {
@@ -77,6 +83,10 @@ typedef struct {
     const volatile int32_t* interrupt;
     uint16_t* xb; /* [rows][max K] a fast linear's input as bf16 */
     double* linear_s;
+    int8_t* q8x;  /* [rows][max K] an int8 linear's input, quantized (int8_gemm.c) */
+    float* q8d;   /* [rows][max K / 32] its groups' scales */
+    float* q8ds;
+    int32_t* q8s;
 } Step;
 
 /* torch's float -> bf16 (round to nearest even; NaN stays NaN), the layer loop's
@@ -119,12 +129,22 @@ static double seconds(void) {
 static void gemm(const Layer* l, int which, const Step* s, const float* x, float* y, int M, int K,
                  int N) {
     double t0 = s->linear_s ? seconds() : 0.0;
-    if (l->fmt[which] == FAST)
+    switch (l->fmt[which]) {
+    case FAST:
         fast_gemm(l, which, s, x, y, M, K, N);
-    else if (l->fmt[which] == Q4_1)
+        break;
+    case INT8_Q4_1:
+    case INT8_Q8_0:
+        stopline_quantize_rows(x, M, K, s->q8x, s->q8d, s->q8ds, s->q8s);
+        (l->fmt[which] == INT8_Q4_1 ? stopline_q4_1_i8_gemm : stopline_q8_0_i8_gemm)(
+            s->q8x, s->q8d, s->q8ds, s->q8s, l->w[which], y, M, K, N);
+        break;
+    case Q4_1:
         stopline_q4_1_gemm(x, l->w[which], y, M, K, N, l->kc[which]);
-    else
+        break;
+    default:
         stopline_q8_0_gemm(x, l->w[which], y, M, K, N, l->kc[which]);
+    }
     if (s->linear_s) *s->linear_s += seconds() - t0;
 }
 

@@ -1,0 +1,191 @@
+/* y = x @ w.T for Q4_1 and Q8_0 weights against activations quantized to int8 (AVX512-VNNI
+ * vpdpbusd): the "fast" numerics mode's arithmetic for block weights (docs/numerics.md).
+ *
+ * Why: at one row the exact kernel (quant_gemm.c) and the bf16 one (bf16_gemm.c) spend more
+ * time dequantizing each weight to a float than reading it (~100 us a SmolLM2 layer from
+ * cache against ~65 us to stream its 2.2 MB), so a one-stream step is bound by arithmetic. Here
+ * a weight is a byte lane of vpdpbusd, 64 products an instruction, and its group's scale is
+ * applied once per 32 k: the step is left bound by its reads.
+ *
+ * Arithmetic. Each row of x is quantized per group of 32 k (stopline_quantize_rows): d =
+ * max|x| / 127, q = round-to-nearest-even(x * (1 / d)), s = sum of the group's q, ds = d * s.
+ * Then for each output element, over the groups g in k order, in fp32:
+ *     Q4_1 (w = dw * u + mw, u in 0..15):   acc = fma(float(sum u * q), dw * d, acc)
+ *                                           acc = fma(mw, ds, acc)
+ *     Q8_0 (w = dw * v, v in -128..127):    acc = fma(float(sum v * q), dw * d, acc)
+ * A group's integer sum is exact whatever order vpdpbusd adds in, and the float steps are one
+ * chain per output in group order, so a row's bits depend on its own values and the weight
+ * alone: never on the other rows, how they are chunked, or which thread runs the panel.
+ * A group with a NaN or an infinity gets d = ds = NaN, so its rows' outputs are NaN (as the
+ * float kernels' would be) rather than finite garbage the engine's bad-row check would miss.
+ *
+ * Packed layouts (stopline/model/kernels/int8_linear.py), panels of 32 output columns,
+ * panel-major, one record per group of 32 k; step t (8 per group) covers k = 4t .. 4t+3:
+ *   Q4_1: dw[32] f16, mw[32] f16, then 8 steps x 64 bytes: byte 4c + j holds column c's
+ *         u at k = 4t + j in its low nibble and column 16 + c's in its high one   (640 B)
+ *   Q8_0: dw[32] f16, then 8 steps x 128 bytes: byte 4c + j of the first 64 holds column
+ *         c's v + 128 at k = 4t + j, of the second 64 column 16 + c's              (1088 B)
+ * (Q8_0 is stored offset to unsigned, vpdpbusd's unsigned operand; the offset's 128 * s is
+ * taken off the exact integer sum.)
+ *
+ * Compiled for VNNI by attribute, as bf16_gemm.c is for BF16; the caller checks the CPU flag.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "panel.h"
+
+#define GROUP 32
+#define Q4_REC (PANEL * 2 * 2 + GROUP / 2 * PANEL)
+#define Q8_REC (PANEL * 2 + GROUP * PANEL)
+/* Rows a pass carries: per row two int32 group sums and two fp32 accumulators (16 columns
+ * each), so 6 rows take 24 of the 32 vector registers, the rest the weights and scales. */
+#define MR 6
+#define UNROLL _Pragma("GCC unroll 6")
+/* No software prefetch (fetch.h): on the AMD EPYC (Zen 4) host the hardware prefetcher
+ * streams these records on its own, and the prefetch instructions only took issue slots.
+ * SmolLM2's 30 layers and head at one row, interleaved, three runs: 2.95-3.43 ms without,
+ * 3.47-3.82 ms with fetch_record's 2 KiB + 12 KiB, 3.56-4.15 ms with 2 KiB alone. */
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+
+/* x: M x K float32 -> q: M x K int8, d, ds: M x K/32 float, s: M x K/32 int32. K a multiple
+ * of 32. Rows in parallel when there are enough of them to pay for waking a thread. */
+TARGET void stopline_quantize_rows(const float* x, int M, int K, int8_t* q, float* d, float* ds,
+                                   int32_t* s) {
+    int groups = K / GROUP;
+    long total = (long)M * groups;
+    const __m512 big = _mm512_set1_ps(3.402823466e38f);
+#pragma omp parallel for schedule(static) if ((long)M * K >= 16384)
+    for (long i = 0; i < total; i++) {
+        long r = i / groups, g = i % groups;
+        const float* xg = x + r * K + g * GROUP;
+        __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+        __m512 aa = _mm512_abs_ps(a), ab = _mm512_abs_ps(b);
+        /* NaN or infinity: not <= the largest float */
+        int bad = _mm512_cmp_ps_mask(aa, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(ab, big, _CMP_NLE_UQ);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(aa, ab));
+        float dg = amax / 127.0f, inv = dg != 0.0f ? 1.0f / dg : 0.0f;
+        if (bad) dg = NAN, inv = 0.0f;
+        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+        __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        int8_t* qg = q + r * K + g * GROUP;
+        _mm_storeu_si128((__m128i*)qg, _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((__m128i*)(qg + 16), _mm512_cvtsepi32_epi8(qb));
+        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        d[i] = dg;
+        ds[i] = dg * (float)sum;
+        s[i] = sum;
+    }
+}
+
+static inline TARGET __m512 f16x16(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+
+/* One panel (32 columns) for rows [0, mr); q8 selects the record format. The group sums of
+ * all mr rows are finished before any is scaled, so the weights are unpacked once a pass. */
+static inline TARGET __attribute__((always_inline)) void
+i8_panel(const int8_t* xq, const float* xd, const float* xds, const int32_t* xs, int K,
+         const uint8_t* P, float* y, long ldy, int mr, int q8) {
+    const int groups = K / GROUP;
+    const long rec_bytes = q8 ? Q8_REC : Q4_REC;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc[MR][2];
+    UNROLL for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        const uint8_t* rec = P + g * rec_bytes;
+        __m512i sum[MR][2];
+        UNROLL for (int r = 0; r < mr; r++) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+        for (int t = 0; t < GROUP / 4; t++) {
+            __m512i w0, w1;
+            if (q8) {
+                w0 = _mm512_loadu_si512((const void*)(rec + 64 + t * 128));
+                w1 = _mm512_loadu_si512((const void*)(rec + 64 + t * 128 + 64));
+            } else {
+                __m512i v = _mm512_loadu_si512((const void*)(rec + 128 + t * 64));
+                w0 = _mm512_and_si512(v, low);
+                w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            UNROLL for (int r = 0; r < mr; r++) {
+                __m512i xv = _mm512_set1_epi32(*(const int32_t*)(xq + (long)r * K + g * GROUP + 4 * t));
+                sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], w0, xv);
+                sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], w1, xv);
+            }
+        }
+        __m512 d0 = f16x16(rec), d1 = f16x16(rec + 32);
+        if (q8) {
+            UNROLL for (int r = 0; r < mr; r++) {
+                long i = (long)r * groups + g;
+                __m512i off = _mm512_set1_epi32(128 * xs[i]);
+                __m512 xdr = _mm512_set1_ps(xd[i]);
+                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][0], off)),
+                                            _mm512_mul_ps(d0, xdr), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][1], off)),
+                                            _mm512_mul_ps(d1, xdr), acc[r][1]);
+            }
+        } else {
+            __m512 m0 = f16x16(rec + 64), m1 = f16x16(rec + 96);
+            UNROLL for (int r = 0; r < mr; r++) {
+                long i = (long)r * groups + g;
+                __m512 xdr = _mm512_set1_ps(xd[i]), xdsr = _mm512_set1_ps(xds[i]);
+                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, xdr), acc[r][0]);
+                acc[r][0] = _mm512_fmadd_ps(m0, xdsr, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, xdr), acc[r][1]);
+                acc[r][1] = _mm512_fmadd_ps(m1, xdsr, acc[r][1]);
+            }
+        }
+    }
+    UNROLL for (int r = 0; r < mr; r++) {
+        _mm512_storeu_ps(y + r * ldy, acc[r][0]);
+        _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
+    }
+}
+
+/* One function per row count and format, the count a constant so the sums stay in registers. */
+typedef void (*PanelFn)(const int8_t* xq, const float* xd, const float* xds, const int32_t* xs,
+                        int K, const uint8_t* P, float* y, long ldy);
+#define PANEL_FN(kind, isq8, n)                                                                  \
+    static TARGET __attribute__((noinline)) void kind##_panel_##n(                              \
+        const int8_t* xq, const float* xd, const float* xds, const int32_t* xs, int K,          \
+        const uint8_t* P, float* y, long ldy) {                                                 \
+        i8_panel(xq, xd, xds, xs, K, P, y, ldy, n, isq8);                                       \
+    }
+#define PANEL_FNS(kind, isq8)                                                                    \
+    PANEL_FN(kind, isq8, 1) PANEL_FN(kind, isq8, 2) PANEL_FN(kind, isq8, 3)                      \
+    PANEL_FN(kind, isq8, 4) PANEL_FN(kind, isq8, 5) PANEL_FN(kind, isq8, 6)                      \
+    static const PanelFn kind##_panels[MR + 1] = {0, kind##_panel_1, kind##_panel_2,            \
+                                                  kind##_panel_3, kind##_panel_4,               \
+                                                  kind##_panel_5, kind##_panel_6};
+PANEL_FNS(q4, 0)
+PANEL_FNS(q8, 1)
+
+/* Each thread takes whole panels (guided, as quant_gemm.c, for neighbours); a panel runs its
+ * rows in chunks of at most MR, as even as possible. The chunking changes which registers hold
+ * a row's sums, never their order. */
+static void gemm(const PanelFn* panels, long rec_bytes, const int8_t* xq, const float* xd,
+                 const float* xds, const int32_t* xs, const uint8_t* w, float* y, int M, int K, int N) {
+    long panel_bytes = (long)(K / GROUP) * rec_bytes;
+    int groups = K / GROUP, chunks = (M + MR - 1) / MR;
+#pragma omp parallel for schedule(guided)
+    for (int p = 0; p < N / PANEL; p++) {
+        const uint8_t* P = w + p * panel_bytes;
+        for (int c = 0; c < chunks; c++) {
+            int m0 = (int)((long)M * c / chunks), mr = (int)((long)M * (c + 1) / chunks) - m0;
+            long o = (long)m0 * groups;
+            panels[mr](xq + (long)m0 * K, xd + o, xds + o, xs + o, K, P, y + (long)m0 * N + p * PANEL, N);
+        }
+    }
+}
+
+/* q, d, ds, s: stopline_quantize_rows' output for x (M x K); y: M x N float32. K and N
+ * multiples of 32. */
+void stopline_q4_1_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
+                           const uint8_t* w, float* y, int M, int K, int N) {
+    gemm(q4_panels, Q4_REC, q, d, ds, s, w, y, M, K, N);
+}
+
+void stopline_q8_0_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
+                           const uint8_t* w, float* y, int M, int K, int N) {
+    gemm(q8_panels, Q8_REC, q, d, ds, s, w, y, M, K, N);
+}
