@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from stopline.cli import main
+from stopline.model.kernels.int8_linear import has_vnni
 from stopline.model.kernels.native import has_bf16, try_kernels
 from tests.engine_support import sharp_tiny_dir
 
@@ -25,6 +26,9 @@ def test_floors_on_tiny_model(tmp_path: Path, tmp_path_factory: pytest.TempPathF
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["read_bandwidth_gbs"] > 0 and all(v > 0 for v in r["gemm_gflops_32_rows"].values())
+    # the int8 rates (torch's, and the fast mode's kernel for block weights where it runs)
+    assert "torch int8" in r["gemm_gflops_32_rows"]
+    assert ("int8 kernel" in r["gemm_gflops_32_rows"]) == (has_vnni() and try_kernels() is not None)
     assert {(s["streams"], s["mode"]) for s in r["steps"]} >= {(1, "exact"), (4, "exact")}
     for s in r["steps"]:
         assert s["weight_bytes"] > 0 and s["kv_bytes"] > 0
@@ -43,6 +47,7 @@ def test_floors_on_tiny_model(tmp_path: Path, tmp_path_factory: pytest.TempPathF
     assert "fused C decoder" in li["exact"]["error"]
     if fast:
         assert li["fast"]["layers_ms"] > 0 and li["fast"]["head_ms"] > 0 and li["fast"]["gflops"] > 0
+        assert li["fast"]["arithmetic"] == "bf16"  # an HF model's float weights: no blocks for int8
     assert {p["mode"] for p in r["prefill"]} == set(r["numerics"]) and all(p["tok_s"] > 0 for p in r["prefill"])
     assert "GGUF" in r["llama_bench"]["error"]  # an HF directory: llama-bench cannot read it
     assert "read bandwidth" in capsys.readouterr().out

@@ -2,8 +2,9 @@
 
 - read bandwidth: a streaming sum over a float32 buffer well above the L3 cache, on torch's
   threads (the engine's), best of N;
-- GEMM rates: torch's fp32 and bf16 `x @ w_t` at the 32-stream step's shapes (the model's
-  linears, 32 rows), and the fast mode's bf16 kernel at the same shapes;
+- GEMM rates: torch's fp32, bf16 and int8 (`torch._int_mm`) products at the 32-stream step's
+  shapes (the model's linears, 32 rows), and stopline's kernels at the same shapes (exact's
+  Q4_1, fast's bf16, and fast's int8 against Q4_1 blocks where the CPU has VNNI);
 - decode step time at 1 and 32 streams for each numerics mode (engines take turns of
   --turn steps, each turn's first --settle steps untimed, so a slow spell of the host lands
   on all alike and each is timed with its own weights in cache), against the floor: max(bytes of weights
@@ -69,30 +70,40 @@ def linear_shapes(model) -> list[tuple[int, int, int]]:
 
 def gemm_rates(shapes: list[tuple[int, int, int]], rows: int, reps: int) -> dict[str, float]:
     """FLOP/s (2 per FMA) of each arithmetic over the step's linears, weighted by their count."""
+    import gguf
+
     from stopline.model.kernels.bf16_linear import BF16Weight
+    from stopline.model.kernels.int8_linear import Int8Weight, has_vnni
     from stopline.model.kernels.native import amx_ready, has_bf16, try_kernels
+    from stopline.model.kernels.quant_linear import QuantWeight
 
     gen = torch.Generator().manual_seed(0)
     out: dict[str, float] = {}
-    kinds = ["torch fp32", "torch bf16"] + (["q4_1 fp32 kernel"] if try_kernels() else []) + \
-        (["bf16 kernel"] if has_bf16() and try_kernels() else []) + \
-        (["bf16 avx512 kernel"] if has_bf16() and try_kernels() and amx_ready() else [])
+    own = try_kernels() is not None
+    kinds = ["torch fp32", "torch bf16", "torch int8"] + (["q4_1 fp32 kernel"] if own else []) + \
+        (["bf16 kernel"] if has_bf16() and own else []) + \
+        (["bf16 avx512 kernel"] if has_bf16() and own and amx_ready() else []) + \
+        (["int8 kernel"] if has_vnni() and own else [])
     for kind in kinds:
         flops = secs = 0.0
         for k, n, count in shapes:
             x = torch.randn(rows, k, generator=gen)
             w = torch.randn(n, k, generator=gen)
             if kind == "q4_1 fp32 kernel":  # the exact mode's own kernel, blocks of random weights
-                import gguf
-
-                from stopline.model.kernels.quant_linear import QuantWeight
-
                 raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
                 qw = QuantWeight.from_raw("q4_1", raw, k)
                 fn = lambda qw=qw, x=x, k=k: qw(x, k)  # noqa: E731
+            elif kind == "int8 kernel":  # the fast mode's for block weights, quantizing x included
+                raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
+                iw = Int8Weight.from_raw("q4_1", raw, k)
+                fn = lambda iw=iw, x=x: iw(x)  # noqa: E731
             elif kind in ("bf16 kernel", "bf16 avx512 kernel"):  # the fast mode's (AMX where it runs)
                 bw = BF16Weight.from_float(w, amx=False if "avx512" in kind else None)
                 fn = lambda bw=bw, x=x: bw(x)  # noqa: E731
+            elif kind == "torch int8":  # oneDNN's s8 x s8 -> s32
+                xt = torch.randint(-127, 128, (rows, k), generator=gen, dtype=torch.int8)
+                wt = torch.randint(-127, 128, (k, n), generator=gen, dtype=torch.int8)
+                fn = lambda xt=xt, wt=wt: torch._int_mm(xt, wt)  # noqa: E731
             else:
                 dt = torch.float32 if kind == "torch fp32" else torch.bfloat16
                 xt, wt = x.to(dt), w.t().contiguous().to(dt)
@@ -116,10 +127,17 @@ def _weight_bytes(model, rows: int) -> int:
     return total
 
 
-def best_rate(rates: dict[str, float], fast: bool) -> float:
-    """The fastest rate measured for a mode's arithmetic (fp32 FMAs, or bf16 products)."""
-    keys = ("bf16",) if fast else ("fp32",)
-    return max(v for k, v in rates.items() if any(key in k for key in keys))
+def arithmetic(model) -> str:
+    """What a model's layers multiply in: "fp32" (exact), "bf16" or "int8" (fast)."""
+    from stopline.model.kernels.int8_linear import Int8Weight
+
+    fast = model.layers[0]["gate_up"].fast
+    return "fp32" if fast is None else "int8" if isinstance(fast, Int8Weight) else "bf16"
+
+
+def best_rate(rates: dict[str, float], kind: str) -> float:
+    """The fastest rate measured for an arithmetic ("fp32", "bf16" or "int8")."""
+    return max(v for k, v in rates.items() if kind in k)
 
 
 def step_floor(engine, rows: int, mean_ctx: float, bw: float, rates: dict[str, float]) -> dict[str, float]:
@@ -129,7 +147,7 @@ def step_floor(engine, rows: int, mean_ctx: float, bw: float, rates: dict[str, f
     wbytes = _weight_bytes(model, rows)
     fmas = rows * sum(k * n * count for k, n, count in linear_shapes(model))
     fmas += rows * mean_ctx * c.num_layers * c.num_heads * c.head_dim * 2  # q.k and p.v
-    rate = best_rate(rates, model.numerics == "fast")
+    rate = best_rate(rates, arithmetic(model))
     return {"weight_bytes": wbytes, "kv_bytes": kv_bytes, "bandwidth_floor_ms": (wbytes + kv_bytes) / bw * 1e3,
             "fma_floor_ms": 2 * fmas / rate * 1e3}
 
@@ -232,7 +250,8 @@ def linears_in_step(engine, n: int, warm: int, steps: int) -> dict:
     if layers_s <= 0 or head_s[0] <= 0:
         return {"streams": n, "error": "the timed steps did not run the fused decoder and the head"}
     fmas = n * steps * sum(k * out * count for k, out, count in linear_shapes(model))
-    return {"streams": n, "steps": steps, "layers_ms": layers_s / steps * 1e3, "head_ms": head_s[0] / steps * 1e3,
+    return {"streams": n, "steps": steps, "arithmetic": arithmetic(model),
+            "layers_ms": layers_s / steps * 1e3, "head_ms": head_s[0] / steps * 1e3,
             "gflops": 2 * fmas / (layers_s + head_s[0]) / 1e9}
 
 
@@ -482,20 +501,21 @@ def summary(r: dict) -> str:
         lines.append(f"{s['streams']:>7} {s['mode']:>5} {s['p50_ms']:>8.2f} {s['min_ms']:>8.2f} "
                      f"{(s['weight_bytes'] + s['kv_bytes']) / 2**20:>9.1f} {s['bandwidth_floor_ms']:>9.2f} "
                      f"{s['fma_floor_ms']:>9.2f} {s['x_floor']:>7.2f}")
-    if "bf16 kernel" in r["gemm_gflops_32_rows"]:
-        best = max(v for k, v in g.items() if "bf16" in k)
-        lines.append(f"fast mode's kernel alone, each shape from cache through its Python wrapper, at 32 rows: "
-                     f"{r['gemm_gflops_32_rows']['bf16 kernel']:.0f} GFLOPS = "
-                     f"{r['gemm_gflops_32_rows']['bf16 kernel'] / best * 100:.0f}% of the best bf16 rate "
-                     f"measured ({best:.0f})")
+    for kind in ("bf16", "int8"):
+        own = r["gemm_gflops_32_rows"].get(f"{kind} kernel")
+        if own:
+            best = best_rate(g, kind)
+            lines.append(f"the {kind} kernel alone, each shape from cache through its Python wrapper, at 32 rows: "
+                         f"{own:.0f} GFLOPS = {own / best * 100:.0f}% of the best {kind} rate measured ({best:.0f})")
     for mode, li in r.get("linears_in_step", {}).items():
         if "error" in li:
             lines.append(f"{mode} linears inside the {li['streams']}-stream step: not timed ({li['error']})")
             continue
-        best = best_rate(g, mode == "fast")
+        kind = li["arithmetic"]
+        best = best_rate(g, kind)
         lines.append(f"{mode} linears inside the {li['streams']}-stream step: {li['gflops']:.0f} GFLOPS (layers "
                      f"{li['layers_ms']:.2f} ms + head {li['head_ms']:.2f} ms a step) = {li['gflops'] / best * 100:.0f}% "
-                     f"of the best {'bf16' if mode == 'fast' else 'fp32'} rate measured ({best:.0f})")
+                     f"of the best {kind} rate measured ({best:.0f})")
     modes = {s["mode"] for s in r["steps"]}
     if {"exact", "fast"} <= modes:
         for n in sorted({s["streams"] for s in r["steps"]}):
