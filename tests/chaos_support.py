@@ -128,13 +128,13 @@ def untimed(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, deadline=None, queue_timeout=None)
 
 
-def run_reference(loaded, work: list[Job], attention: str = "auto"):
+def run_reference(loaded, work: list[Job], attention: str = "auto", numerics: str = "exact"):
     """Each job's output with no aborts, no deadlines and an ample pool (batch invariance
     makes this the same as running it alone; test_solo_matches_reference checks that on a
-    sample). attention: as the storm's (the backends give a position different bits)."""
+    sample). attention, numerics: as the storm's (each gives a position other bits)."""
     eng = EngineCore(loaded, EngineConfig(num_blocks=4096, block_size=4, max_num_seqs=256,
                                           max_num_batched_tokens=4096, attention_backend=attention,
-                                          speculative="off"))
+                                          speculative="off", numerics=numerics))
     ref = defaultdict(lambda: defaultdict(list))
     key_of = {}
     for job in work:

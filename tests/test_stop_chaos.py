@@ -233,6 +233,31 @@ def test_storm_mixing_the_quantized_kernel_and_the_library(tiny_dir, tmp_path_fa
     assert check_storm(work, ref, res) > 50
 
 
+def test_storm_in_fast_numerics(tiny_dir, tmp_path_factory, stopline_cache_dir):
+    """The storm in the fast numerics mode, on the Q4_1 model (the int8 kernel where the CPU
+    has VNNI, else bf16), with async scheduling, swap-or-recompute preemption and speculation:
+    every output equals the fast reference run to the logprob."""
+    from stopline.model.kernels.bf16_linear import BF16Weight
+    from stopline.model.kernels.int8_linear import Int8Weight, int8_ready
+    from stopline.model.kernels.native import has_bf16, try_kernels
+
+    if try_kernels() is None or not has_bf16():
+        pytest.skip("no fast numerics here (no C kernels or no AVX512-BF16)")
+    gguf_path = make_tiny_gguf(tiny_dir, tmp_path_factory.mktemp("chaos_fast") / "tiny.gguf", qtype="Q4_1")
+    q4 = load_model(gguf_path, progress=False, cache_dir=stopline_cache_dir)
+    work = make_workload(seed=19, count=200, vocab=q4.config.vocab_size)
+    for job in work:
+        job.params = dataclasses.replace(job.params, logprobs=0)
+    ref = run_reference(q4, work, numerics="fast")
+    config = dataclasses.replace(storm_config("auto", True, speculative="on"), numerics="fast")
+    res = run_storm(q4, work, config, seed=12)
+    assert isinstance(res.engine.model.layers[0]["gate_up"].fast, Int8Weight if int8_ready() else BF16Weight)
+    stats = res.engine.lifecycle.stats
+    assert sum(stats.preemptions.values()) > 5 and stats.spec_verify_steps > 0, stats
+    assert check_storm(work, ref, res) > 30
+    assert stats.finished.get("error", 0) == 0
+
+
 def test_storm_with_small_steps_on_fewer_threads(tiny_dir, tmp_path_factory, stopline_cache_dir,
                                                monkeypatch):
     """The Q4_1 storm on two threads with a neighbour always taking a core: every small step
