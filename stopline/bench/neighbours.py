@@ -4,9 +4,10 @@ slice of our CPUs.
 One engine decodes N streams (speculation off: one token per stream a step). Phases of
 --steps timed steps alternate, quiet and beside a neighbour process that spins for
 --busy-ms then sleeps for --idle-ms, so both readings share the host's drift. Each phase
-opens with --settle untimed steps: the engine's thread choice (worker/cpu_share.py) reads
-the last 0.5 s of CPU use, so a persistent neighbour needs them and one that comes and goes
-does not. `--no-adapt-threads` keeps every thread whatever the neighbours, for the A/B.
+opens with untimed steps, at least --settle of them and for at least --settle-s seconds: the
+engine's thread choice (worker/cpu_share.py) reads the last 0.5 s of CPU use, so a phase is
+timed once that window holds only the phase (a persistent neighbour's steady state).
+`--no-adapt-threads` keeps every thread whatever the neighbours, for the A/B.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-ms", type=float, default=1.0, help="... then sleeps this long (1 / 1: half a core)")
     p.add_argument("--rounds", type=int, default=4, help="alternations of a quiet and a neighbour phase")
     p.add_argument("--steps", type=int, default=10, help="steps timed in each phase")
-    p.add_argument("--settle", type=int, default=60, help="untimed steps that open each phase")
+    p.add_argument("--settle", type=int, default=60, help="untimed steps that open each phase ...")
+    p.add_argument("--settle-s", type=float, default=None,
+                   help="... for at least this many seconds (default: the thread choice's window and "
+                        "period, so its reading holds only the phase)")
     p.add_argument("--warm", type=int, default=30, help="steps before the first phase")
     add_engine_args(p)
 
@@ -50,32 +54,46 @@ def run(args: argparse.Namespace) -> dict:
 
     if min(args.rounds, args.steps, args.streams) < 1 or min(args.settle, args.warm) < 0:
         raise SystemExit("--streams, --rounds and --steps must be >= 1, --settle and --warm >= 0")
+    from stopline.worker.cpu_share import PERIOD_S, WINDOW_S
+
+    settle_s = WINDOW_S + PERIOD_S if args.settle_s is None else args.settle_s
+    if settle_s < 0:
+        raise SystemExit(f"--settle-s must be >= 0, got {settle_s}")
     if args.busy_ms <= 0 or args.idle_ms < 0:
         raise SystemExit(f"--busy-ms must be > 0 and --idle-ms >= 0, got {args.busy_ms}, {args.idle_ms}")
     config = replace(engine_config(args), speculative="off")
     eng = LLM(args.model, config=config, progress=False).engine
-    tokens = args.warm + 2 * args.rounds * (args.settle + args.steps) + 8
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    incs = [eng.add_request(f"n{i}", ids, params) for i, ids in enumerate(chat_prompts(eng.loaded, args.streams))]
+    prompts = chat_prompts(eng.loaded, args.streams)
+    # The settle is timed, so its steps are not known ahead: streams may run to the context.
+    params = SamplingParams(temperature=0.0, max_tokens=eng.max_model_len - max(map(len, prompts)) - 1,
+                            ignore_eos=True)
+    incs = [eng.add_request(f"n{i}", ids, params) for i, ids in enumerate(prompts)]
     for _ in range(args.warm):
         eng.step()
     times: dict[str, list[float]] = {"quiet": [], "neighbour": []}
     moved = {"quiet": 0, "neighbour": 0}
+    settles: list[dict] = []  # each phase's untimed opening
     policy = eng.runner.threads  # ThreadPolicy: its count of steps moved to fewer threads
     for _ in range(args.rounds):
         for label in times:
             spin = (subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(args.busy_ms), str(args.idle_ms)])
                     if label == "neighbour" else None)
             try:
-                time.sleep(0.05)
-                for _ in range(args.settle):
+                start = time.perf_counter()
+                settled = 0
+                while settled < args.settle or time.perf_counter() - start < settle_s:
                     eng.step()
+                    settled += 1
+                settles.append({"steps": settled, "s": time.perf_counter() - start})
                 before = policy.dropped_steps
                 for _ in range(args.steps):
                     t = time.perf_counter()
                     eng.step()
                     times[label].append(time.perf_counter() - t)
                 moved[label] += policy.dropped_steps - before
+                if len(eng.live_requests()) < args.streams:
+                    raise SystemExit(f"the streams reached the context's end ({eng.max_model_len}) "
+                                     "before the phases ended: fewer --rounds or a shorter --settle-s")
             finally:
                 if spin is not None:
                     spin.kill()
@@ -87,7 +105,8 @@ def run(args: argparse.Namespace) -> dict:
     return {"streams": args.streams, "neighbour_cores": args.busy_ms / (args.busy_ms + args.idle_ms),
             "adapt_threads": config.adapt_threads, "threads": policy.threads,
             "quiet_p50_ms": quiet * 1e3, "neighbour_p50_ms": busy * 1e3, "slowdown": busy / quiet,
-            "steps_each": len(times["quiet"]), "moved_steps": moved}
+            "steps_each": len(times["quiet"]), "moved_steps": moved, "settle_s": settle_s,
+            "settles": settles}
 
 
 def summary(r: dict) -> str:

@@ -43,6 +43,7 @@
  * each), so 6 rows take 24 of the 32 vector registers, the rest the weights and scales. */
 #define MR 6
 #define UNROLL _Pragma("GCC unroll 6")
+#define SPLIT_ROWS 3
 /* No software prefetch (fetch.h): on the AMD EPYC (Zen 4) host the hardware prefetcher
  * streams these records on its own, and the prefetch instructions only took issue slots.
  * SmolLM2's 30 layers and head at one row, interleaved, three runs: 2.95-3.43 ms without,
@@ -95,9 +96,11 @@ i8_panel(const int8_t* xq, const float* xd, const float* xds, const int32_t* xs,
     UNROLL for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
         const uint8_t* rec = P + g * rec_bytes;
-        __m512i sum[MR][2];
-        UNROLL for (int r = 0; r < mr; r++) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
-        for (int t = 0; t < GROUP / 4; t++) {
+        /* Few rows leave too few vpdpbusd chains to hide its latency: they sum the even and
+         * the odd steps apart and add the two at the end (integer sums: the same bits). */
+        __m512i sum[MR][2], odd[MR][2];
+        UNROLL for (int r = 0; r < mr; r++) sum[r][0] = sum[r][1] = odd[r][0] = odd[r][1] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8") for (int t = 0; t < GROUP / 4; t++) {
             __m512i w0, w1;
             if (q8) {
                 w0 = _mm512_loadu_si512((const void*)(rec + 64 + t * 128));
@@ -109,10 +112,20 @@ i8_panel(const int8_t* xq, const float* xd, const float* xds, const int32_t* xs,
             }
             UNROLL for (int r = 0; r < mr; r++) {
                 __m512i xv = _mm512_set1_epi32(*(const int32_t*)(xq + (long)r * K + g * GROUP + 4 * t));
-                sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], w0, xv);
-                sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], w1, xv);
+                if (mr <= SPLIT_ROWS && (t & 1)) {
+                    odd[r][0] = _mm512_dpbusd_epi32(odd[r][0], w0, xv);
+                    odd[r][1] = _mm512_dpbusd_epi32(odd[r][1], w1, xv);
+                } else {
+                    sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], w0, xv);
+                    sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], w1, xv);
+                }
             }
         }
+        if (mr <= SPLIT_ROWS)
+            UNROLL for (int r = 0; r < mr; r++) {
+                sum[r][0] = _mm512_add_epi32(sum[r][0], odd[r][0]);
+                sum[r][1] = _mm512_add_epi32(sum[r][1], odd[r][1]);
+            }
         __m512 d0 = f16x16(rec), d1 = f16x16(rec + 32);
         if (q8) {
             UNROLL for (int r = 0; r < mr; r++) {
