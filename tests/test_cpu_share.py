@@ -93,6 +93,16 @@ def two_threads():
     torch.set_num_threads(before)
 
 
+def test_a_reading_takes_the_window_and_one_period() -> None:
+    """A bench waits this long after a neighbour starts before it times the phase."""
+    proc = FakeProc()
+    share = CpuShare({0, 1}, period=0.05, window=0.25, read=proc.read, clock=proc.clock)
+    assert ThreadPolicy(2, share).reading_s == pytest.approx(0.30)
+    default = CpuShare({0, 1}, read=proc.read, clock=proc.clock)
+    off = ThreadPolicy(2, None)  # adaptation off: its phases open as long as a default reading
+    assert off.reading_s == pytest.approx(default.window + default.period)
+
+
 def test_a_step_moved_to_fewer_threads_gives_the_same_bits(tiny_q4, two_threads) -> None:
     want, _ = _run(tiny_q4, None)
     got, eng = _run(tiny_q4, busy=1.0)

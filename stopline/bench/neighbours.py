@@ -54,11 +54,8 @@ def run(args: argparse.Namespace) -> dict:
 
     if min(args.rounds, args.steps, args.streams) < 1 or min(args.settle, args.warm) < 0:
         raise SystemExit("--streams, --rounds and --steps must be >= 1, --settle and --warm >= 0")
-    from stopline.worker.cpu_share import PERIOD_S, WINDOW_S
-
-    settle_s = WINDOW_S + PERIOD_S if args.settle_s is None else args.settle_s
-    if settle_s < 0:
-        raise SystemExit(f"--settle-s must be >= 0, got {settle_s}")
+    if args.settle_s is not None and args.settle_s < 0:
+        raise SystemExit(f"--settle-s must be >= 0, got {args.settle_s}")
     if args.busy_ms <= 0 or args.idle_ms < 0:
         raise SystemExit(f"--busy-ms must be > 0 and --idle-ms >= 0, got {args.busy_ms}, {args.idle_ms}")
     config = replace(engine_config(args), speculative="off")
@@ -74,6 +71,7 @@ def run(args: argparse.Namespace) -> dict:
     moved = {"quiet": 0, "neighbour": 0}
     settles: list[dict] = []  # each phase's untimed opening
     policy = eng.runner.threads  # ThreadPolicy: its count of steps moved to fewer threads
+    settle_s = policy.reading_s if args.settle_s is None else args.settle_s
     for _ in range(args.rounds):
         for label in times:
             spin = (subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(args.busy_ms), str(args.idle_ms)])

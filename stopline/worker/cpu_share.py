@@ -92,6 +92,13 @@ class ThreadPolicy:
         self.busy, self.small_rows = busy, small_rows
         self.dropped_steps = 0  # steps run on fewer threads (for tests and the curious)
 
+    @property
+    def reading_s(self) -> float:
+        """Seconds until a change in the neighbours fully shows in pick (a bench waits this long
+        before timing a phase); the same span with adaptation off, so both are timed alike."""
+        share = self.share
+        return share.window + share.period if share is not None else WINDOW_S + PERIOD_S
+
     def pick(self, rows: int, own_kernels: Callable[[], bool]) -> int:
         """own_kernels: asked last, only for a step that could move (the common step, big or
         on a quiet host, pays for none of it)."""
