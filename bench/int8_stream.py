@@ -20,6 +20,7 @@ import torch
 
 from stopline.config import EngineConfig
 from stopline.engine.llm import LLM
+from stopline.model.kernels.int8_linear import Int8Weight
 
 
 def main() -> None:
@@ -30,7 +31,7 @@ def main() -> None:
     config = EngineConfig(numerics="fast", enable_prefix_caching=False, speculative="off")
     model = LLM(None, config=config, progress=False).engine.runner.model
     weights = [layer[n].fast for layer in model.layers for n in ("qkv", "o", "gate_up", "down")]
-    if not all(hasattr(w, "_fn") for w in weights):
+    if not all(isinstance(w, Int8Weight) for w in weights):
         raise SystemExit("the int8 kernel is not in use here (no AVX512-VNNI, or STOPLINE_INT8=0)")
     x = torch.zeros(max(w.in_features for w in weights), dtype=torch.int8)  # one quantized row
     scale, zero = torch.ones(64), torch.zeros(64, dtype=torch.int32)
