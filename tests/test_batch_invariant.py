@@ -120,7 +120,7 @@ def test_onednn_is_refused_where_it_cannot_run(monkeypatch):
 def test_the_backend_is_a_command_line_setting():
     import argparse
 
-    from stopline.cli import add_engine_args, engine_config
+    from stopline.args import add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

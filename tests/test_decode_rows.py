@@ -250,7 +250,7 @@ def test_engine_with_rows_matches_the_gathering_engine_bit_for_bit(tiny, kw) -> 
 def test_the_rows_can_be_turned_off_from_the_command_line(tiny) -> None:
     import argparse
 
-    from stopline.cli import add_engine_args, engine_config
+    from stopline.args import add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

@@ -179,7 +179,7 @@ def test_native_attention_where_it_cannot_run_is_an_error_and_auto_falls_back(ti
 def test_the_backend_is_a_command_line_setting() -> None:
     import argparse
 
-    from stopline.cli import add_engine_args, engine_config
+    from stopline.args import add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

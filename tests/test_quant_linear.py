@@ -180,7 +180,7 @@ def test_engine_greedy_is_the_same_with_and_without_the_kernel(q4_gguf, stopline
 def test_quant_max_rows_is_a_command_line_setting_and_refuses_negatives():
     import argparse
 
-    from stopline.cli import add_engine_args, engine_config
+    from stopline.args import add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

@@ -338,7 +338,7 @@ def accuracy(exact, fast, texts: list[str]) -> dict[str, float]:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from stopline.cli import add_engine_args
+    from stopline.args import add_engine_args
 
     p.add_argument("--streams", type=int, nargs="+", default=[1, 32])
     p.add_argument("--modes", nargs="+", default=["exact", "fast"], choices=["exact", "fast"],
@@ -373,7 +373,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     from dataclasses import replace
 
-    from stopline.cli import engine_config
+    from stopline.args import engine_config
     from stopline.engine.llm import LLM
 
     if args.turn < 1 or args.settle < 0 or args.steps < 1:

@@ -31,7 +31,7 @@ while True:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    from stopline.cli import add_engine_args
+    from stopline.args import add_engine_args
 
     p.add_argument("--streams", type=int, default=1, help="requests decoding together")
     p.add_argument("--busy-ms", type=float, default=1.0, help="the neighbour spins this long ...")
@@ -47,8 +47,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from stopline.args import engine_config
     from stopline.bench.offline import chat_prompts
-    from stopline.cli import engine_config
     from stopline.engine.llm import LLM
     from stopline.request import SamplingParams
 

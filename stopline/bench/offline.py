@@ -259,19 +259,9 @@ def summary(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m stopline.bench.offline`: the same as `stopline bench offline`."""
-    from stopline.cli import main as cli_main
-
-    return cli_main(["bench", "offline", *(sys.argv[1:] if argv is None else argv)])
-
-
 def write(result: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, out)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

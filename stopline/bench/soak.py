@@ -27,15 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from stopline.bench import machine
-from stopline.bench.client import complete, make_client
-from stopline.bench.engines import MODEL_NAME, STOPLINE_METRICS, RunningEngine, stopline_spec
-from stopline.bench.probe import Probe
-from stopline.bench.probe import parse as probe_parse
 from stopline.bench.prompts import make_prompt
 from stopline.server import memtrace
 
@@ -162,6 +157,8 @@ def run(*, model: str | None, requests: int, concurrency: int, max_tokens: int,
         log_path: Path, serve_args: list[str] | None = None, max_rss_gb: float = 8.0,
         tracemalloc: int = 0, progress: bool = True, command: str = "") -> dict[str, Any]:
     """Start the server, soak it, stop it; returns the result (see `summary`)."""
+    from stopline.bench.engines import RunningEngine, stopline_spec  # the bench extra's httpx
+
     every = sample_every or max(1, requests // 100)
     spec = stopline_spec(model, extra=["--kv-cache-gb", str(kv_cache_gb), *(serve_args or [])])
     if tracemalloc:
@@ -190,6 +187,13 @@ def run(*, model: str | None, requests: int, concurrency: int, max_tokens: int,
 
 async def _soak(base_url: str, pids: dict[str, int], plan: Plan, n: int, concurrency: int,
                 every: int, max_rss: int, trace: bool, progress: bool) -> dict[str, Any]:
+    import httpx
+
+    from stopline.bench.client import complete, make_client
+    from stopline.bench.engines import MODEL_NAME, STOPLINE_METRICS
+    from stopline.bench.probe import Probe
+    from stopline.bench.probe import parse as probe_parse
+
     client = make_client(base_url, timeout=300.0)
     probe = Probe(base_url, STOPLINE_METRICS)
     for i in range(_WARMUP):
