@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata as md
+import importlib.util
 import json
 import os
 import re
@@ -194,3 +195,28 @@ def test_a_command_that_needs_an_extra_names_it_in_one_line():
         "error: --replicas needs the 'ray' package: pip install 'stopline[ray]'"], replicas
     assert soak[0] == 2 and soak[2].splitlines() == [
         "error: stopline bench soak needs the 'httpx' package: pip install 'stopline[bench]'"], soak
+
+
+def test_generate_runs_on_the_base_install(tiny_model_dir):
+    [(code, out, err)] = _run_base(["generate", "hello", "--model", str(tiny_model_dir),
+                                    "--max-tokens", "3", "--raw"])
+    assert code == 0, err[-3000:]
+    assert "3 tokens" in err and "finish_reason=length" in err
+
+
+def test_the_front_door_reads_the_readme_first_command():
+    spec = importlib.util.spec_from_file_location("front_door", ROOT.parent / "tools" / "front_door.py")
+    front_door = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(front_door)
+    cmd = front_door.readme_command()
+    assert cmd.endswith("&& stopline serve") and "pip install -e ." in cmd
+    assert "pip install torch==2.13.0" in cmd  # an unpinned torch pulls several GB of CUDA
+
+
+def test_replicas_that_never_started_close_without_ray(monkeypatch):
+    import asyncio
+
+    from stopline.cluster.cores import RayCores
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises, as on the base install
+    asyncio.run(RayCores(None, None, replicas=2).close())

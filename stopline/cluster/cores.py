@@ -248,9 +248,11 @@ class RayCores:
 
     # ---- stop -----------------------------------------------------------------------------
     async def close(self) -> None:
+        self._closing = True
+        if not self.slots and not self._started_ray:
+            return  # start never reached Ray (or Ray is not installed): nothing to stop
         import ray
 
-        self._closing = True
         for slot in self.slots:
             self._unwatch(slot)
         for t in self._pullers:
