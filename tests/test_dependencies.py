@@ -220,3 +220,12 @@ def test_replicas_that_never_started_close_without_ray(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises, as on the base install
     asyncio.run(RayCores(None, None, replicas=2).close())
+
+
+def test_data_a_benchmark_reads_ships_in_the_package():
+    from stopline.bench.floors import HELDOUT
+
+    assert HELDOUT.is_relative_to(ROOT) and HELDOUT.stat().st_size > 0
+    globs = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert any(HELDOUT.match(f"{pkg.split('.', 1)[1].replace('.', '/')}/{g}")
+               for pkg, gs in globs.items() for g in gs if pkg.startswith("stopline."))

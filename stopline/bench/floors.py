@@ -17,7 +17,7 @@
   pp512 and tg128 on the same GGUF with the same thread count, in the same run, and each
   mode's one-stream decode (1000 / step p50) and prefill rates against them;
 - with --accuracy: the fast mode's distance from exact (the fp32 oracle) under teacher
-  forcing on a held-out text (bench/heldout.txt): per-token top-1 agreement and perplexity;
+  forcing on a held-out text (stopline/bench/data/heldout.txt): per-token top-1 agreement and perplexity;
 - with --served ENGINES: last, once the in-process engines are gone, each engine served alone
   through its OpenAI API (`stopline bench serve`'s throughput workload at --served-streams),
   and stopline's served one-stream rate against tg128 and its served rate at the most streams
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-HELDOUT = Path(__file__).resolve().parents[2] / "bench" / "heldout.txt"
+HELDOUT = Path(__file__).resolve().parent / "data" / "heldout.txt"  # ships in the package
 
 
 def bandwidth(mib: int, reps: int) -> float:
