@@ -96,3 +96,15 @@ def test_the_check_sees_an_upward_import(tmp_path):
     src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                    "    from stopline.engine.core import EngineCore\n")
     assert _imports(src) == [(3, "stopline.engine.core"), (3, "stopline.engine.core.EngineCore")]
+
+
+def test_the_design_page_shows_this_table():
+    """docs/design.md's layer table is this one, row for row, so the drawing cannot drift."""
+    page = (ROOT.parent / "docs" / "design.md").read_text()
+    rows = {}
+    for line in page.split("## Layers", 1)[1].split("\n## ", 1)[0].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            imports = set() if cells[2] == "nothing" else {c.strip(" `") for c in cells[2].split(",")}
+            rows[cells[0].strip("`")] = imports
+    assert rows == ALLOWED
