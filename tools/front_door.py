@@ -14,6 +14,7 @@ Standard library only: it runs with whatever Python CI has, before anything is i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -99,13 +100,20 @@ def serve_and_ask(cmd: list[str] | str, port: int, *, wait_s: float, log: Path, 
             print(f"  {model} answered {choice['message']['content']!r} "
                   f"({choice['finish_reason']})", flush=True)
     finally:
+        # A shell's last command is its child, so the shell's group gets the SIGTERM; a server
+        # started directly gets it alone (Ray's processes in its group would log their own).
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+            if isinstance(cmd, str):
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left behind
+        proc.wait()
 
 
 def run(cmd: str, env: dict[str, str]) -> None:
