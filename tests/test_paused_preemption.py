@@ -1,0 +1,128 @@
+"""A paused request (its client's stream is full) that is preempted under pool pressure waits
+for its reader: it takes no step while paused, does not hold back the requests behind it,
+is never ended by preemption (only the stall timeout ends a slow reader), and resumes exactly
+once its client reads again (issue 41, item 1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from stopline.config import EngineConfig
+from stopline.engine.core import EngineCore
+from stopline.model.loaders.loader import load_model
+from stopline.request import AbortSource, FinishReason, RequestStatus, SamplingParams
+from tests.engine_support import Result, collect, record_plans, sharp_tiny_dir
+
+PROMPT = [5, 17, 99, 23, 42, 7, 300, 12, 9, 81]
+OTHERS = [[11, 29, 31, 47, 53, 61], [71, 73, 79, 83, 89, 97]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(str(sharp_tiny_dir(tmp_path_factory)), progress=False)
+
+
+def engine(tiny, **kw) -> EngineCore:
+    # 12 blocks of 4 tokens: the two others (5 blocks each at their end) fit together, but not
+    # beside the slow reader's blocks. The priority policy makes the slow reader the victim;
+    # no lookahead, so the two are admitted at once.
+    cfg = dict(num_blocks=12, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+               debug=True, target_step_ms=None, victim_policy="priority", admission_lookahead=0)
+    cfg.update(kw)
+    return EngineCore(tiny, EngineConfig(**cfg))
+
+
+def slow_params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, priority=1)
+
+
+def other_params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+
+
+def step(eng: EngineCore, res: dict[tuple[str, int], Result]) -> None:
+    collect(res, eng.step())
+    eng.audit()
+
+
+def solo_tokens(tiny) -> list[int]:
+    eng = engine(tiny, num_blocks=64)
+    eng.add_request("slow", PROMPT, slow_params())
+    res: dict[tuple[str, int], Result] = {}
+    while eng.has_unfinished():
+        step(eng, res)
+    return res[("slow", 0)].token_ids
+
+
+def pause_under_pressure(eng: EngineCore, res: dict[tuple[str, int], Result], plans: list) -> tuple[str, int]:
+    """Start the slow reader, pause it after a few tokens, then add two others that need its
+    blocks; run until they end. Returns its incarnation and the index in `plans` (from
+    record_plans) of the first step after the pause took effect."""
+    inc = eng.add_request("slow", PROMPT, slow_params())
+    for _ in range(3):
+        step(eng, res)
+    eng.pause(inc)
+    step(eng, res)  # the pause applies at this step's boundary, before its plan
+    since = len(plans) - 1
+    for i, p in enumerate(OTHERS):
+        eng.add_request(f"o{i}", p, other_params())
+    slow = eng.families.get(inc).members[0]
+    preempted = False
+    while any(res.get((f"o{i}", 0), Result()).finish_reason is None for i in range(len(OTHERS))):
+        step(eng, res)
+        out = res.get(("slow", 0), Result())
+        assert out.finish_reason is None, f"the slow reader was ended: {out.stop_detail}"
+        preempted |= slow.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
+    assert preempted, "the pool never forced the paused request out"
+    assert eng.lifecycle.stats.preemptions, "no preemption happened"
+    return inc, since
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_paused_victim_takes_no_step_and_resumes_exactly(tiny, mode):
+    eng = engine(tiny, preemption_mode=mode, max_preemptions=100)
+    plans = record_plans(eng)
+    res: dict[tuple[str, int], Result] = {}
+    inc, since = pause_under_pressure(eng, res, plans)
+    slow = eng.families.get(inc).members[0]
+    for i in range(len(OTHERS)):
+        assert res[(f"o{i}", 0)].finish_reason is FinishReason.LENGTH
+        assert len(res[(f"o{i}", 0)].token_ids) == 14
+    # A request behind the waiting slow reader is admitted and runs to its end.
+    eng.add_request("late", OTHERS[0], other_params())
+    while res.get(("late", 0), Result()).finish_reason is None:
+        step(eng, res)
+    # Not one prefill, recompute, swap-in or decode while paused.
+    assert not any(rid == "slow" for plan in plans[since:] for rid, *_ in plan), \
+        "a paused request took a step"
+    assert slow.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
+    got = len(res[("slow", 0)].token_ids)
+    eng.pause(inc, False)  # its client reads again
+    while eng.has_unfinished():
+        step(eng, res)
+    out = res[("slow", 0)]
+    assert out.finish_reason is FinishReason.LENGTH
+    assert out.token_ids == solo_tokens(tiny), "resumed output differs from its solo run"
+    assert got < len(out.token_ids)
+    assert eng.pool.num_used == 0 and not eng.families
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_slow_reader_is_not_ended_by_preemption(tiny, mode):
+    # max_preemptions=0: any preemption that counted would end the request with "preempted".
+    eng = engine(tiny, preemption_mode=mode, max_preemptions=0)
+    res: dict[tuple[str, int], Result] = {}
+    inc, _ = pause_under_pressure(eng, res, record_plans(eng))
+    slow = eng.families.get(inc).members[0]
+    assert slow.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
+    # Only the stall timeout ends a slow reader (the async engine sends this abort).
+    eng.abort(inc, AbortSource.STALLED)
+    while eng.has_unfinished():
+        step(eng, res)
+    out = res[("slow", 0)]
+    assert out.finish_reason is FinishReason.ABORT and out.stop_detail == "stalled"
+    assert out.token_ids == solo_tokens(tiny)[:len(out.token_ids)]
+    assert eng.lifecycle.stats.finished.get("preempted", 0) == 0
+    assert eng.pool.num_used == 0 and not eng.families
+    if mode == "swap":
+        assert eng.kv_manager.swap.num_used == 0
