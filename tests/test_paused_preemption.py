@@ -5,9 +5,14 @@ once its client reads again (issue 41, item 1)."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable
+
 import pytest
 
 from stopline.config import EngineConfig
+from stopline.engine.async_engine import AsyncEngine
 from stopline.engine.core import EngineCore
 from stopline.model.loaders.loader import load_model
 from stopline.request import AbortSource, FinishReason, RequestStatus, SamplingParams
@@ -22,14 +27,18 @@ def tiny(tmp_path_factory):
     return load_model(str(sharp_tiny_dir(tmp_path_factory)), progress=False)
 
 
-def engine(tiny, **kw) -> EngineCore:
+def config(**kw) -> EngineConfig:
     # 12 blocks of 4 tokens: the two others (5 blocks each at their end) fit together, but not
     # beside the slow reader's blocks. The priority policy makes the slow reader the victim;
     # no lookahead, so the two are admitted at once.
     cfg = dict(num_blocks=12, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                debug=True, target_step_ms=None, victim_policy="priority", admission_lookahead=0)
     cfg.update(kw)
-    return EngineCore(tiny, EngineConfig(**cfg))
+    return EngineConfig(**cfg)
+
+
+def engine(tiny, **kw) -> EngineCore:
+    return EngineCore(tiny, config(**kw))
 
 
 def slow_params() -> SamplingParams:
@@ -126,3 +135,62 @@ def test_slow_reader_is_not_ended_by_preemption(tiny, mode):
     assert eng.pool.num_used == 0 and not eng.families
     if mode == "swap":
         assert eng.kv_manager.swap.num_used == 0
+
+
+async def until(cond: Callable[[], bool]) -> None:
+    while not cond():
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_stream_that_stops_reading_under_pressure_resumes_exactly(tmp_path_factory, mode):
+    """Through the async engine's streams: the slow reader's stream fills, the engine pauses
+    its request, the others' pressure preempts it; it is still live when they end, and
+    reading it again gives exactly its solo output, nothing twice."""
+    async def run() -> None:
+        engine = AsyncEngine.in_process(str(sharp_tiny_dir(tmp_path_factory)),
+                                        config(preemption_mode=mode, max_preemptions=0),
+                                        progress=False, max_buffered=2, stall_timeout=60.0)
+        await engine.start()
+        core = engine.backend.loop.core
+        # The pause races the core's steps (a message over ZMQ, a call here): hold the core
+        # before the slow reader's third step until its stream is full (the pause is then in
+        # the core's inbox) and the others are added together.
+        go = threading.Event()
+
+        def hold() -> None:
+            fam = core.families.get("slow")
+            if fam is not None and len(fam.members[0].output_token_ids) >= 2:
+                go.wait(30)
+
+        engine.backend.loop.before_step = hold
+        try:
+            slow = await engine.add("slow", PROMPT, slow_params(), incarnation="slow")
+            await asyncio.wait_for(until(lambda: slow.full), 30)
+            others = [await engine.add(f"o{i}", p, other_params(), incarnation=f"o{i}")
+                      for i, p in enumerate(OTHERS)]
+            go.set()
+
+            async def read(stream) -> list:
+                return [out async for out in stream]
+
+            for outs in await asyncio.gather(*(read(o) for o in others)):  # read as they come
+                assert outs[-1].finish_reason is FinishReason.LENGTH
+            fam = core.families.get("slow")
+            assert fam is not None, f"the slow reader was ended: {slow.finish_reasons}"
+            req = fam.members[0]
+            assert req.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED), req.status
+            assert req.paused and not slow.done.done()
+            got: list[int] = []
+            async for out in slow:  # its client reads again
+                got += out.new_token_ids
+                if out.finished:
+                    assert out.finish_reason is FinishReason.LENGTH, out.stop_detail
+            solo = await engine.add("solo", PROMPT, slow_params(), incarnation="solo")
+            want = [t async for out in solo for t in out.new_token_ids]
+            assert got == want, "resumed output differs from its solo run"
+            assert await engine.utility("audit") is None
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
