@@ -6,6 +6,7 @@ once its client reads again (issue 41, item 1)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Callable
 
@@ -16,6 +17,8 @@ from stopline.engine.async_engine import AsyncEngine
 from stopline.engine.core import EngineCore
 from stopline.model.loaders.loader import load_model
 from stopline.request import AbortSource, FinishReason, RequestStatus, SamplingParams
+from stopline.server.app import build_app
+from stopline.server.state import ServerSettings, ServerState
 from tests.engine_support import Result, collect, record_plans, sharp_tiny_dir
 
 PROMPT = [5, 17, 99, 23, 42, 7, 300, 12, 9, 81]
@@ -189,6 +192,101 @@ def test_stream_that_stops_reading_under_pressure_resumes_exactly(tmp_path_facto
             solo = await engine.add("solo", PROMPT, slow_params(), incarnation="solo")
             want = [t async for out in solo for t in out.new_token_ids]
             assert got == want, "resumed output differs from its solo run"
+            assert await engine.utility("audit") is None
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+async def post(app, path: str, body: dict, reading: asyncio.Event | None = None) -> tuple[int, bytes]:
+    """POST to the ASGI app as a connected client; until `reading` is set, the client reads
+    nothing (the server's first write of the body blocks, as on a full socket)."""
+    data = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 9), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(data)).encode())]}
+    asked = False
+    connected = asyncio.Event()  # never set: the client stays connected
+    status, chunks = 0, []
+
+    async def receive() -> dict:
+        nonlocal asked
+        if not asked:
+            asked = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        await connected.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg: dict) -> None:
+        nonlocal status
+        if msg["type"] == "http.response.start":
+            status = msg["status"]
+        elif msg["type"] == "http.response.body":
+            if reading is not None:
+                await reading.wait()
+            chunks.append(msg.get("body", b""))
+
+    await app(scope, receive, send)
+    return status, b"".join(chunks)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_server_stream_that_stops_reading_under_pressure_resumes(tmp_path_factory, mode):
+    """The HTTP layer: an SSE stream whose client stops reading is paused, preempted by the
+    others' growth, and when its client reads again it ends with `length` and the text of
+    its solo run, each piece once."""
+    async def run() -> None:
+        engine = AsyncEngine.in_process(str(sharp_tiny_dir(tmp_path_factory)),
+                                        config(preemption_mode=mode, max_preemptions=0),
+                                        progress=False, max_buffered=2, stall_timeout=60.0)
+        app = build_app(ServerState(engine, ServerSettings(model_name="tiny")))
+        await engine.start()
+        core = engine.backend.loop.core
+        # Hold the core once the slow stream has three outputs (one taken by the blocked
+        # writer, two unread: full) until the others are in.
+        go = threading.Event()
+
+        def hold() -> None:
+            if any(len(r.output_token_ids) >= 3 for r in core.live_requests()):
+                go.wait(30)
+
+        engine.backend.loop.before_step = hold
+        req = dict(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0.0, ignore_eos=True)
+        reading = asyncio.Event()
+        try:
+            slow = asyncio.create_task(post(app, "/v1/completions", req | dict(stream=True, priority=1),
+                                            reading))
+            await asyncio.wait_for(until(lambda: any(s.full for s in engine._streams.values())), 30)
+            others = [asyncio.create_task(post(app, "/v1/completions", dict(
+                model="tiny", prompt=p, max_tokens=14, temperature=0.0, ignore_eos=True)))
+                for p in OTHERS]
+            await asyncio.wait_for(until(lambda: engine.num_open == 3), 30)
+            go.set()
+            for status, body in await asyncio.gather(*others):
+                assert status == 200, body
+                assert json.loads(body)["choices"][0]["finish_reason"] == "length"
+            assert not slow.done()
+            live = core.live_requests()
+            assert len(live) == 1, "the slow stream's request was ended while its client was slow"
+            live = live[0]
+            assert live.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED) and live.paused
+            reading.set()  # the client reads again
+            status, body = await asyncio.wait_for(slow, 60)
+            assert status == 200
+            events = [line[len("data: "):] for line in body.decode().splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert not any("error" in c for c in chunks), chunks
+            text = "".join(ch["text"] for c in chunks for ch in c["choices"])
+            reasons = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+            assert reasons == ["length"]
+            status, body = await post(app, "/v1/completions", req)
+            assert status == 200
+            assert text == json.loads(body)["choices"][0]["text"], "resumed stream differs from its solo run"
+            assert sum(core.lifecycle.stats.preemptions.values()) >= 1
             assert await engine.utility("audit") is None
         finally:
             await engine.close()
