@@ -93,7 +93,10 @@ class Lifecycle:
         A family leader whose samples have not forked yet takes them along."""
         if req.status is not RequestStatus.RUNNING:
             raise LedgerError(f"preempt of {req.incarnation!r} in state {req.status.value}")
-        req.num_preemptions += 1
+        # A paused request (its client reads slowly) is not thrashing: it is not admitted
+        # again until its client reads, so preemption never ends it (the stall timeout may).
+        if not req.paused:
+            req.num_preemptions += 1
         if req.num_preemptions > self.config.max_preemptions:
             self.fail(req, FinishReason.PREEMPTED,
                       f"preempted {req.num_preemptions - 1} times; the KV pool is too contended")

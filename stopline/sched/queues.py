@@ -20,7 +20,7 @@ class Queues:
         self.waiting.append(req)
 
     def start(self, req: Request) -> None:
-        """The head of the waiting queue was admitted, with its samples."""
+        """A waiting request was admitted (the head, or one behind paused ones), with its samples."""
         if self.waiting and self.waiting[0] is req:
             self.waiting.popleft()
         else:

@@ -85,10 +85,15 @@ class Scheduler:
                 prefill_left -= n
 
         # 2. Admit waiting (and preempted) requests in arrival order while they fit. Every
-        # sample of a family counts toward max_num_seqs.
+        # sample of a family counts toward max_num_seqs. A paused one (preempted while its
+        # client's stream was full) waits for its reader without holding back the others.
         growth = sum(self._growth(r) for r in q.running)
-        while q.waiting and budget > 0 and prefill_left > 0:
-            req = q.waiting[0]
+        i = 0  # paused requests passed over; whoever is admitted or failed leaves the queue
+        while i < len(q.waiting) and budget > 0 and prefill_left > 0:
+            req = q.waiting[i]
+            if req.paused:
+                i += 1
+                continue
             if q.num_running + 1 + len(req.forks_pending) > self.config.max_num_seqs:
                 break
             if self.kv.admit_need(req) > self.kv.pool.num_blocks:
@@ -195,7 +200,7 @@ class Scheduler:
         return False
 
     def _admit(self, req: Request, growth: int = 0) -> bool:
-        """Give the head of the waiting queue its blocks for every token it has (prompt, or
+        """Give a waiting request its blocks for every token it has (prompt, or
         for a preempted one everything it must recompute: it is admitted only when the whole
         re-prefill fits, so a resumption always makes progress). growth: blocks the running
         requests need for their next tokens (see _growth), kept free along with its own.
