@@ -153,6 +153,7 @@ class StormResult:
     aborted_at: dict  # key -> index -> tokens delivered when the abort was sent
     states_hit: dict  # state -> aborts sent there
     engine: EngineCore | None = None
+    pauses: int = 0  # streams that filled while their reader slept (run_async_storm's slow ones)
 
 
 def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int) -> StormResult:
@@ -250,19 +251,23 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
 
 
 def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed: int,
-                    *, subprocess: bool = True, make=None, max_delay: float = 0.4) -> StormResult:
+                    *, subprocess: bool = True, make=None, max_delay: float = 0.4,
+                    slow: float = 0.0, max_buffered: int = 64) -> StormResult:
     """The storm through the async engine (the core in its own process, over ZMQ): each job
     streams in its own task; an aborted job's cancel goes out after a random wall-clock
     delay, so it lands between steps, mid-forward or mid-prefill as it happens. `make`:
-    another engine factory (model_dir, config, progress) -> AsyncEngine, e.g. Ray replicas,
-    whose utilities answer once per replica. max_delay: the latest a cancel goes out (s)."""
+    another engine factory (model_dir, config, progress, **streams) -> AsyncEngine, e.g. Ray
+    replicas, whose utilities answer once per replica. max_delay: the latest a cancel goes
+    out (s). slow: the share of jobs whose reader stops for a while after two outputs, so
+    their streams fill (max_buffered) and their requests pause under the pool's pressure,
+    then read on: slowness alone must never change or end a request."""
     from stopline.engine.async_engine import AsyncEngine
 
     rng = random.Random(seed)
     res = StormResult(defaultdict(lambda: defaultdict(list)), defaultdict(list), {},
                       defaultdict(int))
 
-    async def one(engine, job: Job, inc: str, delay: float | None) -> None:
+    async def one(engine, job: Job, inc: str, delay: float | None, nap: float) -> None:
         # The cancel's clock starts before the add is acknowledged: a quick one overtakes it.
         adding = asyncio.ensure_future(engine.add(job.caller_id, job.prompt, job.params,
                                                   incarnation=inc))
@@ -278,6 +283,9 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
             res.got[job.key][out.index] += delivered(out)
             if out.finished:
                 res.terminals[(job.key, out.index)].append(out)
+            if nap and sum(map(len, res.got[job.key].values())) >= 2:
+                await asyncio.sleep(nap)  # the reader stops; the engine runs on until it pauses
+                nap = 0.0
         if cancel is not None:
             cancel.cancel()
         if job.race:  # cancel after the natural end, then the same caller id again
@@ -285,13 +293,21 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
 
     async def main() -> None:
         factory = make or (AsyncEngine.in_subprocess if subprocess else AsyncEngine.in_process)
-        engine = factory(model_dir, config, progress=False)
+        engine = factory(model_dir, config, progress=False, max_buffered=max_buffered)
+        pause = engine.backend.pause
+
+        def counted(incs: list[str], paused: bool) -> None:
+            res.pauses += len(incs) if paused else 0
+            pause(incs, paused)
+
+        engine.backend.pause = counted
         await engine.start()
         try:
             tasks = []
             for n, job in enumerate(work):
                 delay = rng.uniform(0.0, max_delay) if job.abort is not None else None
-                task = one(engine, job, f"{job.key}@{seed}", delay)
+                nap = rng.uniform(0.2, 0.8) if rng.random() < slow else 0.0
+                task = one(engine, job, f"{job.key}@{seed}", delay, nap)
                 if job.resubmit:
                     await tasks[-1]  # the raced job ends first, then its resubmit goes out
                 tasks.append(asyncio.ensure_future(task))

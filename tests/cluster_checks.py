@@ -63,13 +63,14 @@ def test_chaos_storm_through_the_router(tmp_path):
     config = dataclasses.replace(storm_config("auto", True), num_blocks=60)
     used: list[list[int]] = []
 
-    def make(model_dir, cfg, progress):
-        engine = ray_engine(model_dir, cfg, replicas=2)
+    def make(model_dir, cfg, progress, **streams):
+        engine = ray_engine(model_dir, cfg, replicas=2, **streams)
         used.append(engine)
         return engine
 
-    res = run_async_storm(str(tiny_dir), work, config, seed=21, make=make)
+    res = run_async_storm(str(tiny_dir), work, config, seed=21, make=make, slow=0.25, max_buffered=2)
     assert check_storm(work, ref, res) > 10
+    assert res.pauses > 0  # slow readers paused their requests on the replicas
     steps = [s.steps for s in used[0].backend.snapshots().values()]
     assert all(n > 0 for n in steps), f"a replica took no step: {steps}"
 

@@ -131,8 +131,10 @@ def test_async_storm_over_zmq(tiny_dir, tiny, storm_work):
     config = dataclasses.replace(storm_config("auto", True), num_blocks=60)
     # Cancels go out within 0.1 s: on a fast host, a later one mostly finds its request
     # already ended (5-9 landed with 0.4 s).
-    res = run_async_storm(str(tiny_dir), work, config, seed=21, max_delay=0.1)
+    res = run_async_storm(str(tiny_dir), work, config, seed=21, max_delay=0.1, slow=0.25,
+                          max_buffered=2)
     assert check_storm(work, ref, res) > 10  # aborts that landed before their request ended (25-36 seen)
+    assert res.pauses > 0  # slow readers' streams filled and their requests paused
 
 
 def test_async_storm_through_the_split(tiny_dir, tiny, storm_work):
@@ -144,9 +146,11 @@ def test_async_storm_through_the_split(tiny_dir, tiny, storm_work):
     work, ref = storm_work
     work = [j for j in work[:80] if not (j.race or j.resubmit)]
     config = dataclasses.replace(storm_config("auto", True), num_blocks=60)
-    res = run_async_storm(str(tiny_dir), work, config, seed=23, max_delay=0.1,
-                          make=lambda d, c, progress: disagg_engine(d, c, progress=progress))
+    res = run_async_storm(str(tiny_dir), work, config, seed=23, max_delay=0.1, slow=0.25,
+                          max_buffered=2,
+                          make=lambda d, c, progress, **kw: disagg_engine(d, c, progress=progress, **kw))
     assert check_storm(work, ref, res) > 5
+    assert res.pauses > 0
 
 
 _REMOTE_ROLE = """
@@ -181,8 +185,8 @@ def test_async_storm_through_the_split_with_a_remote_role(tiny_dir, tiny, storm_
     role = subprocess.Popen([sys.executable, "-c", _REMOTE_ROLE, str(tiny_dir), front, remote], cwd=REPO)
     try:
         res = run_async_storm(str(tiny_dir), work, config, seed=29, max_delay=0.1,
-                              make=lambda d, c, progress: disagg_engine(
-                                  d, c, progress=progress, remote=remote, listen=front))
+                              make=lambda d, c, progress, **kw: disagg_engine(
+                                  d, c, progress=progress, remote=remote, listen=front, **kw))
         assert check_storm(work, ref, res) > 5
         assert role.wait(10) == 0  # the front end's close stopped it
     finally:

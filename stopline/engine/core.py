@@ -220,6 +220,9 @@ class EngineCore:
             self.scheduler.prefill_cap = max(self.config.block_size,
                                              int(self.config.target_step_ms / self._ms_per_prefill_token))
         plan = self.scheduler.schedule()
+        if self.config.debug and any(c.req.paused for c in plan.chunks):  # docs/stop-path.md
+            raise LedgerError(f"a paused request is in step {plan.step_id}: "
+                              f"{[c.req.incarnation for c in plan.chunks if c.req.paused]}")
         if plan.chunks:
             self._run(plan)
         else:
