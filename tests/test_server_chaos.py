@@ -1,0 +1,169 @@
+"""The stop path where the server's features meet (issue 41), drawn at random over real HTTP:
+batched prompts with n > 1, cancels by the response id on both endpoints (single and bulk)
+and by disconnect, tool-call streams cancelled or dropped mid-call, all at once on a pool
+small enough that requests are preempted, with async scheduling and the audit after every
+step (STOPLINE_DEBUG=1).
+
+Checked: every choice of every stream gets exactly one finish_reason and nothing after it,
+never `error`; a survivor's text (or tool call) equals the same prompt served alone; a
+cancelled one's is a prefix of it; no tool-call markup ever arrives as content; the engine
+ends idle with its pool at baseline. Seeded: a failure reproduces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from tests.server_harness import ServerProcess, total
+
+pytestmark = pytest.mark.timeout(600)
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "Once upon a time,", "List three colors:", "def add(a, b):",
+           "The best way to learn is", "In 1969, the first", "Water boils at", "My favourite food is"]
+CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo"]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"], "additionalProperties": False}}}
+ACTIONS = ("none", "none", "disconnect", "cancel", "bulk_cancel")
+
+
+@dataclass
+class Job:
+    kind: str  # "batch": completions with several prompts; "tool": a chat stream calling a tool
+    body: dict
+    action: str
+    after: int  # chunks read before the action
+    choices: dict = field(default_factory=lambda: defaultdict(str))  # index -> text or arguments
+    finishes: dict = field(default_factory=lambda: defaultdict(list))  # index -> finish reasons
+    late: list = field(default_factory=list)  # chunks for a choice after its finish
+    markup: list = field(default_factory=list)  # content that carries tool-call markup, or ""
+
+
+def make_jobs(seed: int, count: int) -> list[Job]:
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(count):
+        action, after = rng.choice(ACTIONS), rng.randrange(1, 6)
+        if rng.random() < 0.7:
+            # A batch that is cancelled runs long without EOS: its cancel, after a few chunks,
+            # must find every choice running, so each must end `abort`.
+            long = action in ("cancel", "bulk_cancel")
+            body = {"model": MODEL, "prompt": rng.sample(PROMPTS, rng.choice([2, 2, 3])),
+                    "n": rng.choice([1, 2]), "max_tokens": 120 if long else rng.randrange(12, 40),
+                    "ignore_eos": long, "temperature": 0, "stream": True}
+            jobs.append(Job("batch", body, action, after))
+        else:
+            city = rng.choice(CITIES)
+            body = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 40,
+                    "tools": [WEATHER], "tool_choice": "required",
+                    "messages": [{"role": "user", "content": f"What is the weather in {city}?"}]}
+            jobs.append(Job("tool", body, action, after))
+    return jobs
+
+
+async def run_job(http: httpx.AsyncClient, job: Job) -> None:
+    path = "/v1/completions" if job.kind == "batch" else "/v1/chat/completions"
+    seen, cancelled = 0, False
+    async with http.stream("POST", path, json=job.body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for c in chunk["choices"]:
+                i = c["index"]
+                if job.finishes[i]:
+                    job.late.append(chunk)
+                if job.kind == "batch":
+                    job.choices[i] += c.get("text") or ""
+                else:
+                    delta = c.get("delta") or {}
+                    if "content" in delta and (delta["content"] == "" or "<tool_call" in (delta["content"] or "")):
+                        job.markup.append(delta["content"])
+                    for tc in delta.get("tool_calls") or ():
+                        job.choices[i] += (tc.get("function") or {}).get("arguments") or ""
+                if c.get("finish_reason"):
+                    job.finishes[i].append(c["finish_reason"])
+            seen += 1
+            if seen == job.after and job.action != "none" and not cancelled:
+                cancelled = True
+                if job.action == "disconnect":
+                    return  # leaving the block closes the connection
+                # Answered once the request has ended: every choice not finished by then
+                # must end `abort`.
+                if job.action == "cancel":
+                    c = await http.post(f"/v1/requests/{chunk['id']}/cancel")
+                else:
+                    c = await http.post("/v1/requests/cancel", json={"ids": [chunk["id"]]})
+                assert c.status_code == 200, c.text
+
+
+async def solo(http: httpx.AsyncClient, job: Job) -> dict[int, str]:
+    """What each choice of the job gives served alone (greedy, one prompt at a time)."""
+    if job.kind == "batch":
+        want = {}
+        for p, prompt in enumerate(job.body["prompt"]):
+            body = {**job.body, "prompt": prompt, "n": 1, "stream": False}
+            r = (await http.post("/v1/completions", json=body)).json()
+            for j in range(job.body["n"]):
+                want[p * job.body["n"] + j] = r["choices"][0]["text"]
+        return want
+    r = (await http.post("/v1/chat/completions", json={**job.body, "stream": False})).json()
+    return {0: "".join(tc["function"]["arguments"] for tc in r["choices"][0]["message"]["tool_calls"])}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_gguf, stopline_cache_dir):
+    # 40 blocks of 16 tokens: a few jobs' worth, so the storm preempts.
+    srv = ServerProcess("--num-blocks", "40", "--async-scheduling", "--preemption-mode", "auto",
+                        env={"STOPLINE_CACHE_DIR": str(stopline_cache_dir), "STOPLINE_DEBUG": "1"})
+    try:
+        srv.wait_ready(timeout=240)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_server_storm(server):
+    jobs = make_jobs(seed=41, count=24)
+    baseline = server.metrics()["stopline_kv_blocks_used"]
+
+    async def main() -> list[dict[int, str]]:
+        async with httpx.AsyncClient(base_url=server.base, timeout=300) as http:
+            await asyncio.gather(*(run_job(http, j) for j in jobs))
+            server.wait_idle(baseline, timeout=30)
+            return [await solo(http, j) for j in jobs]
+
+    wants = asyncio.run(main())
+    m = server.metrics()
+    assert total(m, "stopline_preemptions_total") > 0, {k: v for k, v in m.items() if "preempt" in k}
+    aborted = 0
+    for n, (job, want) in enumerate(zip(jobs, wants, strict=True)):
+        where = f"job {n} ({job.kind}, {job.action} after {job.after})"
+        assert not job.late, f"{where}: chunks after a finish: {job.late[:2]}"
+        assert not job.markup, f"{where}: empty or tool-call markup content: {job.markup[:2]}"
+        for i, full in want.items():
+            got, reasons = job.choices[i], job.finishes[i]
+            if job.action == "disconnect":  # the client left: it saw what it saw, and no more
+                assert len(reasons) <= 1 and full.startswith(got), f"{where}[{i}]: {got!r} vs {full!r}"
+                continue
+            assert len(reasons) == 1, f"{where}[{i}]: finish reasons {reasons}"
+            if reasons[0] == "abort":
+                aborted += 1
+                assert job.action != "none", f"{where}[{i}]: aborted unasked"
+                assert full.startswith(got), f"{where}[{i}]: {got!r} is not a prefix of {full!r}"
+            else:
+                assert reasons[0] in ("stop", "length", "tool_calls"), f"{where}[{i}]: {reasons}"
+                assert not (job.kind == "batch" and job.action != "none"), \
+                    f"{where}[{i}]: ended {reasons[0]} after its request was cancelled"
+                assert got == full, f"{where}[{i}]: {got!r} != alone {full!r}"
+    assert aborted > 0
