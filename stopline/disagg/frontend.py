@@ -134,12 +134,17 @@ class DisaggCores:
                   params: SamplingParams, arrival: float) -> None:
         self._check_alive()
         self.samples[incarnation] = params.n
+        n = split_blocks(len(prompt_token_ids), self.block_size)
+        if n:
+            # Split before the first await: an abort that lands while decode's add is in
+            # flight must reach prefill too (its inbox keeps an abort that overtakes the add).
+            self.split.add(incarnation)
         try:
             # Decode first: it validates, and it waits for the KV before any can be sent.
             await self.cores["decode"].add(request_id, incarnation, prompt_token_ids, params, arrival)
-            n = split_blocks(len(prompt_token_ids), self.block_size)
-            if n:
-                self.split.add(incarnation)
+            # Decode may have ended it meanwhile (its add reply and abort terminal read
+            # together): then prefill has nothing to compute.
+            if n and incarnation in self.samples:
                 await self.cores["prefill"].add(request_id, incarnation,
                                                 prompt_token_ids[:n * self.block_size],
                                                 SamplingParams(max_tokens=1), arrival)
