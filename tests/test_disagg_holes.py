@@ -11,6 +11,8 @@ processes (`disagg_engine`, as `serve --disagg` runs them) or the real core loop
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -66,6 +68,42 @@ def test_an_abort_racing_the_add_reaches_prefill(tiny_long_model_dir):
             assert most == 0, f"prefill held {most} blocks of a cancelled request"
             assert snap.finished.get("error", 0) == 0, snap.finished
             await engine.utility("audit")
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+def test_prefill_death_spares_a_request_whose_kv_decode_took(tiny_long_model_dir):
+    """B's KV is handed off and acked, but B waits on decode behind max_num_seqs (A holds the
+    one slot, paused: its client reads nothing). Prefill is killed: B does not depend on it
+    any more, so it must not end; once A goes, B runs to its end."""
+
+    async def run() -> None:
+        engine = disagg_engine(str(tiny_long_model_dir), _config(max_num_seqs=1), reclaim_s=2.0,
+                               progress=False, max_buffered=2)
+        await engine.start()
+        backend = engine.backend
+        try:
+            a = await engine.add("a", _prompt(3), SamplingParams(max_tokens=5000, ignore_eos=True))
+            while (await _snap(engine, "decode")).running == 0:  # A runs (and pauses, unread)
+                await asyncio.sleep(0.01)
+            b = await engine.add("b", _prompt(40, seed=1), SamplingParams(max_tokens=4, ignore_eos=True))
+            end = time.monotonic() + 30
+            while (await _snap(engine, "prefill")).finished.get("stop", 0) == 0:  # handed off
+                assert time.monotonic() < end, "prefill never handed B off"
+                await asyncio.sleep(0.01)
+            snap = await _snap(engine, "decode")
+            assert snap.waiting == 1 and snap.running == 1  # B queued behind A
+            os.kill(backend.cores["prefill"].pid, signal.SIGKILL)
+            while backend.state["prefill"] != "dead":
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            assert not b.finished, "B ended with the prefill engine though decode had its KV"
+            engine.abort(a.incarnation)
+            outs = [o async for o in b]
+            assert outs[-1].finish_reason is FinishReason.LENGTH
+            assert sum(len(o.new_token_ids) for o in outs) == 4
         finally:
             await engine.close()
 

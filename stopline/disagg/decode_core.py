@@ -128,6 +128,8 @@ class DecodeCore(EngineCore):
             self.transfer_log = [*self.transfer_log[-999:], (nbytes, time.monotonic() - head.sent_at)]
         self.receiving.done(req)
         fam = self._waiting.pop(inc)
+        if self.taken_sink is not None:  # before the ack: prefill may end, or die, from here on
+            self.taken_sink([inc])
         self.link.send(Ack(inc))
         super()._admit(fam)  # admitted in this step: its blocks are prefix hits now
 

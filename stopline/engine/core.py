@@ -143,6 +143,9 @@ class EngineCore:
         # Where outputs go as soon as they are ready (the async engine sets it); otherwise
         # step() returns them.
         self.output_sink: Callable[[list[RequestOutput]], None] | None = None
+        # A core that takes a prompt's KV from another process (a split's decode role) names
+        # the incarnations here the moment it takes them: their sender is no longer needed.
+        self.taken_sink: Callable[[list[str]], None] | None = None
 
     # ---- entry points (any thread) ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],

@@ -61,6 +61,7 @@ class CoreLoop:
         # With async scheduling the core hands out outputs mid-step (while the next forward
         # runs): send them at once rather than at the end of the step.
         core.output_sink = self._sink
+        core.taken_sink = self._taken
 
     # ---- any thread -----------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -168,6 +169,9 @@ class CoreLoop:
         if outputs:
             self._note_ended(outputs)
             self.emit(Batch(outputs))
+
+    def _taken(self, incarnations: list[str]) -> None:
+        self.emit(Batch(taken=incarnations))
 
     def _note_ended(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
