@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -20,7 +21,11 @@ import pytest
 from stopline.config import EngineConfig
 from stopline.disagg.frontend import disagg_engine
 from stopline.engine.async_engine import AsyncEngine
+from stopline.engine.core_loop import CoreLoop
+from stopline.engine.messages import Batch
+from stopline.model.loaders.loader import load_model
 from stopline.request import FinishReason, SamplingParams
+from tests.disagg_support import make_pair
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -108,3 +113,103 @@ def test_prefill_death_spares_a_request_whose_kv_decode_took(tiny_long_model_dir
             await engine.close()
 
     asyncio.run(run())
+
+
+def test_roles_do_not_step_empty_while_a_transfer_is_pending(tiny_long_model_dir):
+    """One 6,000-token prompt through the split: decode's own work is a step or two, plus
+    one per prefill heartbeat; prefill's is its chunks. On main decode stepped thousands of
+    times while prefill computed, each step a snapshot to the front end."""
+
+    async def run() -> None:
+        engine = disagg_engine(str(tiny_long_model_dir), _config(), reclaim_s=2.0, progress=False)
+        await engine.start()
+        try:
+            p0, d0 = await engine.utility("snapshot")
+            batches = {"n": 0}
+            on_batch = engine.backend._on_batch
+
+            def counting(batch: Batch) -> None:
+                batches["n"] += 1
+                on_batch(batch)
+
+            engine.backend._on_batch = counting  # what reaches the front end from decode
+            t0 = time.monotonic()
+            s = await engine.add("long", _prompt(6000), SamplingParams(max_tokens=1, ignore_eos=True))
+            outs = [o async for o in s]
+            took = time.monotonic() - t0
+            assert outs[-1].finish_reason is FinishReason.LENGTH
+            p1, d1 = await engine.utility("snapshot")
+            chunks = -(-(5996) // 64)
+            beats = took / (2.0 / 4) + 2  # a Progress per quarter deadline wakes decode once
+            assert d1.steps - d0.steps <= 4 + beats, (d1.steps - d0.steps, took)
+            assert batches["n"] <= 8 + beats, (batches["n"], took)
+            assert p1.steps - p0.steps <= chunks + 4, (p1.steps - p0.steps, chunks)
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    return load_model(str(tiny_model_dir), progress=False)
+
+
+def test_prefill_waiting_for_an_ack_sleeps_until_its_deadline(loaded):
+    """Prefill under its real core loop, its decode side never reading: after its chunks it
+    waits for the ack without stepping, and the reclaim deadline still ends the transfer on
+    time (the loop wakes for it)."""
+    reclaim_s = 0.5
+    pr = make_pair(loaded, reclaim_s=reclaim_s)
+    batches: list[Batch] = []
+    loop = CoreLoop(pr.p, batches.append)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        t0 = time.monotonic()
+        loop.add("a", list(range(5, 45)), SamplingParams(max_tokens=1))  # 40 tokens: 5 chunks of 8
+        while pr.p.has_unfinished():
+            assert time.monotonic() - t0 < 5, "the send deadline never ended the transfer"
+            time.sleep(0.01)
+        took = time.monotonic() - t0
+        ends = [o for b in batches for o in b.outputs if o.finished]
+        assert ends[0].finish_reason is FinishReason.ERROR and "reclaim deadline" in ends[0].stop_detail
+        assert pr.p.steps <= 5 + 3, pr.p.steps  # its chunks, the deadline, a spare
+        assert took < reclaim_s + 0.5, took
+        assert pr.p.pool.num_used == 0
+    finally:
+        loop.stop()
+        thread.join(5)
+        pr.close()
+
+
+def test_decode_waiting_for_kv_sleeps_and_the_link_wakes_it(loaded):
+    """Decode under its real core loop waits for a prompt's KV without stepping; when
+    prefill (stepped here by hand) ships it, the link wakes decode at once: no poll, no
+    wait for the next deadline."""
+    pr = make_pair(loaded, reclaim_s=3.0)
+    batches: list[Batch] = []
+    loop = CoreLoop(pr.d, batches.append)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        inc = loop.add("a", list(range(5, 45)), SamplingParams(max_tokens=2, ignore_eos=True))
+        pr.p.add_request("a", list(range(5, 41)), SamplingParams(max_tokens=1), incarnation=inc)
+        time.sleep(0.3)
+        idle_steps = pr.d.steps
+        assert idle_steps <= 3, idle_steps  # the add; maybe a heartbeat
+        while not len(pr.p.sending):
+            pr.step_p()
+        shipped = time.monotonic()
+        while not any(o.finished for b in batches for o in b.outputs):
+            assert time.monotonic() - shipped < 0.5, "decode was not woken by the KV"
+            time.sleep(0.002)
+        assert [i for b in batches for i in b.taken] == [inc]  # reported to the front end
+        while pr.p.has_unfinished():  # prefill gets its ack (decode is the loop's alone)
+            assert time.monotonic() - shipped < 5, "prefill never got its ack"
+            pr.step_p()
+        assert pr.d.steps - idle_steps <= 6, pr.d.steps
+    finally:
+        loop.stop()
+        thread.join(5)
+        pr.close()

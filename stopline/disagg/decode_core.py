@@ -53,17 +53,26 @@ class DecodeCore(EngineCore):
         self.receiving = Transfers(Side.RECV, spec.reclaim_s)
         self.lifecycle.holders.insert(len(self.lifecycle.holders) - 1, self.receiving)
         self._waiting: dict[str, Family] = {}  # incarnation -> family waiting for its KV
-        self.link = Link(spec.kv_addr, spec.ack_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push)
+        self.link = Link(spec.kv_addr, spec.ack_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push,
+                         wake=lambda: self.wake())
         self.imported_blocks = 0
         # The last transfers: (bytes, seconds from the sender's pack to the blocks written here).
         self.transfer_log: list[tuple[int, float]] = []
 
     def has_unfinished(self) -> bool:
-        return bool(len(self.receiving)) or super().has_unfinished()
+        # What the link brought must be read even with no request here: stray KV is refused.
+        return self.link.pending() or bool(len(self.receiving)) or super().has_unfinished()
 
     def all_paused(self) -> bool:
-        # A receive pending expiry must keep the loop stepping: its deadline is checked there.
-        return not len(self.receiving) and super().all_paused()
+        # A request waiting for its KV takes no step: the loop sleeps until the link wakes it
+        # or the reclaim deadline (wake_at) is due.
+        return not self.link.pending() and super().all_paused()
+
+    def _idle(self, req: Request) -> bool:
+        return req.paused or self._waiter(req.incarnation) is not None
+
+    def wake_at(self) -> float:
+        return self.receiving.next_deadline()
 
     def step(self) -> list[RequestOutput]:
         self._apply_inbox()  # new requests first: a KV that overtook nothing finds its waiter
