@@ -91,13 +91,12 @@ class PrefillCore(EngineCore):
 
     def _heartbeat(self) -> None:
         """Tell the decode side, every quarter of the reclaim deadline, which requests this
-        process still holds (in its inbox, queued, prefilling or sending): its wait for their
-        KV is alive.
+        process still holds (queued, prefilling or sending): its wait for their KV is alive.
         A thread, not the step: one chunk of a long prompt can take longer than the deadline.
         A dead or wedged-out process stops beating and the decode side reclaims."""
         while not self._stop_beat.wait(self.spec.reclaim_s / 4):
             try:
-                incs = [*self.inbox.queued(), *self.families.by_incarnation]
+                incs = list(self.families.by_incarnation)
             except RuntimeError:  # the table changed under the copy: the next beat has it
                 continue
             self.link.beat(incs)
