@@ -8,14 +8,14 @@ one connects both, so the remote side needs the front end's host and nothing els
 
 A receiver thread puts what arrives into a queue that the stepping thread drains at every
 step start, and wakes that thread (`wake`): a role with nothing to run sleeps until the link
-or a deadline needs it, instead of stepping empty. The stepping thread and the prefill side's heartbeat thread both send, under a
-lock (ZMQ sockets are not thread-safe). High-water marks are unlimited and sends never
-block: a message for a dead peer waits and the reclaim deadline ends its request. A connected
-PUSH queues in ZMQ; a bound one has nowhere to queue until its peer has connected (at start,
-or after the peer died), so what it refuses waits in `_backlog`, in order, and goes out at
-the next send or heartbeat. A transfer's frames waiting there belong to its request: its
-release drops them (`drop`), and the audit finds any left (`queued`), through the prefill
-role's `Backlog` holder.
+or a deadline needs it, instead of stepping empty. The stepping thread and the prefill
+side's heartbeat thread both send, under a lock (ZMQ sockets are not thread-safe).
+High-water marks are unlimited and sends never block: a message for a dead peer waits and
+the reclaim deadline ends its request. A connected PUSH queues in ZMQ; a bound one has
+nowhere to queue until its peer has connected (at start, or after the peer died), so what it
+refuses waits in `_backlog`, in order, and goes out at the next send or heartbeat. A
+transfer's frames waiting there belong to its request: its release drops them (`drop`), and
+the audit finds any left (`queued`), through the prefill role's `Backlog` holder.
 """
 
 from __future__ import annotations

@@ -70,8 +70,9 @@ class PrefillCore(EngineCore):
         self._beat_thread = threading.Thread(target=self._heartbeat, daemon=True, name="stopline-beat")
         self._beat_thread.start()
 
-    # ---- the loop's view: a request waiting for its ack is paused: the loop sleeps until the
-    # link wakes it or the reclaim deadline (wake_at) is due ----------------------------------
+    # ---- the loop's view ------------------------------------------------------------------
+    # A request waiting for its ack is paused: the loop sleeps until the link wakes it or the
+    # reclaim deadline (wake_at) is due. An ack with no request left must still be read.
     def has_unfinished(self) -> bool:
         return self.link.pending() or super().has_unfinished()
 
