@@ -53,17 +53,26 @@ class DecodeCore(EngineCore):
         self.receiving = Transfers(Side.RECV, spec.reclaim_s)
         self.lifecycle.holders.insert(len(self.lifecycle.holders) - 1, self.receiving)
         self._waiting: dict[str, Family] = {}  # incarnation -> family waiting for its KV
-        self.link = Link(spec.kv_addr, spec.ack_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push)
+        self.link = Link(spec.kv_addr, spec.ack_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push,
+                         wake=lambda: self.wake())
         self.imported_blocks = 0
         # The last transfers: (bytes, seconds from the sender's pack to the blocks written here).
         self.transfer_log: list[tuple[int, float]] = []
 
     def has_unfinished(self) -> bool:
-        return bool(len(self.receiving)) or super().has_unfinished()
+        # What the link brought must be read even with no request here: stray KV is refused.
+        return self.link.pending() or bool(len(self.receiving)) or super().has_unfinished()
 
     def all_paused(self) -> bool:
-        # A receive pending expiry must keep the loop stepping: its deadline is checked there.
-        return not len(self.receiving) and super().all_paused()
+        # A request waiting for its KV takes no step: the loop sleeps until the link wakes it
+        # or the reclaim deadline (wake_at) is due.
+        return not self.link.pending() and super().all_paused()
+
+    def _idle(self, req: Request) -> bool:
+        return req.paused or self._waiter(req.incarnation) is not None
+
+    def wake_at(self) -> float:
+        return self.receiving.next_deadline()
 
     def step(self) -> list[RequestOutput]:
         self._apply_inbox()  # new requests first: a KV that overtook nothing finds its waiter
@@ -128,6 +137,8 @@ class DecodeCore(EngineCore):
             self.transfer_log = [*self.transfer_log[-999:], (nbytes, time.monotonic() - head.sent_at)]
         self.receiving.done(req)
         fam = self._waiting.pop(inc)
+        if self.taken_sink is not None:  # before the ack: prefill may end, or die, from here on
+            self.taken_sink([inc])
         self.link.send(Ack(inc))
         super()._admit(fam)  # admitted in this step: its blocks are prefix hits now
 

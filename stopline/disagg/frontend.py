@@ -107,7 +107,7 @@ class DisaggCores:
         self.block_size = cfg.block_size
         self.samples: dict[str, int] = {}  # open incarnation -> samples not yet ended
         self.split: set[str] = set()  # open incarnations the prefill role works on
-        self.decoding: set[str] = set()  # split ones whose first output came from decode
+        self.taken: set[str] = set()  # split ones whose KV decode took: prefill no longer matters
         self.on_lost: Callable[[list[str], str], None] = lambda incs, why: None  # set below
 
     async def start(self, on_batch: Callable[[Batch], None],
@@ -134,12 +134,17 @@ class DisaggCores:
                   params: SamplingParams, arrival: float) -> None:
         self._check_alive()
         self.samples[incarnation] = params.n
+        n = split_blocks(len(prompt_token_ids), self.block_size)
+        if n:
+            # Split before the first await: an abort that lands while decode's add is in
+            # flight must reach prefill too (its inbox keeps an abort that overtakes the add).
+            self.split.add(incarnation)
         try:
             # Decode first: it validates, and it waits for the KV before any can be sent.
             await self.cores["decode"].add(request_id, incarnation, prompt_token_ids, params, arrival)
-            n = split_blocks(len(prompt_token_ids), self.block_size)
-            if n:
-                self.split.add(incarnation)
+            # Decode may have ended it meanwhile (its add reply and abort terminal read
+            # together): then prefill has nothing to compute.
+            if n and incarnation in self.samples:
                 await self.cores["prefill"].add(request_id, incarnation,
                                                 prompt_token_ids[:n * self.block_size],
                                                 SamplingParams(max_tokens=1), arrival)
@@ -170,16 +175,15 @@ class DisaggCores:
     def _forget(self, inc: str) -> None:
         self.samples.pop(inc, None)
         self.split.discard(inc)
-        self.decoding.discard(inc)
+        self.taken.discard(inc)
 
     # ---- from the roles -------------------------------------------------------------------
     def _from_decode(self, batch: Batch) -> None:
         if batch.snapshot is not None:
             self.snaps["decode"] = batch.snapshot
+        self.taken.update(i for i in batch.taken if i in self.split)
         for out in batch.outputs:
             inc = out.incarnation
-            if inc in self.split:
-                self.decoding.add(inc)
             if out.finished and inc in self.samples:
                 ended_early = out.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH)
                 if ended_early and inc in self.split and self.state["prefill"] == "healthy":
@@ -194,7 +198,10 @@ class DisaggCores:
         if batch.snapshot is not None:
             self.snaps["prefill"] = batch.snapshot
         for out in batch.outputs:
-            if out.finished and out.finish_reason is FinishReason.ERROR and out.incarnation in self.samples:
+            # Once decode took the KV, prefill's end (a late ack past its deadline) is no
+            # error of the request's.
+            if (out.finished and out.finish_reason is FinishReason.ERROR and out.incarnation in self.samples
+                    and out.incarnation not in self.taken):
                 why = f"prefill engine: {out.stop_detail}"
                 if self.state["decode"] == "healthy":
                     self.cores["decode"].abort([out.incarnation], AbortSource.CANCEL,
@@ -212,7 +219,7 @@ class DisaggCores:
         if role == "decode":
             incs = list(self.samples)
         else:
-            incs = [i for i in self.split if i not in self.decoding]
+            incs = [i for i in self.split if i not in self.taken]
         other = "prefill" if role == "decode" else "decode"
         if incs and self.state[other] == "healthy":
             self.cores[other].abort(incs, AbortSource.CANCEL, time.monotonic())

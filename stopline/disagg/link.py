@@ -7,14 +7,15 @@ another machine (`stopline role`), the role beside the front end binds both and 
 one connects both, so the remote side needs the front end's host and nothing else.
 
 A receiver thread puts what arrives into a queue that the stepping thread drains at every
-step start. The stepping thread and the prefill side's heartbeat thread both send, under a
-lock (ZMQ sockets are not thread-safe). High-water marks are unlimited and sends never
-block: a message for a dead peer waits and the reclaim deadline ends its request. A connected
-PUSH queues in ZMQ; a bound one has nowhere to queue until its peer has connected (at start,
-or after the peer died), so what it refuses waits in `_backlog`, in order, and goes out at
-the next send or heartbeat. A transfer's frames waiting there belong to its request: its
-release drops them (`drop`), and the audit finds any left (`queued`), through the prefill
-role's `Backlog` holder.
+step start, and wakes that thread (`wake`): a role with nothing to run sleeps until the link
+or a deadline needs it, instead of stepping empty. The stepping thread and the prefill
+side's heartbeat thread both send, under a lock (ZMQ sockets are not thread-safe).
+High-water marks are unlimited and sends never block: a message for a dead peer waits and
+the reclaim deadline ends its request. A connected PUSH queues in ZMQ; a bound one has
+nowhere to queue until its peer has connected (at start, or after the peer died), so what it
+refuses waits in `_backlog`, in order, and goes out at the next send or heartbeat. A
+transfer's frames waiting there belong to its request: its release drops them (`drop`), and
+the audit finds any left (`queued`), through the prefill role's `Backlog` holder.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import zmq
@@ -37,7 +38,10 @@ Received = LinkMsg | tuple[TransferHeader, list]
 
 
 class Link:
-    def __init__(self, pull: str, push: str, *, bind_pull: bool = True, bind_push: bool = False) -> None:
+    def __init__(self, pull: str, push: str, *, bind_pull: bool = True, bind_push: bool = False,
+                 wake: Callable[[], None] = lambda: None) -> None:
+        """wake: called on the receiver thread after each message is queued."""
+        self._wake = wake
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
@@ -104,6 +108,10 @@ class Link:
             self._backlog.popleft()
         return True
 
+    def pending(self) -> bool:
+        """Something arrived that the stepping thread has not taken yet."""
+        return not self.inbox.empty() or bool(self.bad)
+
     def take(self) -> list[Received]:
         out = []
         while True:
@@ -127,6 +135,7 @@ class Link:
                     self.inbox.put(self._dec.decode(parts[1].bytes))
             except Exception as exc:  # noqa: BLE001 - a bad frame must not stop the link
                 self.bad.append(repr(exc))
+            self._wake()
 
     def close(self) -> None:
         with self._lock:  # the heartbeat thread has stopped (see PrefillCore.close)

@@ -61,7 +61,8 @@ class PrefillCore(EngineCore):
         self.sending = Transfers(Side.SEND, spec.reclaim_s)
         # The transfer entry goes before the KV manager: the entry first, the blocks last.
         self.lifecycle.holders.insert(len(self.lifecycle.holders) - 1, self.sending)
-        self.link = Link(spec.ack_addr, spec.kv_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push)
+        self.link = Link(spec.ack_addr, spec.kv_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push,
+                         wake=lambda: self.wake())
         # Frames still on the link go with the transfer entry, before the blocks.
         self.lifecycle.holders.insert(len(self.lifecycle.holders) - 1, Backlog(self.link))
         self.shipped_bytes = 0
@@ -69,9 +70,17 @@ class PrefillCore(EngineCore):
         self._beat_thread = threading.Thread(target=self._heartbeat, daemon=True, name="stopline-beat")
         self._beat_thread.start()
 
-    # ---- the loop's view: a request waiting for its ack is paused but not idle ---------------
+    # ---- the loop's view ------------------------------------------------------------------
+    # A request waiting for its ack is paused: the loop sleeps until the link wakes it or the
+    # reclaim deadline (wake_at) is due. An ack with no request left must still be read.
+    def has_unfinished(self) -> bool:
+        return self.link.pending() or super().has_unfinished()
+
     def all_paused(self) -> bool:
-        return not len(self.sending) and super().all_paused()
+        return not self.link.pending() and super().all_paused()
+
+    def wake_at(self) -> float:
+        return self.sending.next_deadline()
 
     def step(self) -> list[RequestOutput]:
         self._take_link()

@@ -11,6 +11,7 @@ calls `release` here, so there is no second way out.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,10 @@ class Transfers:
     def expired(self) -> list[Request]:
         now = self._clock()
         return [t.req for t in self._live.values() if t.deadline <= now]
+
+    def next_deadline(self) -> float:
+        """The nearest deadline (time.monotonic()); inf: none armed."""
+        return min((t.deadline for t in self._live.values()), default=math.inf)
 
     def requests(self) -> list[Request]:
         return [t.req for t in self._live.values()]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -143,6 +144,12 @@ class EngineCore:
         # Where outputs go as soon as they are ready (the async engine sets it); otherwise
         # step() returns them.
         self.output_sink: Callable[[list[RequestOutput]], None] | None = None
+        # A core that takes a prompt's KV from another process (a split's decode role) names
+        # the incarnations here the moment it takes them: their sender is no longer needed.
+        self.taken_sink: Callable[[list[str]], None] | None = None
+        # Wakes the loop that waits on an idle core (CoreLoop sets it): another thread of the
+        # core (a split's link) calls it when it has something for the next step.
+        self.wake: Callable[[], None] = lambda: None
 
     # ---- entry points (any thread) ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -208,10 +215,22 @@ class EngineCore:
         return bool(self.families) or self.inbox.has_any() or bool(self._text_pending)
 
     def all_paused(self) -> bool:
-        """Work exists but none can run: every live request is paused, nothing else pending."""
+        """Work exists but none can run: every live request is paused (or waits on another
+        process, `_idle`), nothing else pending. The loop then waits for a message or
+        `wake_at`."""
         live = self.families.live_requests()
-        return (bool(live) and all(r.paused for r in live) and not self.inbox.has_any()
+        return (bool(live) and all(self._idle(r) for r in live) and not self.inbox.has_any()
                 and not self._text_pending)
+
+    def _idle(self, req: Request) -> bool:
+        """req takes no step until a message comes: its client's stream is full (a split's
+        roles add a request waiting for the other role)."""
+        return req.paused
+
+    def wake_at(self) -> float:
+        """time.monotonic() by which an all-paused core must step with no message (a
+        split's transfer deadlines); inf: none. Request deadlines are the loop's."""
+        return math.inf
 
     def step(self) -> list[RequestOutput]:
         self._apply_inbox()

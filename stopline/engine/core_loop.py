@@ -61,6 +61,8 @@ class CoreLoop:
         # With async scheduling the core hands out outputs mid-step (while the next forward
         # runs): send them at once rather than at the end of the step.
         core.output_sink = self._sink
+        core.taken_sink = self._taken
+        core.wake = self._work.set
 
     # ---- any thread -----------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -125,11 +127,13 @@ class CoreLoop:
                 self._work.clear()
                 continue
             if core.all_paused():
-                # Every request waits for its client to read: no step to take. Wake for a
-                # resume or abort, or after a second for deadlines.
-                self._work.wait(1.0)
+                # Every request waits for its client to read, or for the other role of a
+                # split (whose link wakes us): no step to take. Wake for a message, at the
+                # core's own deadline (wake_at), or after a second for request deadlines.
+                self._work.wait(max(0.0, min(1.0, core.wake_at() - time.monotonic())))
                 self._work.clear()
-                if core.all_paused() and not self._deadline_passed():
+                if (core.all_paused() and not self._deadline_passed()
+                        and time.monotonic() < core.wake_at()):
                     continue
             if self.before_step is not None:
                 self.before_step()
@@ -168,6 +172,9 @@ class CoreLoop:
         if outputs:
             self._note_ended(outputs)
             self.emit(Batch(outputs))
+
+    def _taken(self, incarnations: list[str]) -> None:
+        self.emit(Batch(taken=incarnations))
 
     def _note_ended(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

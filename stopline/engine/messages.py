@@ -100,6 +100,9 @@ class Batch(msgspec.Struct, tag="batch"):
     outputs: list[RequestOutput] = msgspec.field(default_factory=list)
     timings: list[AbortTiming] = msgspec.field(default_factory=list)
     snapshot: Snapshot | None = None
+    # Incarnations whose prompt KV this core took from another process (a split's decode
+    # role): the front end no longer needs their sender.
+    taken: list[str] = msgspec.field(default_factory=list)
 
 
 class UtilityReply(msgspec.Struct, tag="utility_reply"):
