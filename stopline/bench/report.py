@@ -10,7 +10,9 @@ each)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -459,3 +461,23 @@ def _plots(res: dict[str, Any], img_dir: Path) -> dict[str, Path]:
         ax.legend(fontsize=7)
         save(fig, "preempt_kv", "bench-preemption-kv.png", "preemption")
     return out
+
+
+# `stopline bench serve-report`
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="*",
+                   help="results.json files, merged by engine (later wins); default: the newest run")
+    p.add_argument("--results-dir", default="bench-results")
+    p.add_argument("--report", default="docs/benchmarks.md")
+
+
+def main(args: argparse.Namespace) -> int:
+    paths = [Path(r) for r in args.results]
+    if not paths:
+        runs = sorted(Path(args.results_dir).glob("*/results.json"))
+        if not runs:
+            print(f"error: no results under {args.results_dir}/", file=sys.stderr)
+            return 2
+        paths = [runs[-1]]
+    print(f"report: {write_report(paths, Path(args.report))}")
+    return 0
