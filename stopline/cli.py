@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from stopline.args import add_engine_args, engine_config
 from stopline.extras import MissingExtra, as_missing_extra, require
@@ -230,11 +231,13 @@ _BENCHES: list[tuple[str, str, str]] = [
 class _BenchParser(argparse.ArgumentParser):
     """The parser of one `stopline bench NAME`: its module configures it on first use."""
 
-    def __init__(self, *args, module: str = "", **kwargs) -> None:
+    def __init__(self, *args: Any, module: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._module = module
 
-    def parse_known_args(self, args=None, namespace=None):  # argparse hands a chosen subparser its args here
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        """argparse hands the chosen subparser its arguments here: configure it first, once."""
         if self._module:
             import importlib
 
