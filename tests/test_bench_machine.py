@@ -39,3 +39,15 @@ def test_every_benchmark_module_owns_its_flags_and_run():
         p = argparse.ArgumentParser(prog=f"stopline bench {name}")
         mod.configure(p)
         assert callable(mod.main), module
+
+
+def test_spec_results_name_their_host_and_commit(tmp_path) -> None:
+    import json
+
+    from stopline.bench import spec
+
+    result = {**machine.stamp(), "command": "stopline bench spec", "rows": []}
+    spec.write(result, tmp_path)
+    assert_stamped(json.loads((tmp_path / "spec.json").read_text()))
+    assert (tmp_path / "spec.md").read_text().startswith(
+        f"Host: {result['machine']['summary']}, commit {result['git']}; `stopline bench spec`\n\n| workload")
