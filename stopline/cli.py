@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from stopline.args import add_engine_args, engine_config
 from stopline.extras import MissingExtra, as_missing_extra, require
@@ -14,7 +15,6 @@ Command = Callable[[argparse.Namespace], int]
 Configure = Callable[[argparse.ArgumentParser], None]
 Registry = list[tuple[str, str, Configure, Command]]
 _COMMANDS: Registry = []  # stopline NAME
-_BENCHES: Registry = []  # stopline bench NAME
 
 
 def _registrar(registry: Registry, doc: str) -> Callable[[str, str, Configure], Callable[[Command], Command]]:
@@ -28,7 +28,6 @@ def _registrar(registry: Registry, doc: str) -> Callable[[str, str, Configure], 
 
 
 command = _registrar(_COMMANDS, "Register a subcommand (decorator); each lives in its own function.")
-bench_command = _registrar(_BENCHES, "Register `stopline bench NAME` (decorator), like `command`.")
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
@@ -203,268 +202,55 @@ def role(args: argparse.Namespace) -> int:
     return 0  # not reached: main leaves with os._exit
 
 
-def _stop_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=64, help="cancel storm size (half are aborted)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--storm-requests", type=int, default=32, help="preemption storm size")
-    p.add_argument("--pool-fraction", type=float, default=0.25, help="KV pool / demand in the storm")
-    p.add_argument("--combos", default="recompute:cost,recompute:newest,recompute:fewest-output,"
-                   "recompute:longest-output,recompute:least-computed,swap:cost,auto:cost",
-                   help="comma-separated mode:policy pairs for the preemption storm")
-    p.add_argument("--storm-rounds", type=int, default=2,
-                   help="runs of each preemption-storm pair (one per round; the ratio is their mean)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench-results/stop.json")
-    p.add_argument("--report", default="docs/stop-benchmark.md")
-    add_engine_args(p)
-
-
-@bench_command("stop", "cost of stopping: cancel storm and preemption storm (in-process)", _stop_bench_args)
-def bench_stop(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from stopline.bench import stop, stop_report
-    from stopline.model.loaders.loader import load_model
-
-    loaded = load_model(args.model)
-    combos = [tuple(c.split(":", 1)) for c in args.combos.split(",") if c]
-    if args.storm_rounds < 1:
-        raise SystemExit(f"--storm-rounds must be >= 1, got {args.storm_rounds}")
-    result = stop.run(loaded, Path(args.out), args.requests, args.max_tokens, args.storm_requests,
-                      args.pool_fraction, args.seed, combos, engine_config(args), args.storm_rounds)
-    result["command"] = "stopline bench stop " + " ".join(sys.argv[3:])
-    Path(args.out).write_text(__import__("json").dumps(result, indent=2))
-    Path(args.report).write_text(stop_report.render(result))
-    print(f"results: {args.out}; report: {args.report}")
-    return 0
-
-
-def _replicas_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=40, help="aborts timed per engine")
-    p.add_argument("--long-len", type=int, default=512, help="prompt tokens of the cancelled long prompts")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench-results/replicas.json")
-    add_engine_args(p)
-
-
-@bench_command("replicas", "Ray replicas: abort latency through the router, routing overhead, "
-               "prefix hit rate, head-of-line, replica kill (run it in a network namespace)",
-               _replicas_bench_args)
-def bench_replicas(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
-    from stopline.bench import replicas
-    from stopline.cluster.frontend import quiet_ray_env
-
-    quiet_ray_env()
-    result = replicas.run(args.model, engine_config(args), args.rounds, args.long_len, args.seed)
-    command = "stopline bench replicas " + " ".join(sys.argv[3:])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(replicas.render(result, command, args.model or "SmolLM2-135M-Instruct"))
-    return 0
-
-
-def _disagg_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=5, help="rounds of each measure (medians reported)")
-    p.add_argument("--long-len", type=int, default=1500, help="prompt tokens of the long prompts")
-    p.add_argument("--reclaim-s", type=float, default=3.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench-results/disagg.json")
-    add_engine_args(p)
-
-
-@bench_command("disagg", "prefill/decode split: head-of-line after cancelled long prompts, "
-               "cancel-to-reclaim on both sides, KV transfer MB/s and share of TTFT", _disagg_bench_args)
-def bench_disagg(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
-    from stopline.bench import disagg
-
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
-    result = disagg.run(args.model, engine_config(args), args.rounds, args.long_len, args.seed, args.reclaim_s)
-    command = "stopline bench disagg " + " ".join(sys.argv[3:])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(disagg.render(result, command, args.model or "SmolLM2-135M-Instruct"))
-    return 0
-
-
-def _serve_bench_args(p: argparse.ArgumentParser) -> None:
-    from stopline.bench.serve_cli import configure
-
-    configure(p)
-
-
-@bench_command("serve", "serving benchmark over the OpenAI HTTP API: stopline vs vLLM, llama.cpp, HF",
-               _serve_bench_args)
-def bench_serve(args: argparse.Namespace) -> int:
-    from stopline.bench.serve_cli import run
-
-    return run(args)
-
-
-def _serve_report_args(p: argparse.ArgumentParser) -> None:
-    from stopline.bench.serve_cli import configure_report
-
-    configure_report(p)
-
-
-@bench_command("serve-report", "render docs/benchmarks.md from `bench serve` results", _serve_report_args)
-def bench_serve_report(args: argparse.Namespace) -> int:
-    from stopline.bench.serve_cli import run_report
-
-    return run_report(args)
-
-
-def _grammar_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--streams", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of both phases (fastest counts)")
-    p.add_argument("--serve-arg", action="append", default=[], help="passed to `stopline serve` (repeat)")
-
-
-@bench_command("grammar", "structured output served: N json_schema streams vs N unstructured, "
-               "throughput ratio and mask time", _grammar_bench_args)
-def bench_grammar(args: argparse.Namespace) -> int:
-    from stopline.bench import grammar
-
-    result = grammar.run(args.streams, args.max_tokens, args.serve_arg, args.rounds)
-    print("stopline bench grammar " + " ".join(sys.argv[3:]))
-    print(grammar.table(result))
-    return 0
-
-
-def _spec_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--streams", type=int, default=32, help="concurrent streams of the batch workload")
-    p.add_argument("--max-tokens", type=int, default=192, help="new tokens of a single stream")
-    p.add_argument("--batch-tokens", type=int, default=64, help="new tokens per stream of the batch")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of every workload and mode (best counts)")
-    p.add_argument("--out", default="bench_results/spec")
-    add_engine_args(p)
-
-
-@bench_command("spec", "speculative decoding off / on / auto: one repetitive stream, one free, N streams",
-               _spec_bench_args)
-def bench_spec(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from stopline.bench import spec
-    from stopline.model.loaders.loader import load_model
-
-    result = spec.run(load_model(args.model), engine_config(args), args.streams, args.max_tokens,
-                      args.batch_tokens, args.rounds)
-    result["command"] = "stopline bench spec " + " ".join(sys.argv[3:])
-    spec.write(result, Path(args.out))
-    print(spec.table(result))
-    return 0
-
-
-def _offline_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--streams", type=int, default=32, help="concurrent prompts in the batched run")
-    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per request (EOS ignored)")
-    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers side")
-    p.add_argument("--hf-cb", action="store_true",
-                   help="also time HF transformers' continuous batching (generate_batch) on the N streams")
-    p.add_argument("--hf-dir", default=None,
-                   help="HF export of the model for transformers (default: exported to a temp dir)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--out", default="bench-results/offline.json")
-    add_engine_args(p)
-
-
-@bench_command("offline", "offline tokens/s, 1 and N streams, next to HF transformers generate",
-               _offline_bench_args)
-def bench_offline(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from stopline.bench import offline
-
-    result = offline.run(args.model, engine_config(args), streams=args.streams,
-                         max_tokens=args.max_tokens, hf=not args.no_hf,
-                         hf_dir=Path(args.hf_dir) if args.hf_dir else None, threads=args.threads,
-                         hf_cb=args.hf_cb)
-    result["command"] = "stopline bench offline " + " ".join(sys.argv[3:])
-    offline.write(result, Path(args.out))
-    print(offline.summary(result))
-    print(f"results: {args.out}")
-    return 0
-
-
-def _soak_bench_args(p: argparse.ArgumentParser) -> None:
-    from stopline.bench.soak import configure
-
-    configure(p)
-
-
-@bench_command("soak", "server memory over many requests, half closed early: RSS bytes per request",
-               _soak_bench_args)
-def bench_soak(args: argparse.Namespace) -> int:
-    from stopline.bench.soak import main
-
-    return main(args)
-
-
-def _neighbours_bench_args(p: argparse.ArgumentParser) -> None:
-    from stopline.bench.neighbours import configure
-
-    configure(p)
-    p.add_argument("--out", default="bench-results/neighbours.json")
-
-
-@bench_command("neighbours", "decode step time quiet and beside a process taking a slice of our CPUs "
-               "(phases alternate; --no-adapt-threads for the A/B)", _neighbours_bench_args)
-def bench_neighbours(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
-    from stopline.bench import neighbours
-
-    result = neighbours.run(args)
-    result["command"] = "stopline bench neighbours " + " ".join(sys.argv[3:])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(neighbours.summary(result))
-    print(f"results: {out}")
-    return 0
-
-
-def _floors_bench_args(p: argparse.ArgumentParser) -> None:
-    from stopline.bench.floors import configure
-
-    configure(p)
-
-
-@bench_command("floors", "host floors (read bandwidth, GEMM rates) and decode step time against them, "
-               "per numerics mode; --accuracy: fast vs exact under teacher forcing", _floors_bench_args)
-def bench_floors(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from stopline.bench import floors
-
-    if args.served:
-        import signal
-
-        # SIGTERM unwinds like Ctrl-C, so an engine --served started is stopped on the way out.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    result = floors.run(args)
-    result["command"] = "stopline bench floors " + " ".join(sys.argv[3:])
-    floors.write(result, Path(args.out))
-    print(floors.summary(result))
-    print(f"results: {args.out}")
-    return 0
+# stopline bench NAME: (name, help, module). Each benchmark module owns its flags and its run,
+# `configure(p: ArgumentParser) -> None` and `main(args: Namespace) -> int`; it is imported only
+# when its own parser is used, so no other command loads a benchmark, and one benchmark's
+# imports can't break another's parser (the base install builds every one: test_dependencies).
+_BENCHES: list[tuple[str, str, str]] = [
+    ("stop", "cost of stopping: cancel storm and preemption storm (in-process)", "stopline.bench.stop"),
+    ("replicas", "Ray replicas: abort latency through the router, routing overhead, prefix hit rate, "
+     "head-of-line, replica kill (run it in a network namespace)", "stopline.bench.replicas"),
+    ("disagg", "prefill/decode split: head-of-line after cancelled long prompts, cancel-to-reclaim on "
+     "both sides, KV transfer MB/s and share of TTFT", "stopline.bench.disagg"),
+    ("serve", "serving benchmark over the OpenAI HTTP API: stopline vs vLLM, llama.cpp, HF",
+     "stopline.bench.serve_cli"),
+    ("serve-report", "render docs/benchmarks.md from `bench serve` results", "stopline.bench.report"),
+    ("grammar", "structured output served: N json_schema streams vs N unstructured, throughput ratio "
+     "and mask time", "stopline.bench.grammar"),
+    ("spec", "speculative decoding off / on / auto: one repetitive stream, one free, N streams",
+     "stopline.bench.spec"),
+    ("offline", "offline tokens/s, 1 and N streams, next to HF transformers generate", "stopline.bench.offline"),
+    ("soak", "server memory over many requests, half closed early: RSS bytes per request", "stopline.bench.soak"),
+    ("neighbours", "decode step time quiet and beside a process taking a slice of our CPUs "
+     "(phases alternate; --no-adapt-threads for the A/B)", "stopline.bench.neighbours"),
+    ("floors", "host floors (read bandwidth, GEMM rates) and decode step time against them, per "
+     "numerics mode; --accuracy: fast vs exact under teacher forcing", "stopline.bench.floors"),
+]
+
+
+class _BenchParser(argparse.ArgumentParser):
+    """The parser of one `stopline bench NAME`: its module configures it on first use."""
+
+    def __init__(self, *args: Any, module: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._module = module
+
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        """argparse hands the chosen subparser its arguments here: configure it first, once."""
+        if self._module:
+            import importlib
+
+            mod, self._module = importlib.import_module(self._module), ""
+            mod.configure(self)
+            self.set_defaults(bench_func=mod.main)
+        return super().parse_known_args(args, namespace)
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="bench", required=True)
-    for name, help_, configure, fn in _BENCHES:
-        b = sub.add_parser(name, help=help_)
-        configure(b)
-        b.set_defaults(bench_func=fn)
+    sub = p.add_subparsers(dest="bench", required=True, parser_class=_BenchParser)
+    for name, help_, module in _BENCHES:
+        sub.add_parser(name, help=help_, module=module)
 
 
 @command("bench", "benchmarks (separate from the tests): stopline bench {stop,...}", _bench_args)

@@ -10,6 +10,7 @@ import pytest
 from stopline.cli import main
 from stopline.model.kernels.int8_linear import has_vnni
 from stopline.model.kernels.native import has_bf16, try_kernels
+from tests.bench_support import assert_stamped
 from tests.engine_support import sharp_tiny_dir
 
 
@@ -26,6 +27,7 @@ def test_floors_on_tiny_model(tmp_path: Path, tmp_path_factory: pytest.TempPathF
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["read_bandwidth_gbs"] > 0 and all(v > 0 for v in r["gemm_gflops_32_rows"].values())
+    assert_stamped(r)
     # the int8 rates (torch's, and the fast mode's kernel for block weights where it runs)
     assert "torch int8" in r["gemm_gflops_32_rows"]
     assert ("int8 kernel" in r["gemm_gflops_32_rows"]) == (has_vnni() and try_kernels() is not None)

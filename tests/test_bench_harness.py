@@ -145,9 +145,29 @@ def test_report_states_the_latest_run_of_each_row(tmp_path: Path) -> None:
     text = write_report([old, new], tmp_path / "benchmarks.md").read_text()
     assert "| stopline | 0 / 8 |" in text and "| stopline | 3 / 8 |" not in text
     assert "| vllm | 1 / 8 |" in text
-    assert "- stopline: `stopline bench serve --workloads invariance` on box B" in text
-    assert "- vllm: `stopline bench serve --peers vllm` on box A" in text
+    # Rows of different machines never share a table: each run's table is headed by its
+    # host and its command.
+    new_head = f"On box B: `stopline bench serve --workloads invariance` (`{new}`)"
+    old_head = f"On box A: `stopline bench serve --peers vllm` (`{old}`)"
+    assert f"{new_head}\n\n| engine | differ / compared |\n|---|---|\n| stopline | 0 / 8 |\n" in text
+    assert f"{old_head}\n\n| engine | differ / compared |\n|---|---|\n| vllm | 1 / 8 |\n" in text
     assert "abc1234" not in text and "/tmp/r" not in text
+
+
+def test_report_keeps_what_follows_its_part(tmp_path: Path) -> None:
+    """Sections written by hand after the generated part survive a re-render."""
+    pytest.importorskip("matplotlib")
+    from stopline.bench.report import KEEP, write_report
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"meta": {"command": "stopline bench serve", "started": "now", "git": None,
+                                         "machine": {"summary": "box"}},
+                                "config": {}, "engines": {}}))
+    md = tmp_path / "benchmarks.md"
+    md.write_text("# old\n\n" + KEEP + "\n\n## By hand\n\nkept\n")
+    text = write_report([path], md).read_text()
+    assert "# old" not in text and text.endswith(KEEP + "\n\n## By hand\n\nkept\n")
+    assert write_report([path], md).read_text() == text
 
 
 def test_fast_mode_is_served_as_its_own_engine_and_is_not_a_peer():

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from stopline.cli import main
+from tests.bench_support import assert_stamped
 from tests.engine_support import sharp_tiny_dir
 
 
@@ -32,6 +33,7 @@ def test_neighbours_times_both_phases(tmp_path: Path, tmp_path_factory: pytest.T
     assert r["slowdown"] == pytest.approx(r["neighbour_p50_ms"] / r["quiet_p50_ms"])
     assert r["neighbour_cores"] == pytest.approx(0.5) and r["threads"] >= 1
     assert set(r["moved_steps"]) == {"quiet", "neighbour"}
+    assert_stamped(r)
     assert _neighbours_running() == 0
     assert "slowdown" in capsys.readouterr().out
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from stopline.bench import soak
+from tests.bench_support import assert_stamped
 
 
 def test_slope_is_least_squares() -> None:
@@ -68,6 +69,7 @@ def test_soak_end_to_end_on_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> 
         assert isinstance(p["anon_slope_b_per_request"], float)
     assert res["second_half"]["samples"] == 6  # 50, 60, ..., 100
     assert res["requests_per_s"] > 0
+    assert_stamped(res)
     table = soak.summary(res)
     assert "server" in table and "core" in table and f"{n} requests" in table
 

@@ -12,6 +12,7 @@ from stopline.bench import stop
 from stopline.bench.stop_report import render
 from stopline.config import EngineConfig
 from stopline.model.loaders.loader import load_model
+from tests.bench_support import assert_stamped
 
 
 def test_stop_benchmark_runs_and_reports(tiny_model_dir: Path, tmp_path: Path,
@@ -49,6 +50,10 @@ def test_stop_benchmark_runs_and_reports(tiny_model_dir: Path, tmp_path: Path,
     assert len(p["light_wave_runs"]["fresh"]) == len(p["light_wave_runs"]["after_storm"]) == 2
     report = render(res)
     assert "Preemption storm" in report and "Recovery" in report and "beside itself" in report
+    assert_stamped(res)
+    # each of the report's three tables is headed by the run's host, commit and command
+    head = f"On {res['machine']['summary']}, torch {res['torch']}, commit {res['git']}: `"
+    assert report.count(head) == 3
 
 
 def test_side_by_side_runs_each_engine_to_the_end(tiny_model_dir: Path) -> None:

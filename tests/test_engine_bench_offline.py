@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from stopline.cli import main
+from tests.bench_support import assert_stamped
 from tests.engine_support import sharp_tiny_dir
 
 
@@ -28,4 +29,5 @@ def test_bench_offline_writes_results(tmp_path_factory: pytest.TempPathFactory, 
     # Same weights, greedy: the two sides agree on every sequence of a sharp tiny model.
     assert res["greedy_sequences_equal_to_hf"] == {"1": "1/1", "3": "3/3"}
     assert res["command"].startswith("stopline bench offline")
+    assert_stamped(res)
     assert "ratio" in capsys.readouterr().out

@@ -108,3 +108,20 @@ def test_the_design_page_shows_this_table():
             imports = set() if cells[2] == "nothing" else {c.strip(" `") for c in cells[2].split(",")}
             rows[cells[0].strip("`")] = imports
     assert rows == ALLOWED
+
+
+def test_the_package_imports_no_script_folder():
+    """bench/*.py and tools/*.py are standalone scripts beside the package (docs/design.md):
+    the package never imports them, so they can't become a second home of its benchmarks."""
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            bad += [f"{path.relative_to(ROOT.parent)}:{node.lineno}: {n}" for n in names
+                    if n.split(".")[0] in ("bench", "tools", "tests")]
+    assert not bad, "\n".join(bad)

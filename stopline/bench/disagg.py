@@ -12,13 +12,18 @@ Measured through the AsyncEngine API of `serve --disagg` (no HTTP):
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import platform
+import json
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
+from stopline.args import add_engine_args, engine_config
+from stopline.bench import machine
 from stopline.config import EngineConfig
 from stopline.disagg.frontend import disagg_engine
 from stopline.engine.async_engine import AsyncEngine
@@ -118,7 +123,7 @@ async def _run(model: str | None, config: EngineConfig, rounds: int, long_len: i
         "reclaim_max_ms": 1000 * max(prefill_cut + decode_cut),
         "transfer_mb": mb, "transfer_mb_s": med(rates), "ttft_s": med(ttfts),
         "transfer_share_of_ttft": med(shares),
-        "host": f"{platform.processor() or platform.machine()}",
+        **machine.stamp(),
     }
 
 
@@ -129,6 +134,7 @@ def run(model: str | None, config: EngineConfig, rounds: int = 5, long_len: int 
 
 def render(r: dict[str, Any], command: str, model: str) -> str:
     return "\n".join([
+        f"Host: {machine.summary(r['machine'])}, commit {r['git']}.",
         f"`{command}` ({model}, {r['rounds']} rounds, long prompts of {r['long_len']} tokens, medians)",
         "",
         "| measure | value |",
@@ -144,3 +150,23 @@ def render(r: dict[str, Any], command: str, model: str) -> str:
         f"| time to first token of that prompt | {r['ttft_s'] * 1000:.0f} ms |",
         f"| transfer's share of it | {r['transfer_share_of_ttft'] * 100:.1f} % |",
     ])
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=5, help="rounds of each measure (medians reported)")
+    p.add_argument("--long-len", type=int, default=1500, help="prompt tokens of the long prompts")
+    p.add_argument("--reclaim-s", type=float, default=3.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/disagg.json")
+    add_engine_args(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    result = run(args.model, engine_config(args), args.rounds, args.long_len, args.seed, args.reclaim_s)
+    command = "stopline bench disagg " + " ".join(sys.argv[3:])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(render(result, command, args.model or "SmolLM2-135M-Instruct"))
+    return 0

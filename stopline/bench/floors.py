@@ -31,10 +31,13 @@ import gc
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+from stopline.bench import machine
 
 HELDOUT = Path(__file__).resolve().parent / "data" / "heldout.txt"  # ships in the package
 
@@ -390,7 +393,7 @@ def run(args: argparse.Namespace) -> dict:
     rates = gemm_rates(shapes, 32, args.reps)
     # The libraries' peak, at 512 rows: the floor takes the best rate either way.
     peak = {f"{k} @512": v for k, v in gemm_rates(shapes, 512, max(2, args.reps // 3)).items() if "q4_1" not in k}
-    result: dict = {"threads": torch.get_num_threads(), "read_bandwidth_gbs": bw / 1e9,
+    result: dict = {**machine.stamp(), "threads": torch.get_num_threads(), "read_bandwidth_gbs": bw / 1e9,
                     "gemm_gflops_32_rows": {k: v / 1e9 for k, v in rates.items()},
                     "gemm_gflops_512_rows": {k: v / 1e9 for k, v in peak.items()},
                     "numerics": {m: e.runner.model.numerics for m, e in engines.items()}, "steps": []}
@@ -561,3 +564,17 @@ def summary(r: dict) -> str:
 def write(result: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.served:
+        import signal
+
+        # SIGTERM unwinds like Ctrl-C, so an engine --served started is stopped on the way out.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    result = run(args)
+    result["command"] = "stopline bench floors " + " ".join(sys.argv[3:])
+    write(result, Path(args.out))
+    print(summary(result))
+    print(f"results: {args.out}")
+    return 0

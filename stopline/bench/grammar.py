@@ -12,6 +12,7 @@ and its tokens per second fall for that reason alone. Mask time is read from the
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import socket
@@ -20,9 +21,9 @@ import sys
 import time
 from typing import Any
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from stopline.bench import machine
 from stopline.bench.offline import QUESTIONS
 
 SCHEMA = {"type": "object", "properties": {
@@ -38,6 +39,8 @@ def _port() -> int:
 
 
 def _metrics(base: str) -> dict[str, float]:
+    import httpx  # the bench extra: imported where used, so the parser builds on the base install
+
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
         for s in fam.samples:
@@ -76,6 +79,8 @@ async def _phase(base: str, model: str, prompts: list[str], max_tokens: int,
 
 
 def run(streams: int, max_tokens: int, serve_args: list[str], rounds: int = 2) -> dict[str, Any]:
+    import httpx
+
     port = _port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "stopline.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -108,7 +113,7 @@ def run(streams: int, max_tokens: int, serve_args: list[str], rounds: int = 2) -
     plain = max(plains, key=lambda p: p[0] / p[1])
     structured = max(structs, key=lambda p: p[0] / p[1])
     tps = {"plain": plain[0] / plain[1], "structured": structured[0] / structured[1]}
-    return {"streams": streams, "max_tokens": max_tokens,
+    return {**machine.stamp(), "streams": streams, "max_tokens": max_tokens,
             "plain": {"tokens": plain[0], "seconds": plain[1], "tok_s": tps["plain"]},
             "structured": {"tokens": structured[0], "seconds": structured[1], "tok_s": tps["structured"],
                            "finish": {f: structured[2].count(f) for f in set(structured[2])}},
@@ -131,3 +136,19 @@ def table(r: dict[str, Any]) -> str:
         f"ratio structured/unstructured: {r['ratio']:.2f}x; mask fill per token p50 {us(r['mask_p50_s'])}, "
         f"p99 {us(r['mask_p99_s'])} over {r['masks']:.0f} masks; structured finishes {r['structured']['finish']}",
     ])
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of both phases (fastest counts)")
+    p.add_argument("--serve-arg", action="append", default=[], help="passed to `stopline serve` (repeat)")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args.streams, args.max_tokens, args.serve_arg, args.rounds)
+    # No results file: the host and commit are printed above the table that goes into the docs.
+    print(f"Host: {machine.summary(result['machine'])}, commit {result['git']}.")
+    print("stopline bench grammar " + " ".join(sys.argv[3:]))
+    print(table(result))
+    return 0

@@ -1,4 +1,5 @@
-"""A one-line description of the machine and software, for results files and figures."""
+"""A description of the machine and software, for results files and figures: every results
+file a benchmark writes carries `stamp()`, so a figure can be traced to its host and commit."""
 
 from __future__ import annotations
 
@@ -6,6 +7,12 @@ import os
 import platform
 import subprocess
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# The CPU flags stopline's kernels pick their code paths by (stopline/model/kernels: native.py,
+# int8_linear.py, bf16_linear.py): the same CPU model name can hide a VM that masks some.
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "f16c", "avx512_bf16", "avx512_vnni",
+                "amx_tile", "amx_bf16")
 
 
 def cpu_model() -> str:
@@ -18,6 +25,18 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def isa_flags() -> list[str]:
+    """Those of KERNEL_FLAGS this CPU reports (in KERNEL_FLAGS' order); [] where unreadable."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in KERNEL_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
 def memory_gib() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -28,7 +47,7 @@ def memory_gib() -> float | None:
     return None
 
 
-def git_rev(repo: Path) -> str | None:
+def git_rev(repo: Path = REPO) -> str | None:
     try:
         rev = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=5, check=True).stdout.strip()
@@ -44,7 +63,19 @@ def describe() -> dict[str, object]:
     cores = os.cpu_count()
     return {
         "cpu": cpu_model(), "cores": cores, "memory_gib": round(mem, 1) if mem else None,
+        "isa": isa_flags(),
         "os": platform.platform(), "python": platform.python_version(),
         "summary": f"{cpu_model()}, {cores} cores, {mem:.0f} GiB RAM, {platform.system()}"
                    if mem else f"{cpu_model()}, {cores} cores",
     }
+
+
+def stamp() -> dict[str, object]:
+    """What every benchmark's results file records of where it ran: {"machine": describe(),
+    "git": the commit (+dirty), or None outside a checkout}."""
+    return {"machine": describe(), "git": git_rev()}
+
+
+def summary(machine: object) -> str:
+    """A results file's machine in one line: describe()'s summary, or the string older files hold."""
+    return machine["summary"] if isinstance(machine, dict) else str(machine)

@@ -13,11 +13,15 @@ timed once that window holds only the phase (a persistent neighbour's steady sta
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
+
+from stopline.bench import machine
 
 NEIGHBOUR = """
 import sys, time
@@ -44,6 +48,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "period, so its reading holds only the phase)")
     p.add_argument("--warm", type=int, default=30, help="steps before the first phase")
     add_engine_args(p)
+    p.add_argument("--out", default="bench-results/neighbours.json")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -100,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     while eng.has_unfinished():
         eng.step()
     quiet, busy = statistics.median(times["quiet"]), statistics.median(times["neighbour"])
-    return {"streams": args.streams, "neighbour_cores": args.busy_ms / (args.busy_ms + args.idle_ms),
+    return {**machine.stamp(), "streams": args.streams, "neighbour_cores": args.busy_ms / (args.busy_ms + args.idle_ms),
             "adapt_threads": config.adapt_threads, "threads": policy.threads,
             "quiet_p50_ms": quiet * 1e3, "neighbour_p50_ms": busy * 1e3, "slowdown": busy / quiet,
             "steps_each": len(times["quiet"]), "moved_steps": moved, "settle_s": settle_s,
@@ -113,3 +118,14 @@ def summary(r: dict) -> str:
             f"{r['neighbour_p50_ms']:.2f} ms beside it, slowdown {r['slowdown']:.2f}x; steps on fewer "
             f"threads: {r['moved_steps']['neighbour']} of {r['steps_each']} beside it, "
             f"{r['moved_steps']['quiet']} quiet")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    result["command"] = "stopline bench neighbours " + " ".join(sys.argv[3:])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(summary(result))
+    print(f"results: {out}")
+    return 0

@@ -15,6 +15,7 @@ minutes apart, so a machine that is busier or slower than usual moves both sides
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -28,7 +29,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from stopline.bench.machine import describe
+from stopline.args import add_engine_args, engine_config
+from stopline.bench import machine
 from stopline.config import EngineConfig
 from stopline.engine.llm import LLM
 from stopline.model.loaders.loader import LoadedModel, export_hf_dir, load_model
@@ -222,7 +224,7 @@ def run(model: str | None, config: EngineConfig, *, streams: int = 32, max_token
     return {
         "benchmark": "offline",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": describe(),
+        **machine.stamp(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
@@ -265,3 +267,27 @@ def write(result: dict[str, Any], out: Path) -> None:
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, out)
 
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--streams", type=int, default=32, help="concurrent prompts in the batched run")
+    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per request (EOS ignored)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers side")
+    p.add_argument("--hf-cb", action="store_true",
+                   help="also time HF transformers' continuous batching (generate_batch) on the N streams")
+    p.add_argument("--hf-dir", default=None,
+                   help="HF export of the model for transformers (default: exported to a temp dir)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out", default="bench-results/offline.json")
+    add_engine_args(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args.model, engine_config(args), streams=args.streams, max_tokens=args.max_tokens,
+                 hf=not args.no_hf, hf_dir=Path(args.hf_dir) if args.hf_dir else None,
+                 threads=args.threads, hf_cb=args.hf_cb)
+    result["command"] = "stopline bench offline " + " ".join(sys.argv[3:])
+    write(result, Path(args.out))
+    print(summary(result))
+    print(f"results: {args.out}")
+    return 0

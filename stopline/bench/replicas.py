@@ -16,17 +16,22 @@ Run it in a network namespace (docs/replicas.md): Ray listens on every interface
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import os
-import platform
 import random
 import signal
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
+from stopline.args import add_engine_args, engine_config
+from stopline.bench import machine
 from stopline.cluster.cores import ReplicaState
-from stopline.cluster.frontend import ray_engine
+from stopline.cluster.frontend import quiet_ray_env, ray_engine
 from stopline.cluster.router import Policy, Router
 from stopline.config import EngineConfig
 from stopline.engine.async_engine import AsyncEngine
@@ -183,7 +188,7 @@ def run(model: str | None, config: EngineConfig, rounds: int = 40, long_len: int
 
     result = {"single": asyncio.run(single())}
     result |= asyncio.run(cluster())
-    result["host"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    result |= machine.stamp()
     return result
 
 
@@ -209,6 +214,25 @@ def render(r: dict[str, Any], command: str, model: str) -> str:
         ("idle CPU over 5 s: front end / replicas",
          f"{idle['frontend']:.2f} / {', '.join(f'{x:.2f}' for x in idle['replicas'])} s"),
     ]
-    lines = [f"Model: {model}. Command: `{command}`", "", "| measure | value |", "|---|---|"]
+    lines = [f"Host: {machine.summary(r['machine'])}, commit {r['git']}. Model: {model}. Command: `{command}`",
+             "", "| measure | value |", "|---|---|"]
     lines += [f"| {a} | {b} |" for a, b in rows]
     return "\n".join(lines) + "\n"
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=40, help="aborts timed per engine")
+    p.add_argument("--long-len", type=int, default=512, help="prompt tokens of the cancelled long prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/replicas.json")
+    add_engine_args(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    quiet_ray_env()
+    result = run(args.model, engine_config(args), args.rounds, args.long_len, args.seed)
+    command = "stopline bench replicas " + " ".join(sys.argv[3:])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(render(result, command, args.model or "SmolLM2-135M-Instruct"))
+    return 0

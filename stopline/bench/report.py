@@ -10,8 +10,11 @@ each)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,10 @@ def load(paths: list[Path]) -> dict[str, Any]:
             kind = r["benchmark"]
             if merged[kind] is None or r.get("date", "") >= merged[kind].get("date", ""):
                 merged[kind] = r | {"file": str(p)}
+            continue
+        if "meta" not in r:  # another benchmark's results (floors, soak, ...): not this report's
+            print(f"serve-report: skipped {p} (not a serve, stop, offline or spec results file)",
+                  file=sys.stderr)
             continue
         run = len(merged["metas"])
         merged["metas"].append(r["meta"] | {"file": str(p)})
@@ -84,13 +91,28 @@ def _runs_of(res: dict[str, Any], workload: str) -> dict[int, list[str]]:
     return runs
 
 
-def _measured_by(res: dict[str, Any], workload: str) -> list[str]:
+def _host_line(res: dict[str, Any], run: int) -> str:
+    """The one host and command a table's rows come from (rows of different hosts never share
+    a table: their figures do not compare)."""
+    m = res["metas"][run]
+    return f"On {m['machine']['summary']}: `{reproducible(m['command'])}` (`{m['file']}`)"
+
+
+def _per_run(res: dict[str, Any], workload: str, intro: list[str],
+             table: Callable[[list[str]], list[str]]) -> list[str]:
+    """`intro`, then one table per run behind `workload` (each run: one host, one command),
+    headed by its host and command; table(engines) gives a run's table, [] for no rows."""
     L = []
     for run, engines in _runs_of(res, workload).items():
-        m = res["metas"][run]
-        L.append(f"- {', '.join(engines)}: `{reproducible(m['command'])}` on {m['machine']['summary']} "
-                 f"(`{m['file']}`)")
-    return L + [""] if L else []
+        rows = table(engines)
+        if rows:
+            L += [_host_line(res, run), "", *rows, ""]
+    return intro + L if L else []
+
+
+# Written at the end of the report; what follows it in an existing file (sections measured by
+# other benchmarks, written by hand) is kept when the report is rendered again.
+KEEP = "<!-- end of `stopline bench serve-report`'s part: what follows is kept as written -->"
 
 
 def write_report(paths: list[Path], md_path: Path) -> Path:
@@ -99,8 +121,10 @@ def write_report(paths: list[Path], md_path: Path) -> Path:
     img_dir.mkdir(parents=True, exist_ok=True)
     figs = _plots(res, img_dir)
     lines = _markdown(res, {k: str(v.relative_to(md_path.parent)) for k, v in figs.items()})
+    old = md_path.read_text() if md_path.exists() else ""
+    tail = old[old.index(KEEP) + len(KEEP):] if KEEP in old else "\n"
     md_path.parent.mkdir(parents=True, exist_ok=True)
-    md_path.write_text("\n".join(lines) + "\n")
+    md_path.write_text("\n".join(lines) + "\n\n" + KEEP + tail)
     return md_path
 
 
@@ -112,18 +136,15 @@ def _markdown(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
           "stopline and llama.cpp serve the embedded GGUF, vLLM and HF an HF directory exported "
           "from it at float32), one engine at a time, every engine driven through its "
           "OpenAI-compatible HTTP API by the same async `openai` client on 127.0.0.1 (greedy, "
-          "EOS ignored unless stated). Under each heading, every row's run: the command that "
-          "reproduces it, the machine it ran on and its results file. Rows from different "
-          "machines do not compare; ratios are taken within one run. Timings are wall-clock on "
-          "small shared machines: treat small differences as noise.", ""]
+          "EOS ignored unless stated). Each table holds the rows of one run, headed by the "
+          "machine it ran on, the command that reproduces it and its results file; figures from "
+          "different machines do not compare, and ratios are taken within one run. Timings are "
+          "wall-clock on small shared machines: treat small differences as noise.", ""]
     L += _status(res)
-    for title, key, fn in (("1. Throughput and latency", "throughput", _throughput),
-                           ("2. Cancel storm", "cancel_storm", _storm),
-                           ("3. Batch invariance", "invariance", _invariance),
-                           ("4. Head-of-line after disconnects", "head_of_line", _hol),
-                           ("5. Preemption storm", "preemption", _preemption),
-                           ("6. Non-stream disconnect", "nonstream_disconnect", _nonstream)):
-        L += [f"## {title}", ""] + _measured_by(res, key) + fn(res, figs) + [""]
+    for title, fn in (("1. Throughput and latency", _throughput), ("2. Cancel storm", _storm),
+                      ("3. Batch invariance", _invariance), ("4. Head-of-line after disconnects", _hol),
+                      ("5. Preemption storm", _preemption), ("6. Non-stream disconnect", _nonstream)):
+        L += [f"## {title}", ""] + (fn(res, figs) or ["Not measured.", ""])
     L += ["## 7. In process", ""] + _in_process(res)
     L += ["## Targets", ""] + _targets(res) + [""]
     L += ["## Reproducing", "", "Peers install outside the repository, under `$STOPLINE_PEERS_DIR`.", "",
@@ -159,8 +180,19 @@ def _in_process(res: dict[str, Any]) -> list[str]:
 
 
 def _status(res: dict[str, Any]) -> list[str]:
-    L = ["| engine | status | startup | note |", "|---|---|---|---|"]
+    """Each engine's state and startup time, one table per run it last started in."""
+    runs: dict[int, list[str]] = {}
     for e in _engines(res):
+        runs.setdefault(res["engines"][e].get("run", 0), []).append(e)
+    L = []
+    for run, engines in runs.items():
+        L += [_host_line(res, run), "", *_status_table(res, engines), ""]
+    return L
+
+
+def _status_table(res: dict[str, Any], engines: list[str]) -> list[str]:
+    L = ["| engine | status | startup | note |", "|---|---|---|---|"]
+    for e in engines:
         entry = res["engines"][e]
         launches = entry.get("launches") or []
         start = f"{launches[0]['startup_s']:.0f} s" if launches else DASH
@@ -169,33 +201,37 @@ def _status(res: dict[str, Any]) -> list[str]:
         note = err[-400:] if err else "; ".join(
             f"{w} failed: {entry['workloads'][w]['error'][:200]}" for w in failed)
         L.append(f"| {e} | {entry['status']} | {start} | {note.replace('|', '/')} |")
-    return L + [""]
+    return L
 
 
 def _throughput(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
-    engines = [e for e in _engines(res) if _wl(res, e, "throughput")]
-    if not engines:
-        return ["Not measured."]
-    levels = sorted({lv["concurrency"] for e in engines for lv in _wl(res, e, "throughput")["levels"]})
-    L = ["Output tokens/s (client-side), TTFT and ITL p50 / p99. stopline ÷ best peer: against "
-         "the best peer of stopline's own run.", "",
-         "| concurrency | " + " | ".join(f"{e} tok/s" for e in engines)
-         + " | stopline ÷ best peer | " + " | ".join(f"{e} TTFT p50/p99" for e in engines)
-         + " | " + " | ".join(f"{e} ITL p50/p99" for e in engines) + " |",
-         "|---" * (2 + 3 * len(engines)) + "|"]
-    for c in levels:
-        row = {e: next((lv for lv in _wl(res, e, "throughput")["levels"] if lv["concurrency"] == c), None)
-               for e in engines}
-        tps = {e: (row[e] or {}).get("output_tok_s") for e in engines}
-        best = _vs_best_peer(res, tps, "throughput")
-        L.append(f"| {c} | " + " | ".join(f(tps[e], 1) for e in engines) + f" | {f(best)}× | "
-                 + " | ".join(f"{ms((row[e] or {}).get('ttft', {}).get('p50'))} / "
-                              f"{ms((row[e] or {}).get('ttft', {}).get('p99'))}" for e in engines) + " | "
-                 + " | ".join(f"{ms((row[e] or {}).get('itl', {}).get('p50'))} / "
-                              f"{ms((row[e] or {}).get('itl', {}).get('p99'))}" for e in engines) + " |")
+    intro = ["Output tokens/s (client-side), TTFT and ITL p50 / p99. stopline ÷ best peer: against "
+             "the best peer of stopline's own run.", ""]
+
+    def table(engines: list[str]) -> list[str]:
+        levels = sorted({lv["concurrency"] for e in engines for lv in _wl(res, e, "throughput")["levels"]})
+        ours = "stopline" in engines  # the ratio column only where stopline ran
+        L = ["| concurrency | " + " | ".join(f"{e} tok/s" for e in engines)
+             + (" | stopline ÷ best peer" if ours else "") + " | "
+             + " | ".join(f"{e} TTFT p50/p99" for e in engines)
+             + " | " + " | ".join(f"{e} ITL p50/p99" for e in engines) + " |",
+             "|---" * (1 + ours + 3 * len(engines)) + "|"]
+        for c in levels:
+            row = {e: next((lv for lv in _wl(res, e, "throughput")["levels"] if lv["concurrency"] == c), None)
+                   for e in engines}
+            tps = {e: (row[e] or {}).get("output_tok_s") for e in engines}
+            best = f" | {f(_vs_best_peer(res, tps, 'throughput'))}×" if ours else ""
+            L.append(f"| {c} | " + " | ".join(f(tps[e], 1) for e in engines) + best + " | "
+                     + " | ".join(f"{ms((row[e] or {}).get('ttft', {}).get('p50'))} / "
+                                  f"{ms((row[e] or {}).get('ttft', {}).get('p99'))}" for e in engines) + " | "
+                     + " | ".join(f"{ms((row[e] or {}).get('itl', {}).get('p50'))} / "
+                                  f"{ms((row[e] or {}).get('itl', {}).get('p99'))}" for e in engines) + " |")
+        return L
+
+    L = _per_run(res, "throughput", intro, table)
     for key in ("throughput", "latency_cdf"):
-        if key in figs:
-            L += ["", f"![{key}]({figs[key]})"]
+        if L and key in figs:
+            L += [f"![{key}]({figs[key]})", ""]
     return L
 
 
@@ -211,119 +247,135 @@ def _vs_best_peer(res: dict[str, Any], values: dict[str, float | None], workload
 
 
 def _storm(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
-    L = ["ratio = survivors' mean completion time with twins (stopping on their own at the same "
-         "point) ÷ with client closes; 1.0 = a cancel costs no more than a natural stop. "
-         "Tokens after disconnect: the engine's own counter where it has one (stopline), else its "
-         "generation counter minus the tokens the clients received (vLLM counts per step; "
-         "llama.cpp's counter moves at request end, so its figure there is an upper bound).", "",
-         "| engine | variant | streams / closed (before 1st token) | ratio (mean) | ratio (makespan) "
-         "| tokens after disconnect | KV back to baseline |", "|---|---|---|---|---|---|---|"]
-    any_row = False
-    for e in _engines(res):
-        w = _wl(res, e, "cancel_storm")
-        if not w:
-            continue
-        for name, v in w.get("variants", {}).items():
-            any_row = True
-            before = sum(k["before_first_token"] for k in v["by_kind"].values())
-            tae = v.get("tokens_after_abort_engine")
-            tokens = f"{f(tae, 0)} (engine)" if tae is not None else f(v.get("generated_minus_received"), 0)
-            L.append(f"| {e} | {name} | {v['streams']} / {v['closed']} ({before}) | {f(v['ratio'])} | "
-                     f"{f(v['ratio_makespan'])} | {tokens} | {ms(v.get('kv_back_to_baseline_s'))} |")
-    if not any_row:
-        return ["Not measured."]
-    if "storm_kv" in figs:
-        L += ["", f"![KV use during the cancel storm]({figs['storm_kv']})"]
+    intro = ["ratio = survivors' mean completion time with twins (stopping on their own at the same "
+             "point) ÷ with client closes; 1.0 = a cancel costs no more than a natural stop. "
+             "Tokens after disconnect: the engine's own counter where it has one (stopline), else its "
+             "generation counter minus the tokens the clients received (vLLM counts per step; "
+             "llama.cpp's counter moves at request end, so its figure there is an upper bound).", ""]
+
+    def table(engines: list[str]) -> list[str]:
+        L = []
+        for e in engines:
+            for name, v in _wl(res, e, "cancel_storm").get("variants", {}).items():
+                before = sum(k["before_first_token"] for k in v["by_kind"].values())
+                tae = v.get("tokens_after_abort_engine")
+                tokens = f"{f(tae, 0)} (engine)" if tae is not None else f(v.get("generated_minus_received"), 0)
+                L.append(f"| {e} | {name} | {v['streams']} / {v['closed']} ({before}) | {f(v['ratio'])} | "
+                         f"{f(v['ratio_makespan'])} | {tokens} | {ms(v.get('kv_back_to_baseline_s'))} |")
+        return ["| engine | variant | streams / closed (before 1st token) | ratio (mean) | ratio (makespan) "
+                "| tokens after disconnect | KV back to baseline |", "|---|---|---|---|---|---|---|", *L] if L else []
+
+    L = _per_run(res, "cancel_storm", intro, table)
+    if L and "storm_kv" in figs:
+        L += [f"![KV use during the cancel storm]({figs['storm_kv']})", ""]
     return L
 
 
 def _invariance(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
-    L = ["Each greedy request alone, then all at once: how many texts differ.", "",
-         "| engine | differ / compared |", "|---|---|"]
-    rows = [(e, _wl(res, e, "invariance")) for e in _engines(res)]
-    L += [f"| {e} | {w['differ']} / {w['compared']} |" for e, w in rows if w]
-    return L if any(w for _, w in rows) else ["Not measured."]
+    def table(engines: list[str]) -> list[str]:
+        return ["| engine | differ / compared |", "|---|---|",
+                *(f"| {e} | {w['differ']} / {w['compared']} |"
+                  for e in engines for w in [_wl(res, e, "invariance")])]
+
+    return _per_run(res, "invariance", ["Each greedy request alone, then all at once: how many texts differ.", ""],
+                    table)
 
 
 def _hol(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
-    L = ["Long-prompt clients disconnect after the delay; then a short request. Ratio = its TTFT "
-         "÷ its TTFT alone (target ≤ 2×).", "",
-         "| engine | long prompts | delay | short TTFT | alone | ratio |", "|---|---|---|---|---|---|"]
-    any_row = False
-    for e in _engines(res):
-        w = _wl(res, e, "head_of_line")
-        if not w:
-            continue
-        for r in w["runs"]:
-            any_row = True
-            L.append(f"| {e} | {res['configs'][_source(res, e, 'head_of_line')]['hol_clients']} × "
-                     f"{f(r.get('long_prompt_tokens'))} tok | {r['delay_s']} s | {ms(r['short_ttft_s'])} | "
-                     f"{ms(w['ttft_alone_s'])} | {f(r['ratio'], 1)}× |")
-    return L if any_row else ["Not measured."]
+    intro = ["Long-prompt clients disconnect after the delay; then a short request. Ratio = its TTFT "
+             "÷ its TTFT alone (target ≤ 2×).", ""]
+
+    def table(engines: list[str]) -> list[str]:
+        L = []
+        for e in engines:
+            w = _wl(res, e, "head_of_line")
+            for r in w["runs"]:
+                L.append(f"| {e} | {res['configs'][_source(res, e, 'head_of_line')]['hol_clients']} × "
+                         f"{f(r.get('long_prompt_tokens'))} tok | {r['delay_s']} s | {ms(r['short_ttft_s'])} | "
+                         f"{ms(w['ttft_alone_s'])} | {f(r['ratio'], 1)}× |")
+        return ["| engine | long prompts | delay | short TTFT | alone | ratio |", "|---|---|---|---|---|---|",
+                *L] if L else []
+
+    return _per_run(res, "head_of_line", intro, table)
 
 
 def _preemption(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
-    L = ["KV pool sized to a fraction of the storm's demand; throughput ÷ the same storm "
-         "unconstrained; light load right after ÷ the same load before (collapse check).", "",
-         "| engine | policy / mode | KV tokens / demand | tok/s | ÷ unconstrained | preemptions "
-         "| recomputed tokens | after ÷ before | finish reasons |", "|---|---|---|---|---|---|---|---|---|"]
+    intro = ["KV pool sized to a fraction of the storm's demand; throughput ÷ the same storm "
+             "unconstrained; light load right after ÷ the same load before (collapse check).", ""]
     notes = []
-    for e in _engines(res):
-        w = _wl(res, e, "preemption")
-        if not w:
-            continue
-        if "skipped" in w:
-            notes.append(f"- {e}: not applicable: {w['skipped']}")
-            continue
-        u = w["unconstrained"]
-        L.append(f"| {e} | unconstrained | — | {f(u['output_tok_s'], 1)} | 1.00 | {f(u['preemptions'], 0)} "
-                 f"| {f(u['recomputed_tokens'], 0)} | — | {', '.join(u['finish_reasons'])} |")
-        refs = w.get("references", [])
-        if len(refs) > 1:
-            notes.append(f"- {e}: each variant's ratios are against the mean of the unconstrained runs "
-                         f"just before and after it ({len(refs)} in all: "
-                         + ", ".join(f(r["output_tok_s"], 1) for r in refs) + " tok/s; light load "
-                         + ", ".join(f(r["light_load_tok_s"], 1) for r in refs) + " tok/s).")
-        for v in w["variants"]:
-            if "error" in v:
-                why = v["error"].strip().splitlines()
-                why = next((w for w in reversed(why) if "Error" in w), why[-1] if why else "")
-                L.append(f"| {e} | {v['policy']} / {v['mode']} | {w['kv_tokens']} / {w['demand_tokens']} | "
-                         f"failed to start: {why[:200].replace('|', '/')} | — | — | — | — | — |")
+
+    def table(engines: list[str]) -> list[str]:
+        L = []
+        for e in engines:
+            w = _wl(res, e, "preemption")
+            if "skipped" in w:
+                notes.append(f"- {e}: not applicable: {w['skipped']}")
                 continue
-            L.append(f"| {e} | {v['policy']} / {v['mode']} | {w['kv_tokens']} / {w['demand_tokens']} | "
-                     f"{f(v['output_tok_s'], 1)} | {f(v['throughput_ratio'])} | {f(v['preemptions'], 0)} | "
-                     f"{f(v['recomputed_tokens'], 0)} | {f(v['after_ratio'])} | {', '.join(v['finish_reasons'])} |")
-    if "preempt_kv" in figs:
-        L += ["", f"![KV use during the preemption storm]({figs['preempt_kv']})"]
-    return L + [""] + notes
+            u = w["unconstrained"]
+            L.append(f"| {e} | unconstrained | — | {f(u['output_tok_s'], 1)} | 1.00 | {f(u['preemptions'], 0)} "
+                     f"| {f(u['recomputed_tokens'], 0)} | — | {', '.join(u['finish_reasons'])} |")
+            refs = w.get("references", [])
+            if len(refs) > 1:
+                notes.append(f"- {e}: each variant's ratios are against the mean of the unconstrained runs "
+                             f"just before and after it ({len(refs)} in all: "
+                             + ", ".join(f(r["output_tok_s"], 1) for r in refs) + " tok/s; light load "
+                             + ", ".join(f(r["light_load_tok_s"], 1) for r in refs) + " tok/s).")
+            for v in w["variants"]:
+                if "error" in v:
+                    why = v["error"].strip().splitlines()
+                    why = next((w for w in reversed(why) if "Error" in w), why[-1] if why else "")
+                    L.append(f"| {e} | {v['policy']} / {v['mode']} | {w['kv_tokens']} / {w['demand_tokens']} | "
+                             f"failed to start: {why[:200].replace('|', '/')} | — | — | — | — | — |")
+                    continue
+                L.append(f"| {e} | {v['policy']} / {v['mode']} | {w['kv_tokens']} / {w['demand_tokens']} | "
+                         f"{f(v['output_tok_s'], 1)} | {f(v['throughput_ratio'])} | {f(v['preemptions'], 0)} | "
+                         f"{f(v['recomputed_tokens'], 0)} | {f(v['after_ratio'])} | "
+                         f"{', '.join(v['finish_reasons'])} |")
+        return ["| engine | policy / mode | KV tokens / demand | tok/s | ÷ unconstrained | preemptions "
+                "| recomputed tokens | after ÷ before | finish reasons |", "|---|---|---|---|---|---|---|---|---|",
+                *L] if L else []
+
+    L = _per_run(res, "preemption", intro, table) or (intro if notes else [])
+    if L and "preempt_kv" in figs:
+        L += [f"![KV use during the preemption storm]({figs['preempt_kv']})", ""]
+    return L + (notes + [""] if notes else [])
 
 
 def _nonstream(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
-    L = ["A non-streaming request (EOS ignored) whose client drops after the delay: tokens computed "
-         "after the drop (engine counter; vLLM: its per-step counter read at the drop and at idle) and "
-         "seconds the engine stayed busy after the drop.", "",
-         "| engine | max_tokens | tokens after drop | busy after drop | counter moved in all |",
-         "|---|---|---|---|---|"]
-    any_row = False
-    for e in _engines(res):
-        w = _wl(res, e, "nonstream_disconnect")
-        if not w:
-            continue
-        any_row = True
-        tae = w.get("tokens_after_abort_engine")
-        tokens = f"{f(tae, 0)} (engine)" if tae is not None else f(w.get("gen_counter_after_drop"), 0)
-        if w.get("finished_before_drop"):
-            tokens = "finished before the drop"
-        L.append(f"| {e} | {w['max_tokens']} | {tokens} | {ms(w['busy_after_drop_s'])} | "
-                 f"{f(w.get('gen_counter_total'), 0)} |")
-    return L if any_row else ["Not measured."]
+    intro = ["A non-streaming request (EOS ignored) whose client drops after the delay: tokens computed "
+             "after the drop (engine counter; vLLM: its per-step counter read at the drop and at idle) and "
+             "seconds the engine stayed busy after the drop.", ""]
+
+    def table(engines: list[str]) -> list[str]:
+        L = ["| engine | max_tokens | tokens after drop | busy after drop | counter moved in all |",
+             "|---|---|---|---|---|"]
+        for e in engines:
+            w = _wl(res, e, "nonstream_disconnect")
+            tae = w.get("tokens_after_abort_engine")
+            tokens = f"{f(tae, 0)} (engine)" if tae is not None else f(w.get("gen_counter_after_drop"), 0)
+            if w.get("finished_before_drop"):
+                tokens = "finished before the drop"
+            L.append(f"| {e} | {w['max_tokens']} | {tokens} | {ms(w['busy_after_drop_s'])} | "
+                     f"{f(w.get('gen_counter_total'), 0)} |")
+        return L
+
+    return _per_run(res, "nonstream_disconnect", intro, table)
 
 
 def _targets(res: dict[str, Any]) -> list[str]:
     if "stopline" not in res["engines"]:
         return ["stopline was not in this run."]
-    L = ["| target | measured | met |", "|---|---|---|"]
+    # stopline's rows of the sections above: the host and command of each run they come from.
+    hosts: dict[str, list[str]] = {}
+    for w in ("throughput", "cancel_storm", "head_of_line", "preemption", "nonstream_disconnect"):
+        run = _source(res, "stopline", w)
+        if _wl(res, "stopline", w) is not None and run is not None:
+            m = res["metas"][run]
+            cmd = f"`{reproducible(m['command'])}` (`{m['file']}`)"
+            if cmd not in hosts.setdefault(m["machine"]["summary"], []):
+                hosts[m["machine"]["summary"]].append(cmd)
+    L = ["; ".join(f"On {h}: " + ", ".join(cmds) for h, cmds in hosts.items()), ""] if hosts else []
+    L += ["| target | measured | met |", "|---|---|---|"]
 
     def row(name: str, value: float | None, ok: bool | None, fmt: str) -> None:
         L.append(f"| {name} | {DASH if value is None else fmt.format(value)} | "
@@ -459,3 +511,23 @@ def _plots(res: dict[str, Any], img_dir: Path) -> dict[str, Path]:
         ax.legend(fontsize=7)
         save(fig, "preempt_kv", "bench-preemption-kv.png", "preemption")
     return out
+
+
+# `stopline bench serve-report`
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="*",
+                   help="results.json files, merged by engine (later wins); default: the newest run")
+    p.add_argument("--results-dir", default="bench-results")
+    p.add_argument("--report", default="docs/benchmarks.md")
+
+
+def main(args: argparse.Namespace) -> int:
+    paths = [Path(r) for r in args.results]
+    if not paths:
+        runs = sorted(Path(args.results_dir).glob("*/results.json"))
+        if not runs:
+            print(f"error: no results under {args.results_dir}/", file=sys.stderr)
+            return 2
+        paths = [runs[-1]]
+    print(f"report: {write_report(paths, Path(args.report))}")
+    return 0

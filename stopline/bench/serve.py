@@ -46,7 +46,6 @@ from stopline.bench.workloads.context import Ctx
 MODULES = {"throughput": throughput, "invariance": invariance, "cancel_storm": cancel_storm,
            "head_of_line": head_of_line, "nonstream_disconnect": nonstream_disconnect,
            "preemption": preemption}
-REPO = Path(__file__).resolve().parents[2]
 WARMUP_REQUESTS = 2
 
 
@@ -62,8 +61,8 @@ def run_bench(engines: list[str], cfg: BenchConfig, out_dir: Path, *, model: str
     """Benchmark `engines` in order; returns the results file."""
     results: dict[str, Any] = {
         "meta": {"command": command or shlex.join(["stopline", *sys.argv[1:]]),
-                 "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine.describe(),
-                 "git": machine.git_rev(REPO), "model": model or "SmolLM2-135M-Instruct (embedded GGUF)"},
+                 "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), **machine.stamp(),
+                 "model": model or "SmolLM2-135M-Instruct (embedded GGUF)"},
         "config": cfg.to_json(), "engines": {}}
     path = out_dir / "results.json"
 

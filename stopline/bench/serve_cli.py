@@ -1,5 +1,5 @@
-"""Arguments and entry points of `stopline bench serve` and `stopline bench serve-report`
-(registered in stopline/cli.py)."""
+"""`stopline bench serve`'s flags and run, apart from stopline/bench/serve.py so that its parser
+builds without the bench extra (the client's httpx and openai are imported when it runs)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def run(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> int:
     from stopline.bench.report import write_report
     from stopline.bench.serve import new_run_dir, run_bench
     from stopline.bench.workloads.config import PROFILES, WORKLOADS
@@ -60,25 +60,4 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         md = write_report([path], Path(args.report))
         print(f"report: {md}")
-    return 0
-
-
-def configure_report(p: argparse.ArgumentParser) -> None:
-    p.add_argument("results", nargs="*",
-                   help="results.json files, merged by engine (later wins); default: the newest run")
-    p.add_argument("--results-dir", default="bench-results")
-    p.add_argument("--report", default="docs/benchmarks.md")
-
-
-def run_report(args: argparse.Namespace) -> int:
-    from stopline.bench.report import write_report
-
-    paths = [Path(r) for r in args.results]
-    if not paths:
-        runs = sorted(Path(args.results_dir).glob("*/results.json"))
-        if not runs:
-            print(f"error: no results under {args.results_dir}/", file=sys.stderr)
-            return 2
-        paths = [runs[-1]]
-    print(f"report: {write_report(paths, Path(args.report))}")
     return 0

@@ -35,7 +35,6 @@ from stopline.bench.prompts import make_prompt
 from stopline.server import memtrace
 
 LIMIT_B_PER_REQUEST = 1024  # issue 19, item 6
-REPO = Path(__file__).resolve().parents[2]
 _HEADS = 32  # shared prompt heads: the prefix cache's hits
 _WARMUP = 8  # requests before the first sample: first-request costs out
 
@@ -174,7 +173,7 @@ def run(*, model: str | None, requests: int, concurrency: int, max_tokens: int,
     finally:
         eng.stop()
     res.update(
-        command=command, machine=machine.describe(), git=machine.git_rev(REPO),
+        **machine.stamp(), command=command,
         model=model or "SmolLM2-135M-Instruct (embedded GGUF)", startup_s=round(startup, 2),
         config={"requests": requests, "concurrency": concurrency, "max_tokens": max_tokens,
                 "sample_every": every, "kv_cache_gb": kv_cache_gb, "seed": seed,

@@ -14,14 +14,17 @@ rejected) drafts; discarded drafts were never verified (docs/speculative.md).
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stopline.bench.machine import describe
+from stopline.args import add_engine_args, engine_config
+from stopline.bench import machine
 from stopline.bench.offline import QUESTIONS
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
@@ -126,7 +129,7 @@ def run(loaded: LoadedModel, config: EngineConfig, streams: int, max_tokens: int
                          "acceptance": None if r.acceptance is None else round(r.acceptance, 3),
                          "same_tokens_as_off": r.outputs == off.outputs})
     return {"benchmark": "spec", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": describe(), "c_kernels": try_kernels() is not None, "streams": streams, "max_tokens": max_tokens,
+            **machine.stamp(), "c_kernels": try_kernels() is not None, "streams": streams, "max_tokens": max_tokens,
             "batch_tokens": batch_tokens, "rounds": rounds, "rows": rows}
 
 
@@ -155,4 +158,25 @@ def summary(result: dict[str, Any], file: str) -> list[str]:
 def write(result: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "spec.md").write_text(table(result) + "\n")
+    head = f"Host: {machine.summary(result['machine'])}, commit {result.get('git')}; `{result.get('command')}`"
+    (out / "spec.md").write_text(head + "\n\n" + table(result) + "\n")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--streams", type=int, default=32, help="concurrent streams of the batch workload")
+    p.add_argument("--max-tokens", type=int, default=192, help="new tokens of a single stream")
+    p.add_argument("--batch-tokens", type=int, default=64, help="new tokens per stream of the batch")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every workload and mode (best counts)")
+    p.add_argument("--out", default="bench_results/spec")
+    add_engine_args(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    from stopline.model.loaders.loader import load_model
+
+    result = run(load_model(args.model), engine_config(args), args.streams, args.max_tokens,
+                 args.batch_tokens, args.rounds)
+    result["command"] = "stopline bench spec " + " ".join(sys.argv[3:])
+    write(result, Path(args.out))
+    print(table(result))
+    return 0

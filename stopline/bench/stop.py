@@ -15,12 +15,13 @@ Two workloads (issue 3):
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import json
-import platform
 import random
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from stopline.args import add_engine_args, engine_config
+from stopline.bench import machine
 from stopline.config import EngineConfig, PreemptionMode, VictimPolicy
 from stopline.engine.core import EngineCore
 from stopline.model.loaders.loader import LoadedModel
@@ -304,16 +307,11 @@ def _pct(xs: list[float], q: float) -> float | None:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
 
 
-def machine() -> str:
-    import os
-
-    import torch
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-
-
 def run(loaded: LoadedModel, out: Path, n: int, max_tokens: int, storm_n: int, fraction: float,
         seed: int, combos: list[tuple[str, str]], base: EngineConfig, rounds: int = 2) -> dict:
-    result = {"machine": machine(), "command": None,
+    import torch
+
+    result = {**machine.stamp(), "torch": torch.__version__, "command": None,
               "cancel_storm": cancel_storm(loaded, base, n, max_tokens, seed),
               "cancel_storm_under_pressure": cancel_storm(
                   loaded, dataclasses.replace(base, num_blocks=_pressure_blocks(loaded, base, n, max_tokens, seed)),
@@ -330,3 +328,36 @@ def _pressure_blocks(loaded: LoadedModel, base: EngineConfig, n: int, max_tokens
     demand = sum(-(-(len(p) + max_tokens) // base.block_size) for p in prompts)
     biggest = max(-(-(len(p) + max_tokens) // base.block_size) for p in prompts)
     return max(biggest + 1, demand // 2)
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=64, help="cancel storm size (half are aborted)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--storm-requests", type=int, default=32, help="preemption storm size")
+    p.add_argument("--pool-fraction", type=float, default=0.25, help="KV pool / demand in the storm")
+    p.add_argument("--combos", default="recompute:cost,recompute:newest,recompute:fewest-output,"
+                   "recompute:longest-output,recompute:least-computed,swap:cost,auto:cost",
+                   help="comma-separated mode:policy pairs for the preemption storm")
+    p.add_argument("--storm-rounds", type=int, default=2,
+                   help="runs of each preemption-storm pair (one per round; the ratio is their mean)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/stop.json")
+    p.add_argument("--report", default="docs/stop-benchmark.md")
+    add_engine_args(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    from stopline.bench import stop_report
+    from stopline.model.loaders.loader import load_model
+
+    loaded = load_model(args.model)
+    combos = [tuple(c.split(":", 1)) for c in args.combos.split(",") if c]
+    if args.storm_rounds < 1:
+        raise SystemExit(f"--storm-rounds must be >= 1, got {args.storm_rounds}")
+    result = run(loaded, Path(args.out), args.requests, args.max_tokens, args.storm_requests,
+                 args.pool_fraction, args.seed, combos, engine_config(args), args.storm_rounds)
+    result["command"] = "stopline bench stop " + " ".join(sys.argv[3:])
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    Path(args.report).write_text(stop_report.render(result))
+    print(f"results: {args.out}; report: {args.report}")
+    return 0

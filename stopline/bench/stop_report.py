@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shlex
 
+from stopline.bench import machine
+
 # Options that only choose where a benchmark's output goes: not part of the command that
 # reproduces its result.
 OUTPUT_OPTIONS = {"--report": 1, "--results-dir": 1, "--out": 1, "--no-progress": 0}
@@ -32,11 +34,17 @@ def summary(r: dict, file: str) -> str:
     """The headline figures of a `bench stop` result, for docs/benchmarks.md."""
     c, h, p = r["cancel_storm"], r["cancel_storm_under_pressure"], r["preemption_storm"]
     ratios = ", ".join(f"{row['mode']}/{row['policy']} {_f(row['ratio_vs_unconstrained'])}" for row in p["rows"])
-    return (f"**Cost of stopping** (`{reproducible(r['command'])}` on {r['machine']}; `{file}`; detail in "
+    return (f"**Cost of stopping** (`{reproducible(r['command'])}` on {machine.summary(r['machine'])}; `{file}`; detail in "
             f"[stop-benchmark.md](stop-benchmark.md)): cancel storm ratio {_f(c['ratio_twins_over_aborts'])} "
             f"({_f(h['ratio_twins_over_aborts'])} with the pool at half the demand), "
             f"{_f(c['tokens_after_abort_per_abort'], 1)} tokens computed after an abort; preemption storm "
             f"against the same storm unconstrained (target 0.8): {ratios}.")
+
+
+def _commit(r: dict) -> str:
+    """Torch and the commit, where the results file has them (older ones name torch in the machine)."""
+    parts = [f"torch {r['torch']}" if r.get("torch") else "", f"commit {r['git']}" if r.get("git") else ""]
+    return "".join(f", {x}" for x in parts if x)
 
 
 def _f(x: object, digits: int = 2) -> str:
@@ -58,13 +66,20 @@ def _ratio_runs(row: dict) -> str:
     return f" ({', '.join(_f(x, 3) for x in rs)})" if len(rs) > 1 else ""
 
 
-def _cancel(title: str, c: dict) -> list[str]:
+def _where(r: dict) -> str:
+    """The one host and command of every table of the report, named right above each."""
+    return f"On {machine.summary(r['machine'])}{_commit(r)}: `{reproducible(r['command'])}`"
+
+
+def _cancel(title: str, c: dict, r: dict) -> list[str]:
     return [
         f"### {title}",
         "",
         f"{c['requests']} requests, {c['aborted']} aborted "
         f"(before first token {c['abort_kinds']['waiting']}, mid-prefill {c['abort_kinds']['prefill']}, "
         f"mid-decode {c['abort_kinds']['decode']}), max_tokens {c['max_tokens']}.",
+        "",
+        _where(r),
         "",
         "| measure | value | target |",
         "|---|---|---|",
@@ -84,8 +99,8 @@ def render(r: dict) -> str:
     lines = [
         "# Cost of stopping (stopline bench stop)",
         "",
-        f"Machine: {r['machine']}. Command: `{reproducible(r['command'])}`. Model: SmolLM2-135M-Instruct (GGUF, fp32 "
-        "compute), greedy, EOS ignored. In-process engine core; figures from one run.",
+        "Model: SmolLM2-135M-Instruct (GGUF, fp32 compute), greedy, EOS ignored. In-process engine "
+        "core; figures from one run, whose host and command head each table.",
         "",
         "A twin is the same request with max_tokens set to the tokens its aborted counterpart had "
         "received, so it stops by itself at the same point; a request aborted before its first token "
@@ -95,9 +110,9 @@ def render(r: dict) -> str:
         "the counts of tokens after abort, reclaim steps and preemptions cover both runs with aborts.",
         "",
     ]
-    lines += _cancel("Cancel storm", r["cancel_storm"])
+    lines += _cancel("Cancel storm", r["cancel_storm"], r)
     lines += _cancel("Cancel storm with the pool at half the demand (aborts under preemption)",
-                     r["cancel_storm_under_pressure"])
+                     r["cancel_storm_under_pressure"], r)
     side = p.get("method") == "side by side"
     lines += [
         "### Preemption storm",
@@ -108,6 +123,8 @@ def render(r: dict) -> str:
         + _reference(p)
         + (f" Each pair ran {p['rounds']} times, once a round; its ratio is the mean of its runs'."
            if p.get("rounds", 1) > 1 else ""),
+        "",
+        _where(r),
         "",
         f"| mode | victim policy | tok/s | unconstrained {'beside' if side else 'around'} it | vs unconstrained "
         "(target >= 0.8) | tokens per step | preemptions | recomputed tokens |",
