@@ -56,6 +56,10 @@ class RequestStream:
         self.on_full = on_full
         self.full = False
         self.last_read = time.monotonic()
+        # on_end(stream, reason) as each sample's terminal output arrives (ERROR, once, when the
+        # stream fails): the server's group of requests ends its other members
+        # there, at once, whether or not anyone is reading.
+        self.on_end: Callable[[RequestStream, FinishReason], None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -75,14 +79,19 @@ class RequestStream:
         self.open_samples.discard(out.index)
         if not self.open_samples and not self.done.done():
             self.done.set_result(None)
+        if self.on_end is not None:
+            self.on_end(self, out.finish_reason or FinishReason.ERROR)
         return True
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with an exception (engine death): the consumer raises it."""
+        failed = bool(self.open_samples)
         self.open_samples.clear()
         self._queue.put_nowait(exc)
         if not self.done.done():
             self.done.set_result(None)
+        if failed and self.on_end is not None:
+            self.on_end(self, FinishReason.ERROR)
 
     def cancel(self, source: AbortSource) -> None:
         """The frontend fence: no token is handed out from now on."""
