@@ -222,6 +222,52 @@ def test_member_error_ends_siblings_non_streaming(clean):
     clean.check_clean()
 
 
+# ---- item 4 and the cancel endpoints -----------------------------------------------------------
+def test_bulk_cancel_by_response_id_ends_every_prompt(clean, client):
+    stream = _create(client, n=2)
+    it = iter(stream)
+    rid = next(it).id
+    _started(clean, rid, 2)
+    r = httpx.post(clean.base + "/v1/requests/cancel", json={"ids": [rid]}, timeout=30)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["cancelled"] == [rid] and answer["unknown"] == []
+    assert answer["finish_reasons"] == {rid: ["abort"] * 4}
+    reasons = {ch.index: ch.finish_reason for c in it for ch in c.choices if ch.finish_reason}
+    assert reasons == dict.fromkeys(range(4), "abort")
+    clean.check_clean()
+
+
+def test_cancel_answers_name_every_choice_of_the_response(clean, client):
+    """The single-id endpoint reports every choice; cancel-all names response ids, once each."""
+    one = iter(_create(client))
+    rid = next(one).id
+    _started(clean, rid, 2)
+    r = httpx.post(f"{clean.base}/v1/requests/{rid}/cancel", timeout=30).json()
+    assert r["cancelled"] is True and r["finish_reasons"] == ["abort", "abort"]
+    list(one)
+
+    two = iter(_create(client))
+    rid = next(two).id
+    _started(clean, rid, 2)
+    r = httpx.post(clean.base + "/v1/requests/cancel", json={}, timeout=30).json()
+    assert r["cancelled"] == [rid] and r["finish_reasons"] == {rid: ["abort", "abort"]}
+    list(two)
+    clean.check_clean()
+
+
+def test_cancelling_one_member_ends_the_response(clean, client):
+    """A member cancelled by its own id (`{id}-p1`) takes the whole response with it."""
+    it = iter(_create(client))
+    rid = next(it).id
+    _started(clean, rid, 2)
+    r = httpx.post(f"{clean.base}/v1/requests/{rid}-p1/cancel", timeout=30).json()
+    assert r["cancelled"] is True
+    reasons = {ch.index: ch.finish_reason for c in it for ch in c.choices if ch.finish_reason}
+    assert reasons == {0: "abort", 1: "abort"}
+    clean.check_clean()
+
+
 def test_disconnect_ends_every_member(clean):
     """A client that closes a 2-prompt stream mid-way: every sample is aborted (disconnect)."""
     before = clean.metrics()
