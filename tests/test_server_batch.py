@@ -230,11 +230,12 @@ def test_bulk_cancel_by_response_id_ends_every_prompt(clean, client):
     _started(clean, rid, 2)
     r = httpx.post(clean.base + "/v1/requests/cancel", json={"ids": [rid]}, timeout=30)
     assert r.status_code == 200, r.text
+    # The same stream ends at once, every choice with abort: prompt 1's too.
+    reasons = {ch.index: ch.finish_reason for c in it for ch in c.choices if ch.finish_reason}
+    assert reasons == dict.fromkeys(range(4), "abort")
     answer = r.json()
     assert answer["cancelled"] == [rid] and answer["unknown"] == []
     assert answer["finish_reasons"] == {rid: ["abort"] * 4}
-    reasons = {ch.index: ch.finish_reason for c in it for ch in c.choices if ch.finish_reason}
-    assert reasons == dict.fromkeys(range(4), "abort")
     clean.check_clean()
 
 
