@@ -26,7 +26,8 @@ import uvicorn
 
 from stopline.config import EngineConfig
 from stopline.engine.async_engine import AsyncEngine
-from stopline.request import AbortSource
+from stopline.request import AbortSource, SamplingParams
+from stopline.server import batch
 from stopline.server.app import build_app
 from stopline.server.state import ServerSettings, ServerState
 from tests.server_harness import ServerProcess, free_port, total
@@ -282,4 +283,41 @@ def test_disconnect_ends_every_member(clean):
     clean.wait_idle(timeout=10.0)
     assert total(clean.metrics(), 'stopline_aborts_total{source="disconnect"') == \
         total(before, 'stopline_aborts_total{source="disconnect"') + 4
+    clean.check_clean()
+
+
+def test_an_output_read_ahead_is_not_handed_out_after_a_cancel(clean):
+    """The group holds one output of each prompt ahead of its reader. Once the requests are
+    cancelled it hands none of those out (no token after a cancel, DESIGN.md 3), and each
+    terminal's usage counts what the reader got."""
+    async def run() -> tuple[list, list]:
+        eng = clean.engine
+        prompt = eng.tokenizer.encode("hello")
+        group = batch.Group(eng, 2)
+        rid = f"ahead-{time.monotonic_ns()}"
+        for k in range(2):
+            inc = batch.member_id(rid, k)
+            group.add(await eng.add(inc, prompt, SamplingParams(n=2, max_tokens=LONG, ignore_eos=True),
+                                    incarnation=inc))
+        it = group.__aiter__()
+        before = [await it.__anext__()]
+        while not all(s.started for s in group.streams):
+            before.append(await it.__anext__())
+        await asyncio.sleep(0.2)  # every member's read ahead holds an output by now
+        eng.abort([s.incarnation for s in group.streams], AbortSource.CANCEL)
+        after = []
+        try:
+            while True:
+                after.append(await it.__anext__())
+        except StopAsyncIteration:
+            pass
+        group.close()
+        return before, after
+
+    before, after = clean.on_loop(run)
+    assert len(after) == 4 and all(o.finished and o.finish_reason == "abort" for o in after)
+    assert not any(o.new_token_ids for o in after)
+    for o in after:  # usage: exactly the tokens handed out before the cancel
+        got = sum(len(b.new_token_ids) for b in before if b.index == o.index)
+        assert o.usage.completion_tokens == got, (o.index, o.usage, got)
     clean.check_clean()

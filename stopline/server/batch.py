@@ -156,6 +156,13 @@ class Group:
             out = task.result()
             if out is None:
                 continue  # that member is through
+            member = self.streams[i]
+            if member.cancelled is not None and not out.finished:
+                # Read ahead before the member's cancel: never handed out, so not delivered
+                # (its terminal's usage counts what the client got).
+                member.delivered[out.index] -= len(out.new_token_ids)
+                self._reads[i] = self._read(i)
+                continue
             self._reads[i] = self._read(i)
             return dataclasses.replace(out, index=i * self.n + out.index)
         raise StopAsyncIteration
