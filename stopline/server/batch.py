@@ -61,7 +61,8 @@ def reasons(ids: list[str], ended: dict[str, list[str | None]],
     return out
 
 
-# How a member's end ends the others: None, a normal end, concerns that sample alone.
+# The abort source for the others when a member ends early; a normal end (stop, length) ends
+# nothing else, and an abort passes its own source on (`_member_ended`).
 _SPREAD = {FinishReason.TIMEOUT: AbortSource.DEADLINE, FinishReason.ERROR: AbortSource.SIBLING,
            FinishReason.PREEMPTED: AbortSource.SIBLING}
 
