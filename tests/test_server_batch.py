@@ -225,15 +225,20 @@ def test_member_error_ends_siblings_non_streaming(clean):
 
 # ---- item 4 and the cancel endpoints -----------------------------------------------------------
 def test_bulk_cancel_by_response_id_ends_every_prompt(clean, client):
-    stream = _create(client, n=2)
+    stream = _create(client, n=2, logprobs=0, stream_options={"include_usage": True})
     it = iter(stream)
-    rid = next(it).id
+    chunks = [next(it)]
+    rid = chunks[0].id
     _started(clean, rid, 2)
     r = httpx.post(clean.base + "/v1/requests/cancel", json={"ids": [rid]}, timeout=30)
     assert r.status_code == 200, r.text
+    chunks += list(it)
     # The same stream ends at once, every choice with abort: prompt 1's too.
-    reasons = {ch.index: ch.finish_reason for c in it for ch in c.choices if ch.finish_reason}
+    reasons = {ch.index: ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason}
     assert reasons == dict.fromkeys(range(4), "abort")
+    # Its usage counts every prompt's tokens, exactly those the client received.
+    got = sum(len(ch.logprobs.tokens) for c in chunks for ch in c.choices if ch.logprobs)
+    assert chunks[-1].usage.completion_tokens == got > 0
     answer = r.json()
     assert answer["cancelled"] == [rid] and answer["unknown"] == []
     assert answer["finish_reasons"] == {rid: ["abort"] * 4}
