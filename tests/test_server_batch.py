@@ -26,7 +26,9 @@ import uvicorn
 
 from stopline.config import EngineConfig
 from stopline.engine.async_engine import AsyncEngine
-from stopline.request import AbortSource, SamplingParams
+from stopline.engine.output import RequestOutput
+from stopline.engine.streams import RequestStream
+from stopline.request import AbortSource, FinishReason, SamplingParams, Usage
 from stopline.server import batch
 from stopline.server.app import build_app
 from stopline.server.state import ServerSettings, ServerState
@@ -326,3 +328,39 @@ def test_an_output_read_ahead_is_not_handed_out_after_a_cancel(clean):
         got = sum(len(b.new_token_ids) for b in before if b.index == o.index)
         assert o.usage.completion_tokens == got, (o.index, o.usage, got)
     clean.check_clean()
+
+
+def test_a_sample_error_ends_its_family_and_stays_an_error():
+    """n = 2 and one sample fails in the engine (an n > 1 family is a group too): the group
+    aborts the family's other sample at once (source `sibling`), and the failed sample still
+    reads as `error`, though its earlier tokens were unread when the abort went out. Without a
+    model: the engine here only records aborts."""
+    async def run() -> tuple[list, list[RequestOutput]]:
+        aborted: list = []
+
+        class Engine:
+            def abort(self, incs, source, t0=None):
+                aborted.append((list(incs), source))
+                stream.cancel(source)
+
+        stream = RequestStream("r", 2, 3, time.monotonic())
+        group = batch.Group(Engine(), 2)
+        group.add(stream)
+        for i in (0, 1):
+            stream.push(RequestOutput("r", i, "r", new_token_ids=[7], new_text="x"))
+        stream.push(RequestOutput("r", 1, "r", finished=True, finish_reason=FinishReason.ERROR,
+                                  stop_detail="output processing failed", usage=Usage(3, 1)))
+        assert aborted == [(["r"], AbortSource.SIBLING)]
+        stream.push(RequestOutput("r", 0, "r", finished=True, finish_reason=FinishReason.ABORT,
+                                  stop_detail="sibling", usage=Usage(3, 1)))
+        outs = []
+        async for out in group:
+            outs.append(out)
+        return aborted, outs
+
+    aborted, outs = asyncio.run(run())
+    assert len(aborted) == 1  # once, not again for each terminal
+    ends = {o.index: (o.finish_reason, o.stop_detail, o.usage.completion_tokens) for o in outs}
+    assert ends == {1: (FinishReason.ERROR, "output processing failed", 0),
+                    0: (FinishReason.ABORT, "sibling", 0)}
+    assert not any(o.new_token_ids for o in outs)  # nothing after the abort

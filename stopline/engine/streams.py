@@ -30,6 +30,7 @@ class EngineOverloaded(RuntimeError):
 
 
 _DETACHED = object()  # the consumer left: end the iteration without a terminal
+_COMPLETE = (FinishReason.STOP, FinishReason.LENGTH, None)  # what a cut output can't claim
 
 
 class RequestStream:
@@ -138,9 +139,11 @@ class RequestStream:
         got = self.delivered[out.index]
         withheld = max(0, engine_usage.completion_tokens - got) + engine_usage.undelivered_tokens
         reason = out.finish_reason
-        if out.new_token_ids or out.new_text or engine_usage.completion_tokens > got:
+        if reason in _COMPLETE and (out.new_token_ids or out.new_text
+                                    or engine_usage.completion_tokens > got):
             # Tokens were withheld after the cancel: the client's output was cut by the cancel,
-            # whatever the engine decided in the meantime.
+            # so it is never reported complete. An abnormal end (a sample's error that made the
+            # server end the rest of its request, a deadline) stands as the engine reported it.
             reason = FinishReason.ABORT
         return RequestOutput(
             out.request_id, out.index, out.incarnation, finished=True, finish_reason=reason,
