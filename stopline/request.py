@@ -63,6 +63,7 @@ class AbortSource(str, enum.Enum):
     SHUTDOWN = "shutdown"  # the engine is stopping
     DEADLINE = "deadline"  # queue timeout or total deadline passed
     STALLED = "stalled"  # the client read nothing for the stall timeout
+    SIBLING = "sibling"  # another engine request of the same HTTP request failed
 
 
 class InvalidRequest(ValueError):

@@ -30,6 +30,7 @@ class EngineOverloaded(RuntimeError):
 
 
 _DETACHED = object()  # the consumer left: end the iteration without a terminal
+_COMPLETE = (FinishReason.STOP, FinishReason.LENGTH, None)  # what a cut output can't claim
 
 
 class RequestStream:
@@ -56,6 +57,10 @@ class RequestStream:
         self.on_full = on_full
         self.full = False
         self.last_read = time.monotonic()
+        # on_end(stream, reason) as each sample's terminal output arrives (ERROR, once, when the
+        # stream fails): the server's group of requests ends its other members
+        # there, at once, whether or not anyone is reading.
+        self.on_end: Callable[[RequestStream, FinishReason], None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -75,14 +80,19 @@ class RequestStream:
         self.open_samples.discard(out.index)
         if not self.open_samples and not self.done.done():
             self.done.set_result(None)
+        if self.on_end is not None:
+            self.on_end(self, out.finish_reason or FinishReason.ERROR)
         return True
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with an exception (engine death): the consumer raises it."""
+        failed = bool(self.open_samples)
         self.open_samples.clear()
         self._queue.put_nowait(exc)
         if not self.done.done():
             self.done.set_result(None)
+        if failed and self.on_end is not None:
+            self.on_end(self, FinishReason.ERROR)
 
     def cancel(self, source: AbortSource) -> None:
         """The frontend fence: no token is handed out from now on."""
@@ -129,9 +139,11 @@ class RequestStream:
         got = self.delivered[out.index]
         withheld = max(0, engine_usage.completion_tokens - got) + engine_usage.undelivered_tokens
         reason = out.finish_reason
-        if out.new_token_ids or out.new_text or engine_usage.completion_tokens > got:
+        if reason in _COMPLETE and (out.new_token_ids or out.new_text
+                                    or engine_usage.completion_tokens > got):
             # Tokens were withheld after the cancel: the client's output was cut by the cancel,
-            # whatever the engine decided in the meantime.
+            # so it is never reported complete. An abnormal end (a sample's error that made the
+            # server end the rest of its request, a deadline) stands as the engine reported it.
             reason = FinishReason.ABORT
         return RequestOutput(
             out.request_id, out.index, out.incarnation, finished=True, finish_reason=reason,

@@ -100,12 +100,20 @@ def build_app(state: ServerState) -> FastAPI:
         """Admin: cancel every open request, or the listed ones; answers when all have ended."""
         state.authorize(request)
         req = parse(CancelRequest, await read_body(request, state.settings.max_body_bytes))
-        ended = await engine.abort_and_wait(req.ids, AbortSource.CANCEL, timeout=CANCEL_TIMEOUT)
-        others = [i for i in dict.fromkeys(req.ids or ()) if i not in ended]
+        # A response id stands for every engine request of its response (several prompts),
+        # as in cancel_one; the answer names response ids.
+        asked = list(dict.fromkeys(req.ids)) if req.ids is not None else \
+            list(dict.fromkeys(batch.response_id(i, engine.status) for i in engine.open_ids()))
+        group = {rid: batch.members(rid, engine.status) for rid in asked}
+        ended = await engine.abort_and_wait([m for ids in group.values() for m in ids],
+                                            AbortSource.CANCEL, timeout=CANCEL_TIMEOUT)
+        hit = {rid: batch.reasons(ids, ended, engine.status) for rid, ids in group.items()
+               if any(m in ended for m in ids)}
+        others = [rid for rid in asked if rid not in hit]
         return {
             "object": "request.cancel.list",
-            "cancelled": [i for i, reasons in ended.items() if "abort" in reasons],
-            "finish_reasons": ended,
+            "cancelled": [rid for rid, reasons in hit.items() if "abort" in reasons],
+            "finish_reasons": hit,
             "already_finished": {i: engine.status(i) for i in others if engine.status(i) is not None},
             "unknown": [i for i in others if engine.status(i) is None],
         }
@@ -119,13 +127,11 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(404, f"no request with id {request_id!r} (unknown, or ended long ago)",
                            param="request_id", code="request_not_found")
         ids = batch.members(request_id, engine.status)  # several prompts: one id each
-        if any(engine.status(i) == "open" for i in ids):
-            ended = await engine.abort_and_wait(ids, AbortSource.CANCEL, timeout=CANCEL_TIMEOUT)
-            reasons = ended.get(request_id) or engine.status(request_id)
-        else:
-            reasons = status  # already over: nothing to do, nothing changes
+        was_open = any(engine.status(i) == "open" for i in ids)
+        ended = await engine.abort_and_wait(ids, AbortSource.CANCEL, timeout=CANCEL_TIMEOUT) \
+            if was_open else {}  # already over: nothing to do, nothing changes
+        reasons = batch.reasons(ids, ended, engine.status)  # every choice of the response
         return {"id": request_id, "object": "request.cancel",
-                "cancelled": status == "open" and "abort" in (reasons or ()),
-                "finish_reasons": reasons}
+                "cancelled": was_open and "abort" in reasons, "finish_reasons": reasons}
 
     return app

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from stopline.engine.streams import EngineDead, EngineOverloaded, EngineUnavailable, RequestStream
+from stopline.engine.streams import EngineDead, EngineOverloaded, EngineUnavailable
 from stopline.request import AbortSource, InvalidRequest
 from stopline.server import batch, limits
 from stopline.server.disconnect import watch_disconnect
@@ -88,15 +88,14 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
         _precheck(prompts, engine.info.vocab_size, engine.info.max_model_len)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     trace = _client_id(request) or rid  # the client's X-Request-Id, echoed; rid stays the cancel id
-    streams: list[RequestStream] = []
+    group = batch.Group(engine, params.n)  # where every engine request of this one ends
     try:
         for k, prompt in enumerate(prompts):
             mid = batch.member_id(rid, k)
-            streams.append(await engine.add(mid, prompt, params, arrival=arrival, incarnation=mid))
+            group.add(await engine.add(mid, prompt, params, arrival=arrival, incarnation=mid))
     except BaseException as exc:
-        for s_ in streams:  # a later prompt was refused: the earlier ones end (aborted) with it
-            engine.abort(s_.request_id, AbortSource.CANCEL, time.monotonic())
-            s_.detach()
+        group.end(AbortSource.CANCEL)  # a later prompt was refused: the earlier ones end with it
+        group.detach()
         if isinstance(exc, InvalidRequest):
             msg = str(exc)
             param = param_of(msg)
@@ -109,7 +108,6 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
         if isinstance(exc, (EngineUnavailable, EngineDead)):
             raise _unavailable(str(exc)) from None
         raise
-    stream: Any = streams[0] if len(streams) == 1 else batch.MergedStream(streams, params.n)
     prompt_len = sum(len(p) for p in prompts)
     log.info("%s: admitted (request id %s), %d prompt(s), %d prompt tokens, n=%d", rid, trace,
              len(prompts), prompt_len, params.n)
@@ -125,14 +123,13 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
 
     def abort(t0: float) -> None:
         log.info("%s: client disconnected (request id %s)", rid, trace)
-        for s_ in streams:
-            engine.abort(s_.request_id, AbortSource.DISCONNECT, t0)
-        stream.detach()
+        group.end(AbortSource.DISCONNECT, t0)
+        group.detach()
 
     if req.stream:
-        return SSEResponse(_events(stream, fmt, srv, trace), on_disconnect=abort, wake=stream.detach,
+        return SSEResponse(_events(group, fmt, srv, trace), on_disconnect=abort, wake=group.detach,
                            headers=_headers(rid, trace))
-    return await _whole(request, stream, fmt, abort, _headers(rid, trace))
+    return await _whole(request, group, fmt, abort, _headers(rid, trace))
 
 
 _TRACE_CHARS = 128
@@ -201,7 +198,7 @@ async def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[i
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-async def _events(stream: RequestStream, fmt: Formatter, srv: ServerState | None = None,
+async def _events(stream: batch.Group, fmt: Formatter, srv: ServerState | None = None,
                   trace: str = ""):  # -> AsyncIterator[bytes]
     usage = UsageSum(stream.prompt_tokens)
     ended = 0
@@ -226,6 +223,10 @@ async def _events(stream: RequestStream, fmt: Formatter, srv: ServerState | None
         yield SSE_DONE
         return
     finally:
+        # However the stream ends (an engine error, a detach, an exception), no member of it
+        # keeps running: nobody reads it any more.
+        stream.end(AbortSource.DISCONNECT)
+        stream.close()
         if fmt.include_usage and not sent and ended < fmt.n:
             # The client left (or the response was cancelled) first: nobody to send it to.
             log.info("%s: usage not sent, the client is gone (request id %s): %d completion "
@@ -240,9 +241,19 @@ async def _events(stream: RequestStream, fmt: Formatter, srv: ServerState | None
     yield SSE_DONE
 
 
-async def _whole(request: Request, stream: RequestStream, fmt: Formatter, abort: Any,
+async def _whole(request: Request, stream: batch.Group, fmt: Formatter, abort: Any,
                  headers: dict[str, str]) -> Response:
-    """Race the engine against the client: whichever ends first decides."""
+    """Race the engine against the client: whichever ends first decides. However it ends, no
+    member of the request keeps running."""
+    try:
+        return await _race(request, stream, fmt, abort, headers)
+    finally:
+        stream.end(AbortSource.DISCONNECT)
+        stream.close()
+
+
+async def _race(request: Request, stream: batch.Group, fmt: Formatter, abort: Any,
+                headers: dict[str, str]) -> Response:
     collect = asyncio.ensure_future(_collect(stream, fmt.n))
     watch = asyncio.ensure_future(watch_disconnect(request.receive, abort))
     try:
@@ -264,7 +275,7 @@ async def _whole(request: Request, stream: RequestStream, fmt: Formatter, abort:
     return JSONResponse(fmt.response(choices, usage), headers=headers)
 
 
-async def _collect(stream: RequestStream, n: int) -> tuple[list[Choice], UsageSum]:
+async def _collect(stream: batch.Group, n: int) -> tuple[list[Choice], UsageSum]:
     choices = [Choice() for _ in range(n)]
     usage = UsageSum(stream.prompt_tokens)
     async for out in stream:
