@@ -142,6 +142,30 @@ def test_tool_choices_constrain_calls(svc, tok) -> None:
     assert tool_plan([WEATHER], None).choice == "auto"
 
 
+def test_tool_parameters_with_defs(svc, tok) -> None:
+    # As Pydantic writes a nested model and an Enum: $defs at the parameters' root, "#/$defs/..."
+    # references, and a recursive one; two tools with the same $defs names.
+    paint = {"type": "function", "function": {"name": "paint", "strict": True, "parameters": {
+        "$defs": {"Color": {"enum": ["red", "blue"], "type": "string"},
+                  "Box": {"type": "object", "properties": {"w": {"type": "integer"},
+                                                           "inner": {"anyOf": [{"$ref": "#/$defs/Box"}, {"type": "null"}]}},
+                          "required": ["w", "inner"], "additionalProperties": False}},
+        "type": "object", "properties": {"color": {"$ref": "#/$defs/Color"}, "box": {"$ref": "#/$defs/Box"}},
+        "required": ["color", "box"], "additionalProperties": False}}}
+    other = {"type": "function", "function": {"name": "other", "strict": True, "parameters": {
+        "$defs": {"Color": {"const": "green"}}, "type": "object",
+        "properties": {"c": {"$ref": "#/$defs/Color"}, "again": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "required": ["c", "again"], "additionalProperties": False}}}
+    call = tool_format.call_text
+    g = tool_plan([paint, other], "required").grammar
+    assert accepts(svc, tok, g, call("paint", {"color": "red", "box": {"w": 1, "inner": {"w": 2, "inner": None}}}))
+    assert not accepts(svc, tok, g, call("paint", {"color": "green", "box": {"w": 1, "inner": None}}))
+    assert accepts(svc, tok, g, call("other", {"c": "green", "again": {"c": "green", "again": None}}))
+    assert not accepts(svc, tok, g, call("other", {"c": "red", "again": None}))
+    # The tools as sent are unchanged (the prompt shows them so).
+    assert "$defs" in paint["function"]["parameters"] and "args0" not in json.dumps(tool_plan([paint], "auto").tools)
+
+
 @pytest.mark.parametrize("tools, choice, param", [
     ("x", None, "tools"),
     ([{"type": "code_interpreter"}], None, "tools.0.type"),
