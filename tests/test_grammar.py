@@ -190,8 +190,16 @@ def test_tool_call_parse() -> None:
         ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
     assert calls[0].body()["type"] == "function" and calls[0].id.startswith("call_")
     assert tool_format.parse("plain answer") == ("plain answer", [])
+    # A call left open is never content: cut before its name, it is dropped; after, it is a
+    # call whose arguments are cut (OpenAI's answer at max_tokens).
     unfinished = "ok " + tool_format.OPEN + '\n{"name": "add", "argu'
-    assert tool_format.parse(unfinished) == (unfinished, [])
+    assert tool_format.parse(unfinished, "length") == ("ok", [])
+    content, calls = tool_format.parse(unfinished + 'ments": {"a": 1', "length")
+    assert content == "ok" and [(c.name, c.arguments, c.complete) for c in calls] == [("add", '{"a": 1', False)]
+    # After a cancel, a deadline or a failure, held text is dropped.
+    assert tool_format.parse("ok\n<tool", "abort") == ("ok", [])
+    assert tool_format.parse("ok\n<tool", "length") == ("ok", [])
+    assert tool_format.parse("ok\n<tool", "stop") == ("ok\n<tool", [])
     # A past turn renders back to the same text.
     past = [{"id": "x", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]
     assert tool_format.assistant_text(None, past) == call("add", {"a": 1, "b": 2})
@@ -215,8 +223,18 @@ def test_streamed_tool_calls_add_up_to_the_whole() -> None:
                 deltas += d
             content += sp.finish()
             assert (content or None) == want_content, text
-            assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in deltas] == \
-                [(i, c.name, c.arguments) for i, c in enumerate(want_calls)]
+            # The first entry of a call has its id and name; the others add argument text.
+            got: dict[int, list[str]] = {}
+            for d in deltas:
+                fn = d["function"]
+                if d["index"] not in got:
+                    assert d["id"].startswith("call_") and d["type"] == "function"
+                    got[d["index"]] = [fn["name"], ""]
+                else:
+                    assert "id" not in d and "name" not in fn
+                got[d["index"]][1] += fn["arguments"]
+            assert [(i, *got[i]) for i in sorted(got)] == [(i, c.name, c.arguments) for i, c in enumerate(want_calls)]
+            assert all(json.loads(c.arguments) is not None for c in want_calls if c.complete)
 
 
 # ---- matcher and masks ----------------------------------------------------------------------
