@@ -107,7 +107,7 @@ class OutputProcessor:
 
     def delta(self, req: Request, final: bool) -> RequestOutput:
         """Everything of req not yet sent; text that could still be the start of a stop
-        string is held back until the request ends."""
+        string is held back until `final` (an end with an answer: stop or length)."""
         out = self.pending.pop(req.internal_id, None) or RequestOutput(req.request_id, req.index,
                                                                        req.incarnation)
         visible = len(req.text)

@@ -106,9 +106,9 @@ class StreamParser:
     """Splits streamed text into content deltas and OpenAI `delta.tool_calls` entries.
 
     Content is passed on at once, except a tail that may be the start of `<tool_call>` and
-    trailing whitespace (dropped if a call follows). Inside a call, the text up to its name
-    is held; then one entry opens the call (index, id, type, name, empty arguments) and the
-    arguments' JSON text follows in pieces as it is written. The closing `}` and tag are
+    trailing whitespace (dropped if a call follows). Inside a call, the text up to its
+    arguments is held; then one entry opens the call (index, id, type, name, and the
+    arguments' first text) and the rest of the arguments' JSON follows in pieces as written. The closing `}` and tag are
     markup, never sent. What an output ends holding is its finish reason's to decide
     (`finish`): markup is never content."""
 
