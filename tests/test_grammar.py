@@ -196,7 +196,8 @@ def test_tool_call_parse() -> None:
     assert tool_format.parse(unfinished, "length") == ("ok", [])
     content, calls = tool_format.parse(unfinished + 'ments": {"a": 1', "length")
     assert content == "ok" and [(c.name, c.arguments, c.complete) for c in calls] == [("add", '{"a": 1', False)]
-    # After a cancel, a deadline or a failure, held text is dropped.
+    # After a cancel, a deadline or a failure, held text is dropped, and so is an open call.
+    assert tool_format.parse(unfinished + 'ments": {"a": 1', "abort") == ("ok", [])
     assert tool_format.parse("ok\n<tool", "abort") == ("ok", [])
     assert tool_format.parse("ok\n<tool", "length") == ("ok", [])
     assert tool_format.parse("ok\n<tool", "stop") == ("ok\n<tool", [])

@@ -177,6 +177,18 @@ def test_max_tokens_inside_a_call_is_a_cut_call(client) -> None:
     assert cut >= 3  # some of them landed inside a call's arguments
 
 
+def test_deadline_inside_a_call_leaves_it_out(client) -> None:
+    """Item 5: a non-streaming answer cut by its deadline while a call is open has delivered
+    nothing of that call: it is left out, never content; the complete calls stay."""
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                       max_tokens=4000, temperature=0, extra_body={"deadline": 0.5})
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "timeout" and r.usage.completion_tokens > 0
+    assert msg.content is None, f"call text as content: {msg.content[:200]!r}"
+    for tc in msg.tool_calls or ():
+        jsonschema.validate(json.loads(tc.function.arguments), WEATHER["function"]["parameters"])
+
+
 def test_held_stop_text_is_dropped_at_a_deadline(client) -> None:
     """Item 5, the engine's side: text held back because it may start a stop string is no
     answer when the request ends without one (deadline, cancel, failure): the terminal chunk

@@ -95,11 +95,14 @@ _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\
 
 def parse(text: str, reason: str | None = "stop") -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a finished output that ended with finish reason `reason`: what a
-    stream of the same text delivers, added up (the same parser), so the two agree."""
+    stream of the same text delivers, added up (the same parser), so the two agree. One
+    difference: a call still open at a cancel, a deadline or a failure is left out, since
+    nothing of it was delivered yet (a stream had sent its start before the end)."""
     sp = StreamParser()
     content, _ = sp.feed(text)
     content += sp.finish(reason)
-    return (content or None), sp.calls
+    calls = [c for c in sp.calls if c.complete] if reason in _NOT_ANSWERS else sp.calls
+    return (content or None), calls
 
 
 class StreamParser:
