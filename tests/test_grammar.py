@@ -162,6 +162,13 @@ def test_tool_parameters_with_defs(svc, tok) -> None:
     assert not accepts(svc, tok, g, call("paint", {"color": "green", "box": {"w": 1, "inner": None}}))
     assert accepts(svc, tok, g, call("other", {"c": "green", "again": {"c": "green", "again": None}}))
     assert not accepts(svc, tok, g, call("other", {"c": "red", "again": None}))
+    # zod-to-json-schema's shape: draft-07 `definitions`, `$schema` and an `$id` at the root.
+    zod = {"type": "function", "function": {"name": "zod", "parameters": {
+        "$schema": "http://json-schema.org/draft-07/schema#", "$id": "https://example.com/zod.json",
+        "definitions": {"N": {"type": "integer", "minimum": 3, "maximum": 5}}, "type": "object",
+        "properties": {"n": {"$ref": "#/definitions/N"}}, "required": ["n"], "additionalProperties": False}}}
+    g = tool_plan([zod], "required").grammar
+    assert accepts(svc, tok, g, call("zod", {"n": 4})) and not accepts(svc, tok, g, call("zod", {"n": 7}))
     # The tools as sent are unchanged (the prompt shows them so).
     assert "$defs" in paint["function"]["parameters"] and "args0" not in json.dumps(tool_plan([paint], "auto").tools)
 

@@ -86,12 +86,13 @@ def _tool(i: int, t: Any) -> dict[str, Any]:
 _DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
 
 
-def _rebase(node: Any, root: str) -> Any:
-    """A copy of `node` whose local `$ref`s ("#", "#/...") point below `root`, the pointer
-    where the schema now lives."""
+def _rebase(node: Any, root: str, top: bool = True) -> Any:
+    """A copy of schema `node` whose local `$ref`s ("#", "#/...") point below `root`, the
+    pointer where it now lives. Its own `$id` goes (it would make it a document of its own,
+    which the rebased pointers leave); a subschema with an `$id` is one, and stays as it is."""
     if isinstance(node, list):
-        return [_rebase(v, root) for v in node]
-    if not isinstance(node, Mapping):
+        return [_rebase(v, root, False) for v in node]
+    if not isinstance(node, Mapping) or (not top and "$id" in node):
         return node
     out: dict[str, Any] = {}
     for k, v in node.items():
@@ -99,8 +100,8 @@ def _rebase(node: Any, root: str) -> Any:
             out[k] = root + v[1:]
         elif k in _DATA_KEYS:
             out[k] = v
-        else:
-            out[k] = _rebase(v, root)
+        elif not (top and k == "$id"):
+            out[k] = _rebase(v, root, False)
     return out
 
 
