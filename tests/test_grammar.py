@@ -200,7 +200,9 @@ def test_tool_call_parse() -> None:
     # A call left open is never content: cut before its name, it is dropped; after, it is a
     # call whose arguments are cut (OpenAI's answer at max_tokens).
     unfinished = "ok " + tool_format.OPEN + '\n{"name": "add", "argu'
-    assert tool_format.parse(unfinished, "length") == ("ok", [])
+    assert tool_format.parse("ok " + tool_format.OPEN + '\n{"name": "ad', "length") == ("ok", [])
+    content, calls = tool_format.parse(unfinished, "length")
+    assert content == "ok" and [(c.name, c.arguments, c.complete) for c in calls] == [("add", "", False)]
     content, calls = tool_format.parse(unfinished + 'ments": {"a": 1', "length")
     assert content == "ok" and [(c.name, c.arguments, c.complete) for c in calls] == [("add", '{"a": 1', False)]
     # After a cancel, a deadline or a failure, held text is dropped, and so is an open call.
@@ -217,7 +219,9 @@ def test_streamed_tool_calls_add_up_to_the_whole() -> None:
     call = tool_format.call_text
     texts = ["plain <tool answer\n", "Hi.\n" + call("f", {"x": [1, "</tool_call>"]}) + "\n" + call("g", {}),
              call("f", {}) + " trailing words", "ok " + tool_format.OPEN + '\n{"name": "add"',
-             "a\n\n" + call("f", {"k": "v"}) + "\n\n"]
+             "a\n\n" + call("f", {"k": "v"}) + "\n\n",
+             tool_format.OPEN + '\n{"arguments": {"x": 1}, "name": "f"}\n' + tool_format.CLOSE,
+             tool_format.OPEN + '\n{"name": "f", "id": 3, "arguments": {"x": 1}}\n' + tool_format.CLOSE]
     rng = random.Random(0)
     for text in texts:
         want_content, want_calls = tool_format.parse(text)

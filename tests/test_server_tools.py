@@ -122,7 +122,7 @@ def test_arguments_stream_as_deltas(client) -> None:
     pieces = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or ()]
     first, later = pieces[0], pieces[1:]
     assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
-    assert first.function.name == "get_weather"
+    assert first.function.name == "get_weather" and first.function.arguments == ""
     assert len(later) >= 5 and all(p.id is None and p.function.name is None for p in later)
     assert calls[0]["arguments"] == want
 

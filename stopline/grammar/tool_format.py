@@ -87,10 +87,11 @@ def new_call_id() -> str:
 # Reasons whose output is not an answer: what the parser still holds is dropped, never sent.
 _NOT_ANSWERS = frozenset({"abort", "timeout", "error", "preempted"})
 
-# The start of a call up to the first character of its arguments object, as the grammars in
-# tools.py write it (name first). A call whose text does not start so is read whole at its
-# closing tag instead.
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*\{')
+# A call as the grammars in tools.py write it: its head up to the end of its name, then the
+# key up to the first character of its arguments object. A call whose text does not start so
+# is read whole at its closing tag instead.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_KEY = re.compile(r'\s*,\s*"arguments"\s*:\s*\{')
 
 
 def parse(text: str, reason: str | None = "stop") -> tuple[str | None, list[ToolCall]]:
@@ -109,16 +110,17 @@ class StreamParser:
     """Splits streamed text into content deltas and OpenAI `delta.tool_calls` entries.
 
     Content is passed on at once, except a tail that may be the start of `<tool_call>` and
-    trailing whitespace (dropped if a call follows). Inside a call, the text up to its
-    arguments is held; then one entry opens the call (index, id, type, name, and the
-    arguments' first text) and the rest of the arguments' JSON follows in pieces as written. The closing `}` and tag are
+    trailing whitespace (dropped if a call follows). Inside a call, the text up to the end of
+    its name is held; then one entry opens the call (index, id, type, name, empty arguments)
+    and the arguments' JSON text follows in pieces as it is written. The closing `}` and tag are
     markup, never sent. What an output ends holding is its finish reason's to decide
     (`finish`): markup is never content."""
 
     def __init__(self) -> None:
         self._buf = ""  # text not yet passed on
         self._ws = ""  # whitespace held before an open call
-        self._state = "text"  # text / head (call open, name not read) / args / tail
+        self._state = "text"  # text / head (call open, name not read) / key / args / tail
+        self._head = ""  # the text of an open call up to the end of its name
         self._depth = 0  # JSON nesting inside the arguments
         self._in_str = False
         self._esc = False
@@ -157,11 +159,34 @@ class StreamParser:
                     self._ws = ""
                     self._state = "text"
                     continue
+                # The name is known: the call opens, its arguments empty so far (OpenAI's first
+                # delta of a call).
                 call = ToolCall(new_call_id(), json.loads(m.group(1)), "", complete=False)
                 deltas.append({"index": len(self.calls), **call.body()})
                 self.calls.append(call)
-                self._buf = self._buf[m.end() - 1:]  # from the arguments' "{"
+                self._head, self._buf = self._buf[:m.end()], self._buf[m.end():]
                 self._ws = ""
+                self._state = "key"
+            elif self._state == "key":
+                m = _KEY.match(self._buf)
+                if m is None:
+                    end = self._buf.find(CLOSE)
+                    if end < 0:
+                        return content, _merged(deltas)
+                    # Not the grammars' shape (arguments first, other keys): read it whole.
+                    whole = _read_call(self._head + self._buf)
+                    if whole is not None:
+                        call, at = whole
+                        self.calls[-1].arguments = call.arguments
+                        self.calls[-1].complete = True
+                        deltas.append({"index": len(self.calls) - 1,
+                                       "function": {"arguments": call.arguments}})
+                        self._buf = (self._head + self._buf)[at:]
+                    else:
+                        self._buf = self._buf[end + len(CLOSE):]
+                    self._state = "text"
+                    continue
+                self._buf = self._buf[m.end() - 1:]  # from the arguments' "{"
                 self._depth, self._in_str, self._esc = 0, False, False
                 self._state = "args"
             elif self._state == "args":
@@ -185,8 +210,8 @@ class StreamParser:
         """The content held back at the end of an output that ended with `reason`. After a
         cancel, a deadline or a failure nothing more is sent: held text is not an answer. A
         call left open is never content: one whose name was read stays a call, cut (OpenAI's
-        answer at max_tokens); the head of one whose name was not, or an opening tag cut
-        short, is dropped."""
+        answer at max_tokens, its arguments maybe still empty); the head of one whose name was
+        not, or an opening tag cut short, is dropped."""
         rest = self._buf if self._state == "text" else ""
         self._buf = self._ws = ""
         self._state = "text"
