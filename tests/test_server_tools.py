@@ -115,10 +115,12 @@ def test_arguments_stream_as_deltas(client) -> None:
     whole = client.chat.completions.create(**kw)
     want = whole.choices[0].message.tool_calls[0].function.arguments
     jsonschema.validate(json.loads(want), WEATHER["function"]["parameters"])
-    content, calls, reason, chunks = streamed(client.chat.completions.create(stream=True, **kw))
+    raw = list(client.chat.completions.create(stream=True, **kw))
+    content, calls, reason, chunks = streamed(raw)
     assert reason == whole.choices[0].finish_reason == "tool_calls"
     assert content is None and whole.choices[0].message.content is None
-    assert all(c.choices[0].delta.content is None for c in chunks), "an empty content chunk"
+    assert all(c.choices[0].delta.content is None for c in raw), "an empty content chunk"
+    assert raw[0].choices[0].delta.role == "assistant"
     pieces = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or ()]
     first, later = pieces[0], pieces[1:]
     assert first.index == 0 and first.id.startswith("call_") and first.type == "function"

@@ -130,11 +130,13 @@ class Formatter:
         return obj
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        """Chat streams open each choice with the assistant role."""
+        """Chat streams open each choice with the assistant role (and, where the answer may
+        be calls, a null content, as OpenAI opens a stream of calls: never an empty one)."""
         if not self.chat:
             return []
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
+        delta = {"role": "assistant", "content": None if self.tool_calls else ""}
+        return [self._chunk([{"index": i, "delta": dict(delta), "logprobs": None, "finish_reason": None}])
+                for i in range(self.n)]
 
     def chunk(self, out: RequestOutput) -> dict[str, Any] | None:
         self.streamed += len(out.new_token_ids)
