@@ -182,8 +182,9 @@ def test_max_tokens_inside_a_call_is_a_cut_call(client) -> None:
 def test_deadline_inside_a_call_leaves_it_out(client) -> None:
     """Item 5: a non-streaming answer cut by its deadline while a call is open has delivered
     nothing of that call: it is left out, never content; the complete calls stay."""
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
-                                       max_tokens=4000, temperature=0, extra_body={"deadline": 0.5})
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0)
+    client.chat.completions.create(max_tokens=1, **kw)  # the grammar compiled: the deadline is the answer's
+    r = client.chat.completions.create(max_tokens=4000, extra_body={"deadline": 1.0}, **kw)
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "timeout" and r.usage.completion_tokens > 0
     assert msg.content is None, f"call text as content: {msg.content[:200]!r}"
@@ -195,10 +196,10 @@ def test_held_stop_text_is_dropped_at_a_deadline(client) -> None:
     """Item 5, the engine's side: text held back because it may start a stop string is no
     answer when the request ends without one (deadline, cancel, failure): the terminal chunk
     carries none of it."""
-    stop = "\x01" * 200  # never written: the last 199 characters are always held back
+    stop = "\x01" * 50  # never written: the last 49 characters are always held back
     stream = client.chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=4000, stop=[stop], stream=True,
-        extra_body={"deadline": 0.5, "ignore_eos": True})
+        extra_body={"deadline": 1.0, "ignore_eos": True})
     chunks = [c for c in stream if c.choices]
     last = chunks[-1].choices[0]
     assert last.finish_reason == "timeout"
