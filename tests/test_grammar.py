@@ -142,6 +142,37 @@ def test_tool_choices_constrain_calls(svc, tok) -> None:
     assert tool_plan([WEATHER], None).choice == "auto"
 
 
+def test_tool_parameters_with_defs(svc, tok) -> None:
+    # As Pydantic writes a nested model and an Enum: $defs at the parameters' root, "#/$defs/..."
+    # references, and a recursive one; two tools with the same $defs names.
+    paint = {"type": "function", "function": {"name": "paint", "strict": True, "parameters": {
+        "$defs": {"Color": {"enum": ["red", "blue"], "type": "string"},
+                  "Box": {"type": "object", "properties": {"w": {"type": "integer"},
+                                                           "inner": {"anyOf": [{"$ref": "#/$defs/Box"}, {"type": "null"}]}},
+                          "required": ["w", "inner"], "additionalProperties": False}},
+        "type": "object", "properties": {"color": {"$ref": "#/$defs/Color"}, "box": {"$ref": "#/$defs/Box"}},
+        "required": ["color", "box"], "additionalProperties": False}}}
+    other = {"type": "function", "function": {"name": "other", "strict": True, "parameters": {
+        "$defs": {"Color": {"const": "green"}}, "type": "object",
+        "properties": {"c": {"$ref": "#/$defs/Color"}, "again": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "required": ["c", "again"], "additionalProperties": False}}}
+    call = tool_format.call_text
+    g = tool_plan([paint, other], "required").grammar
+    assert accepts(svc, tok, g, call("paint", {"color": "red", "box": {"w": 1, "inner": {"w": 2, "inner": None}}}))
+    assert not accepts(svc, tok, g, call("paint", {"color": "green", "box": {"w": 1, "inner": None}}))
+    assert accepts(svc, tok, g, call("other", {"c": "green", "again": {"c": "green", "again": None}}))
+    assert not accepts(svc, tok, g, call("other", {"c": "red", "again": None}))
+    # zod-to-json-schema's shape: draft-07 `definitions`, `$schema` and an `$id` at the root.
+    zod = {"type": "function", "function": {"name": "zod", "parameters": {
+        "$schema": "http://json-schema.org/draft-07/schema#", "$id": "https://example.com/zod.json",
+        "definitions": {"N": {"type": "integer", "minimum": 3, "maximum": 5}}, "type": "object",
+        "properties": {"n": {"$ref": "#/definitions/N"}}, "required": ["n"], "additionalProperties": False}}}
+    g = tool_plan([zod], "required").grammar
+    assert accepts(svc, tok, g, call("zod", {"n": 4})) and not accepts(svc, tok, g, call("zod", {"n": 7}))
+    # The tools as sent are unchanged (the prompt shows them so).
+    assert "$defs" in paint["function"]["parameters"] and "args0" not in json.dumps(tool_plan([paint], "auto").tools)
+
+
 @pytest.mark.parametrize("tools, choice, param", [
     ("x", None, "tools"),
     ([{"type": "code_interpreter"}], None, "tools.0.type"),
@@ -166,8 +197,19 @@ def test_tool_call_parse() -> None:
         ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
     assert calls[0].body()["type"] == "function" and calls[0].id.startswith("call_")
     assert tool_format.parse("plain answer") == ("plain answer", [])
+    # A call left open is never content: cut before its name, it is dropped; after, it is a
+    # call whose arguments are cut (OpenAI's answer at max_tokens).
     unfinished = "ok " + tool_format.OPEN + '\n{"name": "add", "argu'
-    assert tool_format.parse(unfinished) == (unfinished, [])
+    assert tool_format.parse("ok " + tool_format.OPEN + '\n{"name": "ad', "length") == ("ok", [])
+    content, calls = tool_format.parse(unfinished, "length")
+    assert content == "ok" and [(c.name, c.arguments, c.complete) for c in calls] == [("add", "", False)]
+    content, calls = tool_format.parse(unfinished + 'ments": {"a": 1', "length")
+    assert content == "ok" and [(c.name, c.arguments, c.complete) for c in calls] == [("add", '{"a": 1', False)]
+    # After a cancel, a deadline or a failure, held text is dropped, and so is an open call.
+    assert tool_format.parse(unfinished + 'ments": {"a": 1', "abort") == ("ok", [])
+    assert tool_format.parse("ok\n<tool", "abort") == ("ok", [])
+    assert tool_format.parse("ok\n<tool", "length") == ("ok", [])
+    assert tool_format.parse("ok\n<tool", "stop") == ("ok\n<tool", [])
     # A past turn renders back to the same text.
     past = [{"id": "x", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]
     assert tool_format.assistant_text(None, past) == call("add", {"a": 1, "b": 2})
@@ -177,7 +219,9 @@ def test_streamed_tool_calls_add_up_to_the_whole() -> None:
     call = tool_format.call_text
     texts = ["plain <tool answer\n", "Hi.\n" + call("f", {"x": [1, "</tool_call>"]}) + "\n" + call("g", {}),
              call("f", {}) + " trailing words", "ok " + tool_format.OPEN + '\n{"name": "add"',
-             "a\n\n" + call("f", {"k": "v"}) + "\n\n"]
+             "a\n\n" + call("f", {"k": "v"}) + "\n\n",
+             tool_format.OPEN + '\n{"arguments": {"x": 1}, "name": "f"}\n' + tool_format.CLOSE,
+             tool_format.OPEN + '\n{"name": "f", "id": 3, "arguments": {"x": 1}}\n' + tool_format.CLOSE]
     rng = random.Random(0)
     for text in texts:
         want_content, want_calls = tool_format.parse(text)
@@ -191,8 +235,18 @@ def test_streamed_tool_calls_add_up_to_the_whole() -> None:
                 deltas += d
             content += sp.finish()
             assert (content or None) == want_content, text
-            assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in deltas] == \
-                [(i, c.name, c.arguments) for i, c in enumerate(want_calls)]
+            # The first entry of a call has its id and name; the others add argument text.
+            got: dict[int, list[str]] = {}
+            for d in deltas:
+                fn = d["function"]
+                if d["index"] not in got:
+                    assert d["id"].startswith("call_") and d["type"] == "function"
+                    got[d["index"]] = [fn["name"], ""]
+                else:
+                    assert "id" not in d and "name" not in fn
+                got[d["index"]][1] += fn["arguments"]
+            assert [(i, *got[i]) for i in sorted(got)] == [(i, c.name, c.arguments) for i, c in enumerate(want_calls)]
+            assert all(json.loads(c.arguments) is not None for c in want_calls if c.complete)
 
 
 # ---- matcher and masks ----------------------------------------------------------------------

@@ -12,7 +12,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, raw_request
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "SmolLM2-135M-Instruct"
@@ -194,13 +194,15 @@ def test_pathological_compile_fails_within_deadline_while_others_stream(client) 
                                        extra_body={"response_format": {"type": "regex", "regex": "[a-"}})
 
 
-def test_cancel_while_compiling_ends_at_once(server, client) -> None:
-    stream = client.chat.completions.create(
-        model=MODEL, messages=ask("hi"), max_tokens=5, stream=True,
-        extra_body={"response_format": {"type": "grammar", "grammar": slow_lark("c")}})
-    next(iter(stream))  # the role chunk: the request is in, compiling
+def test_cancel_while_compiling_ends_at_once(server) -> None:
+    # A stream with a grammar starts once the grammar compiled (a bad one is a 400 before the
+    # first byte), so the client that leaves while it compiles has received nothing yet.
+    body = json.dumps({"model": MODEL, "messages": ask("hi"), "max_tokens": 5, "stream": True,
+                       "response_format": {"type": "grammar", "grammar": slow_lark("c")}}).encode()
+    sock = raw_request(server.port, "/v1/chat/completions", body)
+    server.wait_for(lambda m: m["stopline_grammar_compiles_pending"] >= 1, timeout=10)
     t0 = time.monotonic()
-    stream.close()
+    sock.close()
     while time.monotonic() - t0 < 1.0:
         m = server.metrics()
         if m.get("stopline_requests_running", 1) == 0 and m.get("stopline_requests_waiting", 1) == 0:

@@ -107,7 +107,7 @@ class OutputProcessor:
 
     def delta(self, req: Request, final: bool) -> RequestOutput:
         """Everything of req not yet sent; text that could still be the start of a stop
-        string is held back until the request ends."""
+        string is held back until `final` (an end with an answer: stop or length)."""
         out = self.pending.pop(req.internal_id, None) or RequestOutput(req.request_id, req.index,
                                                                        req.incarnation)
         visible = len(req.text)
@@ -144,6 +144,10 @@ class OutputProcessor:
         """The one terminal output of a request."""
         detok = self.detok.get(req.internal_id)
         aborted = req.finish_reason in (FinishReason.ABORT, FinishReason.TIMEOUT)
+        # An end that is not an answer drops the text held back (the start of a stop string,
+        # bytes of an unfinished character): it belongs to no answer, and after a cancel
+        # nothing more reaches the client.
+        drop_held = aborted or req.finish_reason in (FinishReason.ERROR, FinishReason.PREEMPTED)
         cut_by_stop_string = req.finish_reason is FinishReason.STOP and req.stop_detail in req.params.stop
         if aborted:
             # Nothing reaches the client after an abort, not even a token computed before it
@@ -155,8 +159,9 @@ class OutputProcessor:
             req.prompt_logprobs_sent = True  # unsent prompt scores stay unsent too
         elif detok is not None and not cut_by_stop_string:
             self.catch_up(req, check=False)  # tokens computed before the end, not yet text
-            req.text += detok.flush()  # bytes held back waiting for the rest of a character
-        out = self.delta(req, final=True)
+            if not drop_held:
+                req.text += detok.flush()  # bytes held back waiting for the rest of a character
+        out = self.delta(req, final=not drop_held)
         out.finished = True
         out.finish_reason = req.finish_reason
         out.stop_detail = req.stop_detail

@@ -18,6 +18,7 @@ The grammars in tools.py produce exactly this text, and `parse` reads exactly it
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -70,7 +71,8 @@ def tool_result_text(content: str) -> str:
 class ToolCall:
     id: str
     name: str
-    arguments: str  # a JSON string, as OpenAI sends it
+    arguments: str  # a JSON string, as OpenAI sends it: the model's own text of the value
+    complete: bool = True  # False: the output ended inside the call (its arguments are cut)
 
     def body(self) -> dict[str, Any]:
         """OpenAI's shape of one entry of `message.tool_calls`."""
@@ -82,50 +84,47 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _read_call(text: str, start: int) -> tuple[ToolCall, int] | None:
-    """The call whose opening tag ends at `start`, and where its closing tag ends."""
-    i = start
-    while i < len(text) and text[i].isspace():
-        i += 1
-    try:
-        obj, end = json.JSONDecoder().raw_decode(text, i)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", {})
-    j = end
-    while j < len(text) and text[j].isspace():
-        j += 1
-    if not text.startswith(CLOSE, j):
-        return None
-    return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False)), j + len(CLOSE)
+# Reasons whose output is not an answer: what the parser still holds is dropped, never sent.
+_NOT_ANSWERS = frozenset({"abort", "timeout", "error", "preempted"})
+
+# A call as the grammars in tools.py write it: its head up to the end of its name, then the
+# key up to the first character of its arguments object. A call whose text does not start so
+# is read whole at its closing tag instead.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_KEY = re.compile(r'\s*,\s*"arguments"\s*:\s*\{')
 
 
-def parse(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a finished output. Text around the calls is the content (None if
-    empty); an unfinished or malformed call stays in the content as text. The same parser
-    as streaming, so both give the same answer."""
+def parse(text: str, reason: str | None = "stop") -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a finished output that ended with finish reason `reason`: what a
+    stream of the same text delivers, added up (the same parser), so the two agree. One
+    difference: a call still open at a cancel, a deadline or a failure is left out, since
+    nothing of it was delivered yet (a stream had sent its start before the end)."""
     sp = StreamParser()
     content, _ = sp.feed(text)
-    content += sp.finish()
-    return (content or None), sp.calls
+    content += sp.finish(reason)
+    calls = [c for c in sp.calls if c.complete] if reason in _NOT_ANSWERS else sp.calls
+    return (content or None), calls
 
 
 class StreamParser:
-    """Splits streamed text into content deltas and tool-call deltas as they complete, so
-    that the deltas add up to what `parse` gives for the whole text.
+    """Splits streamed text into content deltas and OpenAI `delta.tool_calls` entries.
 
     Content is passed on at once, except a tail that may be the start of `<tool_call>` and
-    trailing whitespace (dropped if a call follows); once a call opens, its text is held
-    until the call closes, then sent as one `delta.tool_calls` entry (id, name and the
-    whole arguments string)."""
+    trailing whitespace (dropped if a call follows). Inside a call, the text up to the end of
+    its name is held; then one entry opens the call (index, id, type, name, empty arguments)
+    and the arguments' JSON text follows in pieces as it is written. The closing `}` and tag are
+    markup, never sent. What an output ends holding is its finish reason's to decide
+    (`finish`): markup is never content."""
 
     def __init__(self) -> None:
         self._buf = ""  # text not yet passed on
         self._ws = ""  # whitespace held before an open call
-        self._in_call = False
-        self.calls: list[ToolCall] = []
+        self._state = "text"  # text / head (call open, name not read) / key / args / tail
+        self._head = ""  # the text of an open call up to the end of its name
+        self._depth = 0  # JSON nesting inside the arguments
+        self._in_str = False
+        self._esc = False
+        self.calls: list[ToolCall] = []  # every call opened, the last maybe still open
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """(content delta, tool_calls deltas) for the next piece of output."""
@@ -133,37 +132,146 @@ class StreamParser:
         content = ""
         deltas: list[dict[str, Any]] = []
         while True:
-            if not self._in_call:
+            if self._state == "text":
                 at = self._buf.find(OPEN)
                 if at < 0:
                     cut = len(self._buf) - _partial_tag(self._buf)
-                    head = self._buf[:cut]
-                    sent = head.rstrip()
+                    sent = self._buf[:cut].rstrip()
                     content += sent
                     self._buf = self._buf[len(sent):]
-                    return content, deltas
+                    return content, _merged(deltas)
                 head = self._buf[:at]
                 sent = head.rstrip()
                 content += sent
                 self._ws = head[len(sent):]
-                self._buf = self._buf[at:]
-                self._in_call = True
-            got = _read_call(self._buf, len(OPEN))
-            if got is None:
-                return content, deltas
-            call, end = got
-            deltas.append({"index": len(self.calls), **call.body()})
-            self.calls.append(call)
-            self._buf = self._buf[end:]
-            self._ws = ""
-            self._in_call = False
+                self._buf = self._buf[at + len(OPEN):]
+                self._state = "head"
+            elif self._state == "head":
+                m = _HEAD.match(self._buf)
+                if m is None:
+                    whole = _read_call(self._buf)
+                    if whole is None:
+                        return content, _merged(deltas)  # not closed yet (or never will be)
+                    call, end = whole
+                    deltas.append({"index": len(self.calls), **call.body()})
+                    self.calls.append(call)
+                    self._buf = self._buf[end:]
+                    self._ws = ""
+                    self._state = "text"
+                    continue
+                # The name is known: the call opens, its arguments empty so far (OpenAI's first
+                # delta of a call).
+                call = ToolCall(new_call_id(), json.loads(m.group(1)), "", complete=False)
+                deltas.append({"index": len(self.calls), **call.body()})
+                self.calls.append(call)
+                self._head, self._buf = self._buf[:m.end()], self._buf[m.end():]
+                self._ws = ""
+                self._state = "key"
+            elif self._state == "key":
+                m = _KEY.match(self._buf)
+                if m is None:
+                    end = self._buf.find(CLOSE)
+                    if end < 0:
+                        return content, _merged(deltas)
+                    # Not the grammars' shape (arguments first, other keys): read it whole.
+                    whole = _read_call(self._head + self._buf)
+                    if whole is not None:
+                        call, at = whole
+                        self.calls[-1].arguments = call.arguments
+                        self.calls[-1].complete = True
+                        deltas.append({"index": len(self.calls) - 1,
+                                       "function": {"arguments": call.arguments}})
+                        self._buf = (self._head + self._buf)[at:]
+                    else:
+                        self._buf = self._buf[end + len(CLOSE):]
+                    self._state = "text"
+                    continue
+                self._buf = self._buf[m.end() - 1:]  # from the arguments' "{"
+                self._depth, self._in_str, self._esc = 0, False, False
+                self._state = "args"
+            elif self._state == "args":
+                n = self._scan(self._buf)
+                piece, self._buf = self._buf[:n], self._buf[n:]
+                if piece:
+                    self.calls[-1].arguments += piece
+                    deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+                if self._depth > 0:
+                    return content, _merged(deltas)
+                self.calls[-1].complete = True  # what is left is markup
+                self._state = "tail"
+            else:  # tail: the object's "}" and the closing tag
+                end = self._buf.find(CLOSE)
+                if end < 0:
+                    return content, _merged(deltas)
+                self._buf = self._buf[end + len(CLOSE):]
+                self._state = "text"
 
-    def finish(self) -> str:
-        """The content held back at the end of the output: trailing whitespace (none after
-        a call), or the text of an unfinished call."""
-        rest = self._ws + self._buf if self._in_call else self._buf
+    def finish(self, reason: str | None = "stop") -> str:
+        """The content held back at the end of an output that ended with `reason`. After a
+        cancel, a deadline or a failure nothing more is sent: held text is not an answer. A
+        call left open is never content: one whose name was read stays a call, cut (OpenAI's
+        answer at max_tokens, its arguments maybe still empty); the head of one whose name was
+        not, or an opening tag cut short, is dropped."""
+        rest = self._buf if self._state == "text" else ""
         self._buf = self._ws = ""
+        self._state = "text"
+        if reason in _NOT_ANSWERS:
+            return ""
+        if reason == "length" and _partial_tag(rest):
+            # A call's opening tag cut by max_tokens, and the whitespace that led to it.
+            rest = rest[:len(rest) - _partial_tag(rest)].rstrip()
         return rest.rstrip() if self.calls else rest
+
+    @property
+    def all_complete(self) -> bool:
+        return all(c.complete for c in self.calls)
+
+    def _scan(self, text: str) -> int:
+        """How much of `text` belongs to the arguments: up to the `}` that closes them."""
+        for i, ch in enumerate(text):
+            if self._in_str:
+                if self._esc:
+                    self._esc = False
+                elif ch == "\\":
+                    self._esc = True
+                elif ch == '"':
+                    self._in_str = False
+            elif ch == '"':
+                self._in_str = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return len(text)
+
+
+def _merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per call per chunk: argument pieces joined onto the entry before them."""
+    out: list[dict[str, Any]] = []
+    for d in deltas:
+        if out and out[-1]["index"] == d["index"] and "id" not in d:
+            out[-1]["function"]["arguments"] += d["function"]["arguments"]
+        else:
+            out.append(d)
+    return out
+
+
+def _read_call(text: str) -> tuple[ToolCall, int] | None:
+    """A whole call (the text after its opening tag), and where its closing tag ends."""
+    i = len(text) - len(text.lstrip())
+    try:
+        obj, end = json.JSONDecoder().raw_decode(text, i)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", {})
+    j = end + len(text[end:]) - len(text[end:].lstrip())
+    if not text.startswith(CLOSE, j):
+        return None
+    return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False)), j + len(CLOSE)
 
 
 def _partial_tag(s: str) -> int:

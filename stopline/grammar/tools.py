@@ -82,17 +82,47 @@ def _tool(i: int, t: Any) -> dict[str, Any]:
     return {"type": "function", "function": out}
 
 
-def _call_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
+# Subtrees whose values are data, not schemas: a {"$ref": ...} inside them is not a reference.
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebase(node: Any, root: str, top: bool = True) -> Any:
+    """A copy of schema `node` whose local `$ref`s ("#", "#/...") point below `root`, the
+    pointer where it now lives. Its own `$id` goes (it would make it a document of its own,
+    which the rebased pointers leave); a subschema with an `$id` is one, and stays as it is."""
+    if isinstance(node, list):
+        return [_rebase(v, root, False) for v in node]
+    if not isinstance(node, Mapping) or (not top and "$id" in node):
+        return node
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = root + v[1:]
+        elif k in _DATA_KEYS:
+            out[k] = v
+        elif not (top and k == "$id"):
+            out[k] = _rebase(v, root, False)
+    return out
+
+
+def _call_schema(tool: Mapping[str, Any], slot: str) -> dict[str, Any]:
+    """One call's schema. The parameters are referenced from the root's `$defs` (at `slot`),
+    not nested under `arguments`: their own `$ref`s ("#/$defs/Color", as Pydantic writes a
+    nested model or an Enum) resolve against the document root, so the parameters move there
+    whole and every local pointer is rebased into them."""
     fn = tool["function"]
     return {"type": "object",
-            "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]},
+            "properties": {"name": {"const": fn["name"]}, "arguments": {"$ref": f"#/$defs/{slot}"}},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
 def _calls_lark(tools: Sequence[Mapping[str, Any]], parallel: bool, lazy: bool) -> str:
     strict = all(t["function"].get("strict", False) for t in tools)
-    schema: dict[str, Any] = {"anyOf": [_call_schema(t) for t in tools]} if len(tools) > 1 \
-        else _call_schema(tools[0])
+    slots = [f"args{i}" for i in range(len(tools))]
+    calls = [_call_schema(t, s) for t, s in zip(tools, slots, strict=True)]
+    schema: dict[str, Any] = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    schema["$defs"] = {s: _rebase(t["function"]["parameters"], f"#/$defs/{s}")
+                       for t, s in zip(tools, slots, strict=True)}
     schema["x-guidance"] = {**JSON_OPTIONS, "lenient": not strict}
     # A call's body after its opening tag; the lazy variant has the tag in `lead`.
     body = f"\"\\n\" %json {json.dumps(schema)} \"\\n{tool_format.CLOSE}\""

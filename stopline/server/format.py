@@ -130,11 +130,13 @@ class Formatter:
         return obj
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        """Chat streams open each choice with the assistant role."""
+        """Chat streams open each choice with the assistant role (and, where the answer may
+        be calls, a null content, as OpenAI opens a stream of calls: never an empty one)."""
         if not self.chat:
             return []
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
+        delta = {"role": "assistant", "content": None if self.tool_calls else ""}
+        return [self._chunk([{"index": i, "delta": dict(delta), "logprobs": None, "finish_reason": None}])
+                for i in range(self.n)]
 
     def chunk(self, out: RequestOutput) -> dict[str, Any] | None:
         self.streamed += len(out.new_token_ids)
@@ -146,16 +148,16 @@ class Formatter:
             sp = self._parsers[out.index]
             text, calls = sp.feed(out.new_text)
             if out.finished:
-                text += sp.finish()
+                text += sp.finish(reason)
             delta: dict[str, Any] = {}
-            if text or (not calls and not out.finished):
+            if text:  # never an empty content: a token inside a call is in `calls` or held
                 delta["content"] = text
             if calls:
                 delta["tool_calls"] = calls
             if not delta and not out.finished and not out.new_logprobs:
-                return None  # held back: the text of a call not yet closed
+                return None  # held back: markup, or a call's head before its name
             choice["delta"] = delta
-            if reason == "stop" and sp.calls:
+            if reason == "stop" and sp.calls and sp.all_complete:
                 reason = "tool_calls"
         elif self.chat:
             choice["delta"] = {"content": out.new_text} if out.new_text or not out.finished else {}
@@ -184,11 +186,11 @@ class Formatter:
             item: dict[str, Any] = {"index": i}
             reason = c.finish_reason
             if self.tool_calls:
-                content, calls = tool_format.parse(c.text)
+                content, calls = tool_format.parse(c.text, reason)
                 item["message"] = {"role": "assistant", "content": content}
                 if calls:
                     item["message"]["tool_calls"] = [call.body() for call in calls]
-                    if reason == "stop":
+                    if reason == "stop" and all(call.complete for call in calls):
                         reason = "tool_calls"
             elif self.chat:
                 item["message"] = {"role": "assistant", "content": c.text}
@@ -211,14 +213,10 @@ class Formatter:
     def check_outcome(self, choices: list[Choice]) -> None:
         """A non-streaming request that ended abnormally gets an HTTP error, not a 200."""
         reasons = {c.finish_reason for c in choices}
-        grammar = next((c.stop_detail for c in choices if c.finish_reason == "error"
-                        and (c.stop_detail or "").startswith("grammar: ")), None)
-        if grammar is not None and not any(c.tokens for c in choices):
-            # The grammar could not be compiled (invalid, over a limit, past its deadline):
-            # the request as sent can't be served.
-            param = "tools" if self.tool_calls else "response_format"
-            raise ApiError(400, f"{param}: {grammar.removeprefix('grammar: ')}", param=param,
-                           code="invalid_grammar")
+        refused = next((e for c in choices if (e := self.grammar_error(c.finish_reason, c.stop_detail))),
+                       None)
+        if refused is not None and not any(c.tokens for c in choices):
+            raise refused
         if "error" in reasons:
             detail = next(c.stop_detail for c in choices if c.finish_reason == "error")
             raise ApiError(500, f"the request failed: {detail}", code="request_failed")
@@ -229,6 +227,15 @@ class Formatter:
         if reasons == {"timeout"} and not any(c.tokens for c in choices):
             raise ApiError(503, "the request timed out before it was scheduled", code="queue_timeout",
                            headers={"Retry-After": "1"})
+
+    def grammar_error(self, reason: str | None, detail: str | None) -> ApiError | None:
+        """The 400 for a sample the engine ended because its grammar could not be compiled
+        (invalid, over a limit, past its deadline): the request as sent can't be served."""
+        if reason != "error" or not (detail or "").startswith("grammar: "):
+            return None
+        param = "tools" if self.tool_calls else "response_format"
+        return ApiError(400, f"{param}: {detail.removeprefix('grammar: ')}", param=param,
+                        code="invalid_grammar")
 
     # ---- pieces -----------------------------------------------------------------------------
     @staticmethod

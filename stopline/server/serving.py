@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from stopline.engine.output import RequestOutput
 from stopline.engine.streams import EngineDead, EngineOverloaded, EngineUnavailable
 from stopline.request import AbortSource, InvalidRequest
 from stopline.server import batch, limits
@@ -127,7 +128,23 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
         group.detach()
 
     if req.stream:
-        return SSEResponse(_events(group, fmt, srv, trace), on_disconnect=abort, wake=group.detach,
+        outputs: Any = group
+        if params.grammar is not None:
+            # A grammar compiles in the engine; one that can't be (invalid, too big, too slow)
+            # is a 400 before the stream's first byte, as without streaming, not a 200 stream
+            # that ends in an error. So the response starts with the first output.
+            peeked = await _first_output(request, group, abort)
+            if peeked is None:
+                return Response(status_code=499)  # client closed the request
+            first = peeked.first
+            reason = first.finish_reason.value if first.finish_reason else None
+            refused = fmt.grammar_error(reason, first.stop_detail)
+            if refused is not None:
+                group.end(AbortSource.CANCEL)  # members that have not failed yet end with it
+                group.detach()
+                raise refused
+            outputs = peeked
+        return SSEResponse(_events(outputs, fmt, srv, trace), on_disconnect=abort, wake=group.detach,
                            headers=_headers(rid, trace))
     return await _whole(request, group, fmt, abort, _headers(rid, trace))
 
@@ -273,6 +290,54 @@ async def _race(request: Request, stream: batch.Group, fmt: Formatter, abort: An
         raise ApiError(500, f"the engine core died: {exc}", code="engine_dead") from None
     fmt.check_outcome(choices)
     return JSONResponse(fmt.response(choices, usage), headers=headers)
+
+
+async def _first_output(request: Request, stream: Any, abort: Any) -> _Peeked | None:
+    """The stream with its first output read, raced against the client (None: the client
+    left first)."""
+    it = aiter(stream)
+    peek = asyncio.ensure_future(anext(it))
+    watch = asyncio.ensure_future(watch_disconnect(request.receive, abort))
+    try:
+        await asyncio.wait({peek, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # our own task was cancelled (shutdown): the request goes with it
+        abort(time.monotonic())
+        peek.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not peek.done() or (watch.done() and not watch.cancelled()):
+        peek.cancel()
+        return None
+    try:
+        return _Peeked(stream, it, peek.result())
+    except StopAsyncIteration:
+        return None
+    except EngineDead as exc:
+        raise ApiError(500, f"the engine core died: {exc}", code="engine_dead") from None
+
+
+class _Peeked:
+    """A stream whose first output was read before its response started: that output
+    first, then the rest, from the one iterator (iterating a stream again restarts it)."""
+
+    def __init__(self, stream: Any, it: Any, first: RequestOutput) -> None:
+        self._stream = stream
+        self._it = it
+        self.first = first
+        self._pending: RequestOutput | None = first
+
+    def __getattr__(self, name: str) -> Any:  # prompt_tokens, detach, ...
+        return getattr(self._stream, name)
+
+    def __aiter__(self) -> _Peeked:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+            return out
+        return await anext(self._it)
 
 
 async def _collect(stream: batch.Group, n: int) -> tuple[list[Choice], UsageSum]:
