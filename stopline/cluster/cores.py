@@ -86,8 +86,9 @@ class RayCores:
         self.slots: list[ReplicaSlot] = []
         self.tokenizer = None
         self.on_lost: Callable[[list[str], str], None] = lambda incs, why: None  # set by frontend
-        # Ends the cancelled ones among these here, returns them (AsyncEngine.confirm_cancels).
-        self.confirm_cancels: Callable[[list[str]], list[str]] = lambda incs: []
+        # Ends the cancelled ones among these here, returns them: set by the AsyncEngine in front
+        # (AsyncEngine.confirm_cancels).
+        self.confirm_cancels: Callable[[list[str] | None], list[str]] = lambda incs: []
         self.bounds = liveness or Bounds()
         self._watcher: asyncio.Task | None = None
         self._on_batch: Callable[[Batch], None] | None = None

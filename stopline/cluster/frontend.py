@@ -36,5 +36,4 @@ def ray_engine(model: str | None, config: EngineConfig | None, *, replicas: int 
                        threads=threads, num_cpus=num_cpus, ray_init=ray_init, liveness=liveness)
     engine = AsyncEngine(backend, **streams)
     backend.on_lost = lambda incs, why: engine.fail(incs, why)
-    backend.confirm_cancels = engine.confirm_cancels
     return engine

@@ -116,8 +116,9 @@ class DisaggCores:
         self.split: set[str] = set()  # open incarnations the prefill role works on
         self.decoding: set[str] = set()  # split ones whose first output came from decode
         self.on_lost: Callable[[list[str], str], None] = lambda incs, why: None  # set below
-        # Ends the cancelled ones among these here, returns them (AsyncEngine.confirm_cancels).
-        self.confirm_cancels: Callable[[list[str]], list[str]] = lambda incs: []
+        # Ends the cancelled ones among these here, returns them: set by the AsyncEngine in front
+        # (AsyncEngine.confirm_cancels).
+        self.confirm_cancels: Callable[[list[str] | None], list[str]] = lambda incs: []
 
     async def start(self, on_batch: Callable[[Batch], None],
                     on_dead: Callable[[str], None]) -> CoreInfo:
@@ -293,5 +294,4 @@ def disagg_engine(model: str | None, config: EngineConfig | None, *, reclaim_s: 
                           remote=remote, listen=listen, liveness=liveness)
     engine = AsyncEngine(backend, **streams)
     backend.on_lost = lambda incs, why: engine.fail(incs, why)
-    backend.confirm_cancels = engine.confirm_cancels
     return engine

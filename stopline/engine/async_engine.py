@@ -118,6 +118,8 @@ class AsyncEngine:
         self._finished: OrderedDict[str, list[str | None]] = OrderedDict()
         self._remember = remember_finished
         self._incarnations = itertools.count()
+        if hasattr(backend, "confirm_cancels"):  # it watches processes that can get stuck
+            backend.confirm_cancels = self.confirm_cancels
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -135,10 +137,8 @@ class AsyncEngine:
         stuck and when it is killed (engine/liveness.py)."""
         from stopline.engine.proc.transport import ProcCore
 
-        core = ProcCore(model, config, progress=progress, threads=core_threads, liveness=liveness)
-        engine = cls(core, **kwargs)
-        core.on_stuck = lambda why: engine.confirm_cancels()
-        return engine
+        return cls(ProcCore(model, config, progress=progress, threads=core_threads,
+                            liveness=liveness), **kwargs)
 
     async def start(self) -> CoreInfo:
         """Load the model and start the core; returns when requests can be admitted."""

@@ -87,6 +87,9 @@ class ProcCore:
         # Told when the core becomes stuck (why) and when it answers again (the split's roles).
         self.on_stuck: Callable[[str], None] = lambda why: None
         self.on_back: Callable[[], None] = lambda: None
+        # Ends the open streams already cancelled (all: None) at the front end and returns
+        # them: set by the AsyncEngine whose backend this is (AsyncEngine.confirm_cancels).
+        self.confirm_cancels: Callable[[list[str] | None], list[str]] = lambda incs: []
         self._beats: asyncio.Task | None = None
         self.make_core = make_core
         self.config = config
@@ -214,6 +217,7 @@ class ProcCore:
         for fut in [*self._acks.values(), *self._calls.values()]:
             if not fut.done():
                 fut.set_exception(exc)
+        self.confirm_cancels(None)  # every request here runs on this core
         self.on_stuck(why)
 
     def _kill_stuck(self, why: str) -> None:
