@@ -104,6 +104,7 @@ def test_stuck_prefill_fails_new_requests_fast_and_rejoins(split):
     (not when prefill resumes), /health names the stuck role, and it serves again after."""
     pid = _roles(split)["prefill"]["pid"]
     long_prompt = "the quick brown fox " * 20
+    _client(split).completions.create(model="tiny", prompt=long_prompt, max_tokens=2)  # warm
     os.kill(pid, signal.SIGSTOP)
     try:
         # At once: not marked yet, so the add reaches the stopped role, whose reply never comes.
@@ -111,7 +112,8 @@ def test_stuck_prefill_fails_new_requests_fast_and_rejoins(split):
         with pytest.raises(openai.APIStatusError) as first:
             _client(split, timeout=8).completions.create(model="tiny", prompt=long_prompt, max_tokens=4)
         assert first.value.status_code == 503, first.value
-        assert time.monotonic() - t0 < STUCK_S + 1.5, time.monotonic() - t0
+        # Within the stuck bound and some slack for a shared host; not the whole stop.
+        assert time.monotonic() - t0 < STUCK_S + 3, time.monotonic() - t0
         _wait(lambda: _health(split).status_code == 503, 3, "/health never said the prefill role is stuck")
         body = _health(split).json()
         assert "prefill" in body["detail"] and "stuck" in body["detail"], body
@@ -151,7 +153,7 @@ def test_stuck_decode_cancel_is_confirmed_at_once(split):
         took = time.monotonic() - t0
         assert r.status_code == 200 and r.json()["cancelled"] is True, r.text
         assert r.json()["finish_reasons"] == ["abort"]
-        assert took < STUCK_S + 1.5, took
+        assert took < STUCK_S + 3, took
         assert s.done.wait(5) and s.error is None and s.finish == "abort", (s.error, s.finish)
         assert _health(split).status_code == 503 and _roles(split)["decode"]["state"] == "stuck"
     finally:

@@ -272,7 +272,10 @@ class RayCores:
     # ---- liveness -------------------------------------------------------------------------
     async def _watch(self) -> None:
         while not self._closing:
+            t = time.monotonic()
             await asyncio.sleep(self.bounds.beat_s)
+            if time.monotonic() - t > 2 * self.bounds.beat_s:
+                continue  # our own loop was held up: answers may be waiting unread, judge later
             for slot in self.slots:
                 if slot.serving and slot.watch is not None:
                     self._tick(slot, slot.watch)
