@@ -201,6 +201,29 @@ def test_core_stuck_past_the_kill_bound_is_killed(tiny_long_model_dir):
         srv.stop()
 
 
+def test_watch_marks_silence_and_long_steps_and_says_when_to_kill():
+    from stopline.engine.liveness import Bounds, Watch
+
+    now = [0.0]
+    w = Watch("replica 0", Bounds(1.0, 3.0), clock=lambda: now[0])
+    assert Bounds(1.0, 3.0).beat_s == 0.25
+    with pytest.raises(ValueError):
+        Bounds(2.0, 1.0)
+    now[0] = 0.9
+    assert w.check() is None
+    now[0] = 1.2  # no answer since 0
+    assert w.check() == "replica 0 answered no heartbeat for 1.2 s" and not w.overdue()
+    w.answer(0.0)
+    assert w.check() is None
+    w.answer(0.5)  # answers, but has been in one step for 0.5 s
+    now[0] = 1.9
+    assert w.check() == "replica 0 has been in one step for 1.2 s"
+    now[0] = 4.3
+    assert w.check() == "replica 0 answered no heartbeat for 3.1 s" and w.overdue()
+    w.reset()
+    assert w.check() is None and w.stuck is None
+
+
 def test_decode_reclaims_a_wait_the_prefill_side_never_took(tiny_model_dir):
     """Item 4's second cause: decode armed its reclaim clock only at prefill's first
     heartbeat, so a request prefill never took (stopped before it) waited on decode forever.
