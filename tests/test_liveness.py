@@ -32,6 +32,7 @@ from tests.test_cluster import _can_unshare
 pytestmark = pytest.mark.timeout(180)
 
 STUCK_S = 1.0
+KILL_S = 12.0  # the split's: longer than any stop of the tests before its own kill test
 ARGS = ("--served-model-name", "tiny", "--block-size", "4", "--num-blocks", "4096",
         "--max-num-batched-tokens", "64", "--stuck-s", str(STUCK_S))
 
@@ -91,7 +92,7 @@ class _Stream:
 @pytest.fixture(scope="module")
 def split(tiny_long_model_dir):
     srv = ServerProcess("--model", str(tiny_long_model_dir), *ARGS, "--disagg", "--reclaim-s", "2",
-                        "--stuck-kill-s", "60")
+                        "--stuck-kill-s", str(KILL_S))
     try:
         srv.wait_ready()
         yield srv
@@ -164,6 +165,29 @@ def test_stuck_decode_cancel_is_confirmed_at_once(split):
     r = _client(split).completions.create(model="tiny", prompt="x y z", max_tokens=3,
                                           extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
+
+
+def test_stuck_role_past_the_kill_bound_is_killed(split):
+    """Last on this server: decode stopped past --stuck-kill-s is killed; its stream ends with
+    an error that says so (not a success, not 'abort'), and /health names it dead."""
+    s = _Stream(split, "in a hole in the ground " * 4)
+    assert s.started.wait(30) and s.error is None, s.error
+    pid = _roles(split)["decode"]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    try:
+        assert s.done.wait(KILL_S + 10), "the stuck decode role was never killed"
+        assert time.monotonic() - t_stop >= KILL_S - 0.5
+        assert isinstance(s.error, openai.APIError) and "killed" in str(s.error), s.error
+        roles = _roles(split)
+        assert roles["decode"]["state"] == "dead" and "killed" in roles["decode"]["last_error"], roles
+        assert roles["prefill"]["state"] == "healthy"
+        assert _health(split).status_code == 503
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
 
 def test_core_stuck_past_the_kill_bound_is_killed(tiny_long_model_dir):
