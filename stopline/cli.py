@@ -100,6 +100,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disagg-listen", default="127.0.0.1:7100",
                    help="with --disagg-remote: host:port P of this host the remote role connects "
                         "to (ports P..P+4; use an address the other host reaches)")
+    g.add_argument("--stuck-s", type=float, default=5.0,
+                   help="seconds an engine process (core, role, replica) may leave a heartbeat "
+                        "unanswered or stay in one step before it is marked stuck: no new work, "
+                        "its requests' cancels confirmed by the front end")
+    g.add_argument("--stuck-kill-s", type=float, default=60.0,
+                   help="seconds of the same before a stuck engine process is killed (a replica "
+                        "is then restarted)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="answer 429 while this many requests wait for their first step (default: no limit)")
     g.add_argument("--queue-timeout", type=float, default=None,
@@ -144,23 +151,31 @@ def serve(args: argparse.Namespace) -> int:
                          "--replicas or --in-process")
     if args.disagg_remote is not None and not args.disagg:
         raise SystemExit("--disagg-remote needs --disagg")
+    from stopline.engine.liveness import Bounds
+
+    try:
+        liveness = Bounds(args.stuck_s, args.stuck_kill_s)
+    except ValueError as exc:
+        raise SystemExit(f"--stuck-s and --stuck-kill-s: {exc}") from None
     if args.replicas is not None:
         require("ray", what="--replicas")  # before anything starts, so nothing needs undoing
         from stopline.cluster.frontend import ray_engine
 
         engine = ray_engine(args.model, engine_config(args), replicas=args.replicas,
                             address=args.ray_address, policy=args.route,
-                            threads=args.core_threads or 1, max_waiting=args.max_waiting,
+                            threads=args.core_threads or 1, liveness=liveness,
+                            max_waiting=args.max_waiting,
                             stall_timeout=args.stall_timeout, max_buffered=args.max_buffered)
     elif args.disagg:
         from stopline.disagg.frontend import disagg_engine
 
         engine = disagg_engine(args.model, engine_config(args), reclaim_s=args.reclaim_s,
                                threads=args.core_threads, remote=args.disagg_remote,
-                               listen=args.disagg_listen, max_waiting=args.max_waiting,
+                               listen=args.disagg_listen, liveness=liveness,
+                               max_waiting=args.max_waiting,
                                stall_timeout=args.stall_timeout, max_buffered=args.max_buffered)
     return run_server(args.model, engine_config(args), settings, host=args.host, port=args.port,
-                      engine=engine,
+                      engine=engine, liveness=liveness,
                       in_process=args.in_process, max_waiting=args.max_waiting,
                       core_threads=args.core_threads, stall_timeout=args.stall_timeout,
                       max_buffered=args.max_buffered, log_level=args.log_level,

@@ -6,6 +6,12 @@ owner (owners.py), sends aborts and pauses to that owner only, and pulls outputs
 replica. A replica that dies ends its own open streams with EngineDead at once (its pending
 pull fails), its requests are not retried, the router skips it, and it rejoins when Ray has
 restarted it and it answers again.
+
+A replica that is alive but answers no heartbeat, or stays in one step, for `Bounds.stuck_s`
+(engine/liveness.py) is stuck: the router skips it, /health lists it as such, and cancels of
+its requests are confirmed here at once (the abort still goes; when it comes back it applies
+it and its late terminal outputs find no stream). Stuck for `Bounds.kill_s`, it is killed:
+its open requests end with an error and Ray restarts it, as after any death.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +30,7 @@ from stopline.cluster.owners import OwnerTable
 from stopline.cluster.replica import actor_class
 from stopline.cluster.router import NoReplica, Policy, Router
 from stopline.config import Choice, EngineConfig
+from stopline.engine.liveness import Bounds, Watch
 from stopline.engine.messages import Batch, CoreInfo, Utility
 from stopline.engine.snapshot import Snapshot
 from stopline.engine.streams import EngineDead, EngineUnavailable
@@ -36,6 +44,7 @@ REJOIN_POLL = 0.5  # seconds between asking a dead replica whether it is back
 class ReplicaState(Choice):
     STARTING = "starting"
     HEALTHY = "healthy"
+    STUCK = "stuck"  # alive, but no heartbeat answer or no step for the stuck bound
     DEAD = "dead"  # died; Ray is restarting it
     CLOSED = "closed"
 
@@ -49,13 +58,20 @@ class ReplicaSlot:
     deaths: int = 0
     last_error: str | None = None
     snapshot: Snapshot = Snapshot()
+    watch: Watch | None = None  # from healthy on; a fresh one per incarnation of the actor
+    beat: asyncio.Future | None = None  # the heartbeat call in flight
+
+    @property
+    def serving(self) -> bool:
+        """Healthy or stuck: its process runs and owns its requests."""
+        return self.state in (ReplicaState.HEALTHY, ReplicaState.STUCK)
 
 
 class RayCores:
     def __init__(self, model: str | None, config: EngineConfig | None, *, replicas: int = 2,
                  address: str | None = None, policy: Policy = Policy.AFFINITY,
                  threads: int | None = 1, num_cpus: float = 1.0,
-                 ray_init: dict[str, Any] | None = None) -> None:
+                 ray_init: dict[str, Any] | None = None, liveness: Bounds | None = None) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         self.model, self.config = model, config
@@ -70,6 +86,11 @@ class RayCores:
         self.slots: list[ReplicaSlot] = []
         self.tokenizer = None
         self.on_lost: Callable[[list[str], str], None] = lambda incs, why: None  # set by frontend
+        # Ends the cancelled ones among these here, returns them: set by the AsyncEngine in front
+        # (AsyncEngine.confirm_cancels).
+        self.confirm_cancels: Callable[[list[str] | None], list[str]] = lambda incs: []
+        self.bounds = liveness or Bounds()
+        self._watcher: asyncio.Task | None = None
         self._on_batch: Callable[[Batch], None] | None = None
         self._pullers: list[asyncio.Task] = []
         self._started_ray = False
@@ -103,6 +124,7 @@ class RayCores:
         self.tokenizer = Tokenizer.from_state(info.tokenizer_state)
         self._pullers = [asyncio.create_task(self._pull(s), name=f"stopline-replica-{s.index}")
                          for s in self.slots]
+        self._watcher = asyncio.create_task(self._watch(), name="stopline-replica-beats")
         log.info("%d replicas ready (pids %s)", self.n, [s.pid for s in self.slots])
         return info
 
@@ -121,8 +143,16 @@ class RayCores:
         self.owners.dispatch(incarnation, r)
         self.samples[incarnation] = params.n
         try:
-            refused = await self.slots[r].actor.add.remote(request_id, incarnation, prompt_token_ids,
-                                                           params, arrival)
+            # The replica answers at once unless it is stuck: the add waits no longer than it
+            # takes to mark that.
+            refused = await asyncio.wait_for(
+                self._call(self.slots[r].actor.add, request_id, incarnation, prompt_token_ids,
+                           params, arrival), self.bounds.stuck_s)
+        except TimeoutError:
+            self._forget(incarnation)
+            self._send(r, "abort", [incarnation], AbortSource.CANCEL, time.monotonic())
+            raise EngineUnavailable(f"replica {r} did not answer the add within "
+                                    f"{self.bounds.stuck_s:g} s") from None
         except asyncio.CancelledError:
             # The caller is gone while the add was in flight: the replica may admit it anyway,
             # so an abort follows (Ray keeps it behind the add); its terminal output finds no
@@ -141,9 +171,16 @@ class RayCores:
             if held is not None:
                 self._send(r, "abort", [incarnation], held[0], held[1])
 
-    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> list[str]:
+        """Returns those on a stuck replica: the front end ends them itself."""
+        here: list[str] = []
         for r, incs in self.owners.route_aborts(incarnations, source, t0).items():
             self._send(r, "abort", incs, source, t0)
+            if self.slots[r].state is ReplicaState.STUCK:
+                here += incs
+        for inc in here:
+            self._forget(inc)
+        return here
 
     def pause(self, incarnations: list[str], paused: bool) -> None:
         for r, incs in self.owners.running(incarnations).items():
@@ -151,13 +188,20 @@ class RayCores:
 
     def _send(self, r: int, method: str, *args: Any) -> None:
         slot = self.slots[r]
-        if slot.state is ReplicaState.HEALTHY:
+        if slot.serving:  # a stuck one gets it when it comes back
             getattr(slot.actor, method).remote(*args)  # fire and forget; ordered per caller
 
     async def utility(self, method: Utility) -> list[Any]:
         """Runs on every healthy replica; their results in replica order."""
-        return list(await asyncio.gather(*(self.slots[r].actor.utility.remote(method)
-                                           for r in self.healthy())))
+        calls = asyncio.gather(*(self._call(self.slots[r].actor.utility, method)
+                                 for r in self.healthy()))
+        # A utility waits for a step boundary: a replica that gives none for twice the stuck
+        # bound is stuck anyway.
+        return list(await asyncio.wait_for(calls, 2 * self.bounds.stuck_s))
+
+    @staticmethod
+    async def _call(method: Any, *args: Any) -> Any:
+        return await method.remote(*args)
 
     def _forget(self, incarnation: str) -> None:
         self.owners.end(incarnation)
@@ -173,7 +217,7 @@ class RayCores:
             except RayActorError as exc:
                 if self._closing:
                     return
-                if slot.state is ReplicaState.HEALTHY:  # the pidfd watch may have seen it first
+                if slot.serving:  # the pidfd watch may have seen it first
                     self._lost(slot, f"replica {slot.index} died: {type(exc).__name__}")
                 await self._rejoin(slot)
                 continue
@@ -193,6 +237,8 @@ class RayCores:
 
     async def _healthy(self, slot: ReplicaSlot) -> None:
         slot.pid, node = await slot.actor.where.remote()
+        slot.watch = Watch(f"replica {slot.index}", self.bounds)
+        slot.beat = None
         slot.state = ReplicaState.HEALTHY
         self._unwatch(slot)
         if node == self._node and hasattr(os, "pidfd_open"):
@@ -210,7 +256,7 @@ class RayCores:
 
     def _exited(self, slot: ReplicaSlot) -> None:
         self._unwatch(slot)
-        if slot.state is ReplicaState.HEALTHY and not self._closing:
+        if slot.serving and not self._closing:
             self._lost(slot, f"replica {slot.index} died: its process {slot.pid} exited")
 
     def _lost(self, slot: ReplicaSlot, why: str) -> None:
@@ -222,6 +268,54 @@ class RayCores:
             self._forget(inc)
         log.error("%s; ending its %d open requests (not retried)", why, len(incs))
         self.on_lost(incs, why)
+
+    # ---- liveness -------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        while not self._closing:
+            t = time.monotonic()
+            await asyncio.sleep(self.bounds.beat_s)
+            if time.monotonic() - t > 2 * self.bounds.beat_s:
+                continue  # our own loop was held up: answers may be waiting unread, judge later
+            for slot in self.slots:
+                if slot.serving and slot.watch is not None:
+                    self._tick(slot, slot.watch)
+
+    def _tick(self, slot: ReplicaSlot, watch: Watch) -> None:
+        if slot.beat is None or slot.beat.done():  # one heartbeat in flight at a time
+            beat = slot.beat = asyncio.ensure_future(self._call(slot.actor.beat))
+
+            def answered(f: asyncio.Future) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    watch.answer(f.result())
+
+            beat.add_done_callback(answered)
+        was = watch.stuck
+        why = watch.check()
+        if why is not None and watch.overdue():
+            self._kill(slot, why)
+        elif why is not None and was is None:
+            slot.state = ReplicaState.STUCK
+            slot.last_error = why
+            ended = self.confirm_cancels(self.owners.owned_by(slot.index))
+            for inc in ended:
+                self._forget(inc)
+            log.error("%s: the router skips it; %d cancels confirmed here; killed if still stuck "
+                      "after %g s", why, len(ended), self.bounds.kill_s)
+        elif why is None and was is not None:
+            slot.state = ReplicaState.HEALTHY
+            log.warning("replica %d answers again (it was stuck: %s)", slot.index, was)
+
+    def _kill(self, slot: ReplicaSlot, why: str) -> None:
+        import ray
+
+        pid, here = slot.pid, slot.index in self._pidfds
+        self._lost(slot, f"{why}: killed (stuck past {self.bounds.kill_s:g} s)")
+        # Ray restarts it (max_restarts): its pending pull fails and _pull waits for it to rejoin.
+        if here and pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # a stopped process cannot act on Ray's kill request
+        else:
+            ray.kill(slot.actor, no_restart=False)
 
     async def _rejoin(self, slot: ReplicaSlot) -> None:
         from ray.exceptions import RayActorError
@@ -249,6 +343,8 @@ class RayCores:
     # ---- stop -----------------------------------------------------------------------------
     async def close(self) -> None:
         self._closing = True
+        if self._watcher is not None:
+            self._watcher.cancel()
         if not self.slots and not self._started_ray:
             return  # start never reached Ray (or Ray is not installed): nothing to stop
         import ray

@@ -14,6 +14,7 @@ from stopline.cluster.cores import RayCores
 from stopline.cluster.router import Policy
 from stopline.config import EngineConfig
 from stopline.engine.async_engine import AsyncEngine
+from stopline.engine.liveness import Bounds
 
 
 def quiet_ray_env() -> None:
@@ -27,11 +28,12 @@ def quiet_ray_env() -> None:
 def ray_engine(model: str | None, config: EngineConfig | None, *, replicas: int = 2,
                address: str | None = None, policy: Policy | str = Policy.AFFINITY,
                threads: int | None = 1, num_cpus: float = 1.0,
-               ray_init: dict[str, Any] | None = None, **streams: Any) -> AsyncEngine:
+               ray_init: dict[str, Any] | None = None, liveness: Bounds | None = None,
+               **streams: Any) -> AsyncEngine:
     """An AsyncEngine whose core is `replicas` Ray actors (one engine core each)."""
     quiet_ray_env()
     backend = RayCores(model, config, replicas=replicas, address=address, policy=Policy(policy),
-                       threads=threads, num_cpus=num_cpus, ray_init=ray_init)
+                       threads=threads, num_cpus=num_cpus, ray_init=ray_init, liveness=liveness)
     engine = AsyncEngine(backend, **streams)
     backend.on_lost = lambda incs, why: engine.fail(incs, why)
     return engine

@@ -94,6 +94,10 @@ class Replica:
         out, self.batches = self.batches, []
         return out
 
+    async def beat(self) -> float:
+        """A heartbeat (engine/liveness.py): seconds inside the current step, 0 between."""
+        return self.loop.step_age()
+
     async def where(self) -> tuple[int, str]:
         """This replica's process id and Ray node id."""
         import ray

@@ -4,10 +4,10 @@ grammars, n > 1, speculation, stop strings, streams).
 
 A request whose prompt has a full block to ship (`split_blocks`) waits in
 `Transfers(RECV)` (a holder of the one release) instead of joining the scheduler's queue.
-Its reclaim clock starts at the first `Progress` (the prefill side's heartbeat, every
-quarter of the deadline, naming the requests it holds) and restarts at each one; before
-that the front end covers it (a prefill side that dies or ends the
-request makes the front end abort it here). When the KV arrives the blocks are written
+Its reclaim clock starts when it starts waiting and restarts at each `Progress` (the
+prefill side's heartbeat, every quarter of the deadline, naming the requests it holds or
+has queued), so a prefill side that never takes the request, or stops before its first
+beat, does not hold it here past the deadline. When the KV arrives the blocks are written
 into fresh blocks (wire.write checks their epochs), enter the prefix cache
 (KVManager.import_prefix), and the request joins the queue at the same step boundary, so
 its admission finds them as prefix hits and computes only the rest of its prompt. That
@@ -19,7 +19,6 @@ expired) is refused with an Ack naming why and nothing is written.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
@@ -89,8 +88,7 @@ class DecodeCore(EngineCore):
         if split_blocks(leader.prompt_len, self.pool.block_size) == 0:
             super()._admit(fam)
             return
-        t = self.receiving.start(leader, [])
-        t.deadline = math.inf  # armed by the first Progress
+        self.receiving.start(leader, [])  # its clock runs from now: see the module's docstring
         self._waiting[fam.incarnation] = fam
 
     def _waiter(self, inc: str) -> Request | None:

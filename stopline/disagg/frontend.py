@@ -18,7 +18,10 @@ front end, so the remote host needs the front end's address only (remote_spec).
 A role that dies ends every stream it still matters to within the time its process exit
 takes to notice (the process sentinel): the decode role, all open ones; the prefill role,
 those whose KV the decode side has not taken yet. The survivor's copies are aborted, so
-its blocks come back at once, and /health names the dead role (503) from then on.
+its blocks come back at once, and /health names the dead role (503) from then on. A role
+that is alive but answers no heartbeat (engine/liveness.py) is stuck: /health names it (503),
+new requests get 503 at once, and while decode is stuck the front end confirms cancels
+itself; past the kill bound it is killed, and that is a death as above.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from stopline.disagg.decode_core import split_blocks
 from stopline.disagg.messages import RoleSpec
 from stopline.disagg.role import RoleFactory
 from stopline.engine.async_engine import AsyncEngine
+from stopline.engine.liveness import Bounds
 from stopline.engine.messages import Batch, CoreInfo, Utility
 from stopline.engine.proc.remote import PORTS, RemoteCore, split_host_port
 from stopline.engine.proc.transport import ProcCore
@@ -67,7 +71,7 @@ def remote_spec(role: str, listen: str, reclaim_s: float) -> RoleSpec:
 class DisaggCores:
     def __init__(self, model: str | None, config: EngineConfig | None, *, reclaim_s: float = 3.0,
                  threads: int | None = None, progress: bool = True, remote: str | None = None,
-                 listen: str = "127.0.0.1:7100") -> None:
+                 listen: str = "127.0.0.1:7100", liveness: Bounds | None = None) -> None:
         """remote: the role ("prefill" or "decode") that runs elsewhere and connects to
         `listen` (host:port of this host; ports P..P+4); None: both roles here."""
         if not reclaim_s > 0:
@@ -96,10 +100,13 @@ class DisaggCores:
         self.cores: dict[str, ProcCore] = {}
         for r in ROLES:
             if r == remote:
-                self.cores[r] = RemoteCore(listen, name=f"{r} role")
+                self.cores[r] = RemoteCore(listen, name=f"{r} role", liveness=liveness)
             else:
                 self.cores[r] = ProcCore(model, configs[r], progress=progress and r == "decode",
-                                         threads=threads, make_core=RoleFactory(specs[r]))
+                                         threads=threads, make_core=RoleFactory(specs[r]),
+                                         liveness=liveness, name=f"{r} role")
+            self.cores[r].on_stuck = lambda why, r=r: self._stuck(r, why)
+            self.cores[r].on_back = lambda r=r: self._back(r)
         self.state = {r: "starting" for r in ROLES}
         self.errors: dict[str, str | None] = {r: None for r in ROLES}
         self.snaps = {r: Snapshot() for r in ROLES}
@@ -109,6 +116,9 @@ class DisaggCores:
         self.split: set[str] = set()  # open incarnations the prefill role works on
         self.taken: set[str] = set()  # split ones whose KV decode took: prefill no longer matters
         self.on_lost: Callable[[list[str], str], None] = lambda incs, why: None  # set below
+        # Ends the cancelled ones among these here, returns them: set by the AsyncEngine in front
+        # (AsyncEngine.confirm_cancels).
+        self.confirm_cancels: Callable[[list[str] | None], list[str]] = lambda incs: []
 
     async def start(self, on_batch: Callable[[Batch], None],
                     on_dead: Callable[[str], None]) -> CoreInfo:
@@ -153,18 +163,29 @@ class DisaggCores:
             self._forget(incarnation)
             raise
 
-    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
-        self._abort_roles(incarnations, source, t0)
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> list[str]:
+        """Returns those the front end ends itself: all, while the decode role (whose outputs
+        are the streams) is stuck."""
+        here = self._abort_roles(incarnations, source, t0)
+        for inc in here:
+            self._forget(inc)
+        return here
 
-    def _abort_roles(self, incs: list[str], source: AbortSource, t0: float) -> None:
-        if self.state["decode"] == "healthy":
-            self.cores["decode"].abort(incs, source, t0)
+    def _reachable(self, role: str) -> bool:
+        # A stuck role still gets its aborts: it applies them when it comes back.
+        return self.state[role] in ("healthy", "stuck")
+
+    def _abort_roles(self, incs: list[str], source: AbortSource, t0: float) -> list[str]:
+        here: list[str] = []
+        if self._reachable("decode"):
+            here = self.cores["decode"].abort(incs, source, t0)
         split = [i for i in incs if i in self.split]
-        if split and self.state["prefill"] == "healthy":
+        if split and self._reachable("prefill"):
             self.cores["prefill"].abort(split, source, t0)
+        return here
 
     def pause(self, incarnations: list[str], paused: bool) -> None:
-        if self.state["decode"] == "healthy":  # only the decode role streams to clients
+        if self._reachable("decode"):  # only the decode role streams to clients
             self.cores["decode"].pause(incarnations, paused)
 
     async def utility(self, method: Utility) -> list[Any]:
@@ -186,7 +207,7 @@ class DisaggCores:
             inc = out.incarnation
             if out.finished and inc in self.samples:
                 ended_early = out.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH)
-                if ended_early and inc in self.split and self.state["prefill"] == "healthy":
+                if ended_early and inc in self.split and self._reachable("prefill"):
                     # An error or abort on decode: the prefill side may still hold the KV.
                     self.cores["prefill"].abort([inc], AbortSource.CANCEL, time.monotonic())
                 self.samples[inc] -= 1
@@ -203,7 +224,7 @@ class DisaggCores:
             if (out.finished and out.finish_reason is FinishReason.ERROR and out.incarnation in self.samples
                     and out.incarnation not in self.taken):
                 why = f"prefill engine: {out.stop_detail}"
-                if self.state["decode"] == "healthy":
+                if self._reachable("decode"):
                     self.cores["decode"].abort([out.incarnation], AbortSource.CANCEL,
                                                time.monotonic())
                 self._forget(out.incarnation)
@@ -221,12 +242,24 @@ class DisaggCores:
         else:
             incs = [i for i in self.split if i not in self.taken]
         other = "prefill" if role == "decode" else "decode"
-        if incs and self.state[other] == "healthy":
+        if incs and self._reachable(other):
             self.cores[other].abort(incs, AbortSource.CANCEL, time.monotonic())
         for inc in incs:
             self._forget(inc)
         log.error("the %s engine died: %s; ending its %d open requests", role, why, len(incs))
         self.on_lost(incs, f"the {role} engine died: {why}")
+
+    def _stuck(self, role: str, why: str) -> None:
+        if self.state[role] == "healthy":
+            self.state[role] = "stuck"
+            self.errors[role] = why
+        if role == "decode":  # the streams' source: cancels sent before this are confirmed now
+            for inc in self.confirm_cancels(list(self.samples)):
+                self._forget(inc)
+
+    def _back(self, role: str) -> None:
+        if self.state[role] == "stuck":
+            self.state[role] = "healthy"  # its last_error still says it was stuck
 
     # ---- views ----------------------------------------------------------------------------
     def health(self) -> list[dict[str, Any]]:
@@ -238,7 +271,7 @@ class DisaggCores:
 
     async def close(self) -> None:
         for r in ROLES:
-            if self.state[r] == "healthy":
+            if self._reachable(r):
                 self.state[r] = "closed"
         await asyncio.gather(*(c.close() for c in self.cores.values()))
         if self._dir is not None:
@@ -260,11 +293,12 @@ def _check_same_model(prefill: CoreInfo, decode: CoreInfo) -> None:
 
 def disagg_engine(model: str | None, config: EngineConfig | None, *, reclaim_s: float = 3.0,
                   threads: int | None = None, progress: bool = True, remote: str | None = None,
-                  listen: str = "127.0.0.1:7100", **streams: Any) -> AsyncEngine:
+                  listen: str = "127.0.0.1:7100", liveness: Bounds | None = None,
+                  **streams: Any) -> AsyncEngine:
     """An AsyncEngine whose core is a prefill process and a decode process (one of them
     possibly on another host: `remote`, connecting to `listen`)."""
     backend = DisaggCores(model, config, reclaim_s=reclaim_s, threads=threads, progress=progress,
-                          remote=remote, listen=listen)
+                          remote=remote, listen=listen, liveness=liveness)
     engine = AsyncEngine(backend, **streams)
     backend.on_lost = lambda incs, why: engine.fail(incs, why)
     return engine

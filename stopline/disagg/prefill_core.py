@@ -97,7 +97,8 @@ class PrefillCore(EngineCore):
         A dead or wedged-out process stops beating and the decode side reclaims."""
         while not self._stop_beat.wait(self.spec.reclaim_s / 4):
             try:
-                incs = list(self.families.by_incarnation)
+                # Queued adds too: one long step can keep an add in the inbox past the deadline.
+                incs = list(self.families.by_incarnation) + self.inbox.queued()
             except RuntimeError:  # the table changed under the copy: the next beat has it
                 continue
             self.link.beat(incs)

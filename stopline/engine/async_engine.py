@@ -44,6 +44,7 @@ from stopline.request import AbortSource, FinishReason, InvalidRequest, Sampling
 
 if TYPE_CHECKING:
     from stopline.config import EngineConfig
+    from stopline.engine.liveness import Bounds
     from stopline.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("stopline.async_engine")
@@ -71,7 +72,8 @@ class CoreBackend(Protocol):
     async def add(self, request_id: str, incarnation: str, prompt_token_ids: list[int],
                   params: SamplingParams, arrival: float) -> None: ...  # InvalidRequest if refused
 
-    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None: ...
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> list[str] | None:
+        """Returns those the front end must end itself (their process is stuck), or None."""
 
     def pause(self, incarnations: list[str], paused: bool) -> None: ...
 
@@ -116,6 +118,8 @@ class AsyncEngine:
         self._finished: OrderedDict[str, list[str | None]] = OrderedDict()
         self._remember = remember_finished
         self._incarnations = itertools.count()
+        if hasattr(backend, "confirm_cancels"):  # it watches processes that can get stuck
+            backend.confirm_cancels = self.confirm_cancels
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -127,12 +131,14 @@ class AsyncEngine:
     @classmethod
     def in_subprocess(cls, model: str | None = None, config: EngineConfig | None = None, *,
                       progress: bool = True, core_threads: int | None = None,
-                      **kwargs: Any) -> AsyncEngine:
+                      liveness: Bounds | None = None, **kwargs: Any) -> AsyncEngine:
         """The core runs in its own process and talks ZMQ. core_threads: torch threads there
-        (None: all CPUs but one when there are more than two)."""
+        (None: all CPUs but one when there are more than two). liveness: when the process is
+        stuck and when it is killed (engine/liveness.py)."""
         from stopline.engine.proc.transport import ProcCore
 
-        return cls(ProcCore(model, config, progress=progress, threads=core_threads), **kwargs)
+        return cls(ProcCore(model, config, progress=progress, threads=core_threads,
+                            liveness=liveness), **kwargs)
 
     async def start(self) -> CoreInfo:
         """Load the model and start the core; returns when requests can be admitted."""
@@ -227,8 +233,38 @@ class AsyncEngine:
         for inc in open_incs:
             self._streams[inc].cancel(source)
         if open_incs and self.state not in (EngineState.DEAD, EngineState.CLOSED):
-            self.backend.abort(open_incs, source, t0)
+            stuck = self.backend.abort(open_incs, source, t0)
+            if stuck:
+                self._end_here(stuck, source)
         return open_incs
+
+    def confirm_cancels(self, incarnations: Iterable[str] | None = None) -> list[str]:
+        """The process running these requests became stuck: end those already cancelled here
+        (their abort went to it before it was marked) now. Returns them. None: every open one."""
+        incs = list(self._streams) if incarnations is None else incarnations
+        cancelled = [i for i in incs if i in self._streams and self._streams[i].cancelled is not None]
+        for inc in cancelled:
+            source = self._streams[inc].cancelled
+            assert source is not None
+            self._end_here([inc], source)
+        return cancelled
+
+    def _end_here(self, incarnations: list[str], source: AbortSource) -> None:
+        """Confirm these aborts without the core's word: the process that runs them is stuck
+        (engine/liveness.py). The abort still went to it; when it comes back it applies it
+        and frees their KV, and its late terminal outputs find no stream here (dropped)."""
+        outs = []
+        for inc in incarnations:
+            s = self._streams.get(inc)
+            if s is None:
+                continue
+            s.cancel(source)
+            outs += [RequestOutput(s.request_id, i, inc, finished=True, finish_reason=FinishReason.ABORT,
+                                   stop_detail=f"{source.value} (confirmed by the front end: the "
+                                               "engine process is stuck)",
+                                   usage=Usage(s.prompt_tokens, s.delivered[i]))
+                     for i in sorted(s.open_samples)]
+        self._on_batch(Batch(outs))
 
     async def abort_and_wait(self, incarnations: Iterable[str] | None = None,
                              source: AbortSource = AbortSource.CANCEL,

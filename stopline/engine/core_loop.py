@@ -51,6 +51,7 @@ class CoreLoop:
         self._stopping = False
         self._lock = threading.Lock()  # orders abort acceptance against step starts
         self._step_no = 0
+        self._step_started: float | None = None  # monotonic start of the step running now
         self._pending: dict[str, _AbortClock] = {}  # accepted, not yet seen to end
         self._reclaiming: dict[str, _AbortClock] = {}  # ended, blocks maybe behind the fence
         self._calls: list[tuple[str, Future]] = []
@@ -110,6 +111,12 @@ class CoreLoop:
             block_size=core.pool.block_size, load_seconds=core.loaded.load_seconds,
             tokenizer_state=core.tokenizer.to_state() if with_tokenizer else {}, pid=os.getpid())
 
+    def step_age(self) -> float:
+        """Seconds inside the current step, 0 between steps: a heartbeat's answer (a process
+        that has work and does not step is stuck, see engine/liveness.py)."""
+        started = self._step_started
+        return 0.0 if started is None else max(time.monotonic() - started, 1e-6)
+
     def stop(self) -> None:
         self._stopping = True
         self._work.set()
@@ -135,11 +142,13 @@ class CoreLoop:
                 if (core.all_paused() and not self._deadline_passed()
                         and time.monotonic() < core.wake_at()):
                     continue
+            self._step_started = time.monotonic()
             if self.before_step is not None:
                 self.before_step()
             with self._lock:
                 self._step_no += 1
             outputs = core.step()
+            self._step_started = None
             self._note_ended(outputs)
             self.emit(Batch(outputs, self._timings(), take_snapshot(core)))
         self._run_calls()

@@ -60,6 +60,11 @@ class Inbox:
         with self.lock:
             self._pauses += [(inc, paused) for inc in incarnations]
 
+    def queued(self) -> list[str]:
+        """Incarnations added and not yet taken by the core's thread."""
+        with self.lock:
+            return [f.incarnation for f in self._adds]
+
     def has_any(self) -> bool:
         with self.lock:
             return bool(self._adds or self._aborts or self._pauses)

@@ -81,7 +81,14 @@ class ShutdownMsg(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToCore = AddMsg | AbortMsg | PauseMsg | UtilityMsg | ShutdownMsg
+class PingMsg(msgspec.Struct, tag="ping"):
+    """A heartbeat (engine/liveness.py), on the abort socket: the input thread answers it
+    as it would take an abort."""
+
+    seq: int
+
+
+ToCore = AddMsg | AbortMsg | PauseMsg | UtilityMsg | ShutdownMsg | PingMsg
 
 
 # ---- core -> frontend -------------------------------------------------------------------
@@ -115,4 +122,9 @@ class FatalMsg(msgspec.Struct, tag="fatal"):
     message: str
 
 
-FromCore = ReadyMsg | AddReply | Batch | UtilityReply | FatalMsg
+class PongMsg(msgspec.Struct, tag="pong"):
+    seq: int
+    step_age: float  # seconds inside the current step (0: between steps)
+
+
+FromCore = ReadyMsg | AddReply | Batch | UtilityReply | FatalMsg | PongMsg

@@ -41,7 +41,9 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         # Replicas (stopline/cluster) report each one; serving needs one healthy replica. The
-        # roles of --disagg (stopline/disagg) report each one too; serving needs both.
+        # roles of --disagg (stopline/disagg) report each one too; serving needs both; the
+        # engine-core process is one role ("core"). A stuck one (engine/liveness.py) has
+        # state "stuck" and its why in last_error.
         parts = engine.backend.health() if hasattr(engine.backend, "health") else None
         roles = parts is not None and bool(parts) and "role" in parts[0]
         extra = {} if parts is None else {"roles" if roles else "replicas": parts}

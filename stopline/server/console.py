@@ -48,6 +48,9 @@ def console_snapshot(state: ServerState) -> dict[str, Any]:
         "model": state.model_name,
         "engine": engine.state,
         "open_streams": engine.num_open,
+        # Each process the front end depends on (replicas, roles, the core process) with its
+        # state: healthy, stuck (engine/liveness.py), dead, ...; empty in-process.
+        "processes": engine.backend.health() if hasattr(engine.backend, "health") else [],
         # CLOCK_MONOTONIC is system-wide, so the core process's stamp compares with ours.
         "age_s": max(0.0, now - s.taken_at) if s.taken_at else None,
         "steps": s.steps,

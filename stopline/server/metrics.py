@@ -192,7 +192,8 @@ class _EngineCollector(Collector):
             yield gauge(name, doc, {r: getattr(s, field) for r, s in snaps.items()})
         yield GaugeMetricFamily("stopline_requests_open", "Requests with an open stream on this server.",
                                 value=e.num_open)
-        # The roles of --disagg (stopline/disagg): admitting needs both alive.
+        # The roles of --disagg (stopline/disagg) and the core process: admitting needs each
+        # healthy (not stuck, not dead).
         health = getattr(getattr(e, "backend", None), "health", None)
         dead_role = health is not None and any("role" in r and r["state"] != "healthy" for r in health())
         yield GaugeMetricFamily("stopline_engine_healthy", "1 while the engine admits requests, else 0.",

@@ -17,6 +17,7 @@ import uvicorn
 
 from stopline.config import EngineConfig
 from stopline.engine.async_engine import AsyncEngine
+from stopline.engine.liveness import Bounds
 from stopline.server.app import build_app
 from stopline.server.state import ServerSettings, ServerState
 
@@ -63,7 +64,7 @@ def serve(model: str | None, config: EngineConfig, settings: ServerSettings, *,
           max_waiting: int | None = None, core_threads: int | None = None,
           stall_timeout: float = 60.0, max_buffered: int = 64,
           log_level: str = "info", access_log: bool = True,
-          engine: AsyncEngine | None = None) -> int:
+          engine: AsyncEngine | None = None, liveness: Bounds | None = None) -> int:
     """Serve until stopped; returns the process exit status. `engine`: one built elsewhere
     (the Ray replicas of stopline/cluster) instead of a local core."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), stream=sys.stderr,
@@ -75,7 +76,7 @@ def serve(model: str | None, config: EngineConfig, settings: ServerSettings, *,
         engine = AsyncEngine.in_process(model, config, progress=True, **streams)
     else:
         engine = AsyncEngine.in_subprocess(model, config, progress=True, core_threads=core_threads,
-                                           **streams)
+                                           liveness=liveness, **streams)
     state = ServerState(engine, settings)
     app = build_app(state)
     uconfig = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,

@@ -35,6 +35,8 @@ from stopline.engine.messages import (
     AddReply,
     FatalMsg,
     PauseMsg,
+    PingMsg,
+    PongMsg,
     ReadyMsg,
     ShutdownMsg,
     ToCore,
@@ -215,7 +217,7 @@ def _serve_input(inp: zmq.Socket, abort: zmq.Socket, loop: CoreLoop,
     while True:
         poller.poll()
         bell.silence()
-        _drain_aborts(abort, loop, dec)
+        _drain_aborts(abort, loop, dec, send)
         bell.answer()
         try:
             data = inp.recv(zmq.NOBLOCK)
@@ -244,7 +246,8 @@ def _serve_input(inp: zmq.Socket, abort: zmq.Socket, loop: CoreLoop,
             return
 
 
-def _drain_aborts(abort: zmq.Socket, loop: CoreLoop, dec: msgspec.msgpack.Decoder) -> None:
+def _drain_aborts(abort: zmq.Socket, loop: CoreLoop, dec: msgspec.msgpack.Decoder,
+                  send: Callable[[msgspec.Struct], None]) -> None:
     while True:
         try:
             data = abort.recv(zmq.NOBLOCK)
@@ -253,6 +256,9 @@ def _drain_aborts(abort: zmq.Socket, loop: CoreLoop, dec: msgspec.msgpack.Decode
         msg = dec.decode(data)
         if isinstance(msg, AbortMsg):
             loop.abort(msg.incarnations, msg.source, msg.t0)
+        elif isinstance(msg, PingMsg):
+            # Answered where aborts are taken: a pong says an abort would be taken now too.
+            send(PongMsg(msg.seq, loop.step_age()))
 
 
 def _reply(call_id: int, send: Callable[[msgspec.Struct], None]) -> Callable[[Future], None]:

@@ -43,9 +43,8 @@ def core_addresses(listen: str) -> CoreAddresses:
 
 class RemoteCore(ProcCore):
     def __init__(self, listen: str, *, name: str = "engine core", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(name=name, **kwargs)
         self.addrs = core_addresses(listen)
-        self.name = name
         self._lost_why = "its connection dropped"
 
     def _addresses(self) -> CoreAddresses:
@@ -71,6 +70,8 @@ class RemoteCore(ProcCore):
 
     async def close(self) -> None:
         self._closing = True
+        if self._beats is not None:
+            self._beats.cancel()
         if self._dead is None and self.pid is not None:
             try:  # the remote core stops on this; if it is lost, its own watch stops it
                 self._in.send(self._enc.encode(ShutdownMsg()), zmq.NOBLOCK)

@@ -11,7 +11,11 @@ deadlock against a core that is busy sending outputs.
 Adds are acknowledged by the core (it validates them, so a bad request is a 400 here exactly
 as in-process). Aborts never wait for that acknowledgement: one that overtakes its add on the
 priority socket is kept by the core until the add arrives (engine/inbox.py). Core
-death is noticed by waiting on the process sentinel (no polling).
+death is noticed by waiting on the process sentinel (no polling). A core that is alive but
+does not answer (stopped, swapped out, wedged in a step) is noticed by heartbeats on the
+abort socket (engine/liveness.py): past `Bounds.stuck_s` it takes no new add (503), the adds
+and calls waiting on it fail, and an abort of its requests is confirmed by the front end at
+once; past `Bounds.kill_s` it is killed, which is then a death like any other.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from stopline.engine.liveness import Bounds, Watch
 from stopline.engine.messages import (
     AbortMsg,
     AddMsg,
@@ -42,6 +47,8 @@ from stopline.engine.messages import (
     FatalMsg,
     FromCore,
     PauseMsg,
+    PingMsg,
+    PongMsg,
     ReadyMsg,
     ShutdownMsg,
     Utility,
@@ -49,7 +56,7 @@ from stopline.engine.messages import (
     UtilityReply,
 )
 from stopline.engine.snapshot import Snapshot
-from stopline.engine.streams import EngineDead
+from stopline.engine.streams import EngineDead, EngineUnavailable
 from stopline.request import AbortSource, InvalidRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -69,10 +76,21 @@ class CoreAddresses(msgspec.Struct, frozen=True):
 class ProcCore:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, *,
                  progress: bool = True, threads: int | None = None,
-                 make_core: Callable[..., Any] | None = None) -> None:
+                 make_core: Callable[..., Any] | None = None, liveness: Bounds | None = None,
+                 name: str = "engine core") -> None:
         """make_core: a picklable callable that builds the core in the child (see
-        core_proc.main); None: a plain EngineCore."""
+        core_proc.main); None: a plain EngineCore. liveness: when it is stuck, when killed."""
         self.model = model
+        self.name = name
+        self.bounds = liveness or Bounds()
+        self.watch: Watch | None = None  # from ready on
+        # Told when the core becomes stuck (why) and when it answers again (the split's roles).
+        self.on_stuck: Callable[[str], None] = lambda why: None
+        self.on_back: Callable[[], None] = lambda: None
+        # Ends the open streams already cancelled (all: None) at the front end and returns
+        # them: set by the AsyncEngine whose backend this is (AsyncEngine.confirm_cancels).
+        self.confirm_cancels: Callable[[list[str] | None], list[str]] = lambda incs: []
+        self._beats: asyncio.Task | None = None
         self.make_core = make_core
         self.config = config
         self.progress = progress
@@ -123,6 +141,8 @@ class ProcCore:
             # The core opened the FIFO for reading before it said ready, so this can't block.
             self._bell = os.open(addrs.doorbell, os.O_WRONLY | os.O_NONBLOCK)
         self.tokenizer = Tokenizer.from_state(info.tokenizer_state)
+        self.watch = Watch(f"the {self.name}", self.bounds)
+        self._beats = asyncio.create_task(self._beat(), name="stopline-core-beat")
         log.info("engine core ready in process %d (%s)", info.pid, info.source)
         return info
 
@@ -162,39 +182,108 @@ class ProcCore:
         except RuntimeError:
             pass  # the event loop is gone: so is everyone who cared
 
+    # ---- liveness (event loop thread) --------------------------------------------------------
+    @property
+    def stuck(self) -> str | None:
+        """Why the core is stuck now, or None."""
+        return None if self.watch is None else self.watch.stuck
+
+    async def _beat(self) -> None:
+        assert self.watch is not None
+        watch = self.watch
+        for seq in itertools.count():
+            t = time.monotonic()
+            await asyncio.sleep(self.bounds.beat_s)
+            if self._closing or self._dead is not None:
+                return
+            try:
+                self._send(self._abort, PingMsg(seq))
+            except EngineDead:
+                return
+            if time.monotonic() - t > 2 * self.bounds.beat_s:
+                continue  # our own loop was held up: answers may be waiting unread, judge later
+            was = watch.stuck
+            why = watch.check()
+            if why is not None and watch.overdue():
+                self._kill_stuck(why)
+                return
+            if why is not None and was is None:
+                self._became_stuck(why)
+            elif why is None and was is not None:
+                log.warning("the %s answers again (it was stuck: %s)", self.name, was)
+                self.on_back()
+
+    def _became_stuck(self, why: str) -> None:
+        log.error("%s: it takes no new request; its requests' cancels are confirmed here; "
+                  "killed if still stuck after %g s", why, self.bounds.kill_s)
+        exc = EngineUnavailable(why)
+        for fut in [*self._acks.values(), *self._calls.values()]:
+            if not fut.done():
+                fut.set_exception(exc)
+        self.confirm_cancels(None)  # every request here runs on this core
+        self.on_stuck(why)
+
+    def _kill_stuck(self, why: str) -> None:
+        self._fatal = f"{why}: killed (stuck past {self.bounds.kill_s:g} s)"
+        log.error("%s", self._fatal)
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()  # its sentinel fires: a death like any other (_died)
+        else:
+            self._died()  # a remote core: nothing to kill from here; given up as dead
+
+    def health(self) -> list[dict[str, Any]]:
+        """The core process as /health lists it (one role: "core")."""
+        state = ("dead" if self._dead is not None else "starting" if self.watch is None
+                 else "stuck" if self.stuck is not None else "healthy")
+        return [{"role": "core", "state": state, "pid": self.pid, "remote": False,
+                 "last_error": self._dead or self.stuck}]
+
     # ---- requests (event loop thread) -------------------------------------------------------
     async def add(self, request_id: str, incarnation: str, prompt_token_ids: list[int],
                   params: SamplingParams, arrival: float) -> None:
+        if self.stuck is not None:
+            raise EngineUnavailable(self.stuck)
         fut = self._aloop.create_future()
         self._acks[incarnation] = fut
         try:
             self._send(self._in, AddMsg(request_id, incarnation, prompt_token_ids, params, arrival))
-            await fut
-        except asyncio.CancelledError:
-            # Our caller left before the core answered: whatever the answer, nobody listens.
+            # The reply comes from the input thread at once; a core that can't give it within
+            # the stuck bound is (or is about to be marked) stuck.
+            await asyncio.wait_for(fut, self.bounds.stuck_s)
+        except (asyncio.CancelledError, TimeoutError, EngineUnavailable) as exc:
+            # Our caller left, or the core is stuck, before it answered: it may still admit the
+            # request later, and nobody would listen.
             self._acks.pop(incarnation, None)
             try:
                 self._send(self._abort, AbortMsg([incarnation], AbortSource.CANCEL, time.monotonic()))
             except EngineDead:
                 pass
+            if isinstance(exc, TimeoutError):
+                raise EngineUnavailable(f"the {self.name} did not answer an add within "
+                                        f"{self.bounds.stuck_s:g} s") from None
             raise
         except BaseException:
             self._acks.pop(incarnation, None)
             raise
 
-    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> list[str]:
+        """Returns the incarnations the front end must end itself: all of them while the core
+        is stuck (the abort still goes; the core applies it, frees their KV and its late
+        terminal outputs find no stream). Else none."""
         self._send(self._abort, AbortMsg(list(incarnations), source, t0))
-        if self._bell is None:
-            return  # a remote core has no doorbell
-        try:
-            os.write(self._bell, b"!")
-        except BlockingIOError:
-            pass  # the FIFO is full of rings already: the core will look
+        if self._bell is not None:  # a remote core has no doorbell
+            try:
+                os.write(self._bell, b"!")
+            except BlockingIOError:
+                pass  # the FIFO is full of rings already: the core will look
+        return list(incarnations) if self.stuck is not None else []
 
     def pause(self, incarnations: list[str], paused: bool) -> None:
         self._send(self._in, PauseMsg(list(incarnations), paused))
 
     async def utility(self, method: Utility) -> Any:
+        if self.stuck is not None:
+            raise EngineUnavailable(self.stuck)
         call_id = next(self._call_ids)
         fut = self._aloop.create_future()
         self._calls[call_id] = fut
@@ -237,6 +326,9 @@ class ProcCore:
                     fut.set_result(msg.result)
                 else:
                     fut.set_exception(RuntimeError(msg.error))
+        elif isinstance(msg, PongMsg):
+            if self.watch is not None:
+                self.watch.answer(msg.step_age)
         elif isinstance(msg, ReadyMsg):
             if not self._ready.done():
                 self._ready.set_result(msg.info)
@@ -282,6 +374,8 @@ class ProcCore:
     # ---- stop -------------------------------------------------------------------------------
     async def close(self) -> None:
         self._closing = True
+        if self._beats is not None:
+            self._beats.cancel()
         proc = self.proc
         if proc is not None and proc.is_alive():
             try:
