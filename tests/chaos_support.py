@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
+import signal
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -154,6 +156,7 @@ class StormResult:
     states_hit: dict  # state -> aborts sent there
     engine: EngineCore | None = None
     pauses: int = 0  # streams that filled while their reader slept (run_async_storm's slow ones)
+    freezes: int = 0  # SIGSTOP/SIGCONT of an engine process during the storm
 
 
 def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int) -> StormResult:
@@ -252,7 +255,7 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
 
 def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed: int,
                     *, subprocess: bool = True, make=None, max_delay: float = 0.4,
-                    slow: float = 0.0, max_buffered: int = 64) -> StormResult:
+                    slow: float = 0.0, max_buffered: int = 64, freeze: float = 0.0) -> StormResult:
     """The storm through the async engine (the core in its own process, over ZMQ): each job
     streams in its own task; an aborted job's cancel goes out after a random wall-clock
     delay, so it lands between steps, mid-forward or mid-prefill as it happens. `make`:
@@ -260,7 +263,10 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
     replicas, whose utilities answer once per replica. max_delay: the latest a cancel goes
     out (s). slow: the share of jobs whose reader stops for a while after two outputs, so
     their streams fill (max_buffered) and their requests pause under the pool's pressure,
-    then read on: slowness alone must never change or end a request."""
+    then read on: slowness alone must never change or end a request. freeze: the longest
+    SIGSTOP (s) of one of the engine's local processes (a replica, a role, the core) at random
+    moments of the storm, each followed by SIGCONT; kept under the stuck bound, a stopped
+    process only delays its requests."""
     from stopline.engine.async_engine import AsyncEngine
 
     rng = random.Random(seed)
@@ -302,6 +308,27 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
 
         engine.backend.pause = counted
         await engine.start()
+        frozen: set[int] = set()
+        frng = random.Random(seed + 1)  # its own draws: the jobs' stay as they were
+
+        async def freezer() -> None:
+            while True:
+                await asyncio.sleep(frng.uniform(0.2, 0.8))
+                pids = [p["pid"] for p in engine.backend.health()
+                        if p.get("pid") and not p.get("remote") and p.get("state") == "healthy"]
+                if not pids:
+                    continue
+                pid = frng.choice(pids)
+                os.kill(pid, signal.SIGSTOP)
+                frozen.add(pid)
+                res.freezes += 1
+                try:
+                    await asyncio.sleep(frng.uniform(0.05, freeze))
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                    frozen.discard(pid)
+
+        thaw = asyncio.create_task(freezer()) if freeze else None
         try:
             tasks = []
             for n, job in enumerate(work):
@@ -314,12 +341,20 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                 if n % 4 == 3:
                     await asyncio.sleep(rng.uniform(0, 0.02))
             await asyncio.gather(*tasks)
+            if thaw is not None:
+                thaw.cancel()
+                await asyncio.gather(thaw, return_exceptions=True)
+                assert not frozen
             audits = await engine.utility("audit")
             assert all(a is None for a in (audits if isinstance(audits, list) else [audits]))
             snaps = await engine.utility("snapshot")
             for snap in snaps if isinstance(snaps, list) else [snaps]:
                 assert snap.kv_blocks_used == 0 and snap.running == snap.waiting == 0, snap
         finally:
+            if thaw is not None:
+                thaw.cancel()
+            for pid in frozen:  # never leave a process stopped behind a failure
+                os.kill(pid, signal.SIGCONT)
             await engine.close()
 
     asyncio.run(main())

@@ -132,9 +132,10 @@ def test_async_storm_over_zmq(tiny_dir, tiny, storm_work):
     # Cancels go out within 0.1 s: on a fast host, a later one mostly finds its request
     # already ended (5-9 landed with 0.4 s).
     res = run_async_storm(str(tiny_dir), work, config, seed=21, max_delay=0.1, slow=0.25,
-                          max_buffered=2)
+                          max_buffered=2, freeze=0.5)
     assert check_storm(work, ref, res) > 10  # aborts that landed before their request ended (25-36 seen)
     assert res.pauses > 0  # slow readers' streams filled and their requests paused
+    assert res.freezes > 0  # the core process stopped and continued mid-storm
 
 
 def test_async_storm_through_the_split(tiny_dir, tiny, storm_work):
@@ -147,10 +148,10 @@ def test_async_storm_through_the_split(tiny_dir, tiny, storm_work):
     work = [j for j in work[:80] if not (j.race or j.resubmit)]
     config = dataclasses.replace(storm_config("auto", True), num_blocks=60)
     res = run_async_storm(str(tiny_dir), work, config, seed=23, max_delay=0.1, slow=0.25,
-                          max_buffered=2,
+                          max_buffered=2, freeze=0.5,
                           make=lambda d, c, progress, **kw: disagg_engine(d, c, progress=progress, **kw))
     assert check_storm(work, ref, res) > 5
-    assert res.pauses > 0
+    assert res.pauses > 0 and res.freezes > 0  # slow readers; roles stopped and continued
 
 
 _REMOTE_ROLE = """
