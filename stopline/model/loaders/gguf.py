@@ -22,8 +22,10 @@ from stopline.model.kernels.quant_linear import BLOCK_BYTES, GGML_TYPES, GROUP, 
 from stopline.model.loaders.weights_cache import as_float32
 from stopline.tokenizer.tokenizer import Tokenizer
 
-# GGUF tensor name -> HF Llama name; "{i}" is the layer index.
+# GGUF tensor name -> HF name (Llama's, and Qwen's q/k norms); "{i}" is the layer index.
 _LAYER_MAP = {
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -39,19 +41,22 @@ _GLOBAL_MAP = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Llama 3 rope scaling, as convert_hf_to_gguf.py writes it: each frequency's divisor. Read into
+# the config, not the weights.
+ROPE_FREQS = "rope_freqs.weight"
+# Qwen's q/k/v biases; a bias anywhere else has no place in the model.
+_BIASES = frozenset({"attn_q", "attn_k", "attn_v"})
 
 
 def hf_name(gguf_name: str) -> str:
-    """HF Llama tensor name for a GGUF tensor name; UnsupportedModelError if it has none."""
+    """HF tensor name for a GGUF tensor name; UnsupportedModelError if it has none."""
     if gguf_name in _GLOBAL_MAP:
         return _GLOBAL_MAP[gguf_name]
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}.weight"
-    if gguf_name == "rope_freqs.weight":
-        raise UnsupportedModelError("GGUF has rope_freqs (Llama 3.1-style rope scaling), which is not supported")
-    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no place in a plain Llama model")
+    if m and m.group(2) in _LAYER_MAP and (m.group(3) == "weight" or m.group(2) in _BIASES):
+        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}.{m.group(3)}"
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no place in the model")
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -226,13 +231,14 @@ def _check_arch(fields: dict[str, Any]) -> str:
     arch = fields.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise UnsupportedModelError(
-            f"GGUF general.architecture={arch!r} is not supported; stopline runs Llama-family "
-            f"models: {sorted(SUPPORTED_GGUF_ARCHS)}"
+            f"GGUF general.architecture={arch!r} is not supported; stopline runs these GGUF "
+            f"architectures: {sorted(SUPPORTED_GGUF_ARCHS)}"
         )
     return str(arch)
 
 
-def _config_from_fields(fields: dict[str, Any], tensor_names: set[str], tokenizer: Tokenizer) -> ModelConfig:
+def _config_from_fields(fields: dict[str, Any], tensor_names: set[str], tokenizer: Tokenizer,
+                        rope_factors: tuple[float, ...] = ()) -> ModelConfig:
     arch = _check_arch(fields)
 
     def get(key: str, default: Any = None, *, required: bool = False) -> Any:
@@ -243,11 +249,16 @@ def _config_from_fields(fields: dict[str, Any], tensor_names: set[str], tokenize
             return default
         return v
 
-    scaling = get("rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise UnsupportedModelError(f"GGUF rope scaling {scaling!r} is not supported")
+    kind = get("rope.scaling.type")
+    scaling: tuple[tuple[str, Any], ...] = ()
+    if kind == "linear":
+        scaling = (("factor", float(get("rope.scaling.factor", required=True))), ("rope_type", "linear"))
+    elif kind not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported")
     if get("expert_count", 0):
-        raise UnsupportedModelError("GGUF is a mixture-of-experts model; only dense Llama is supported")
+        raise UnsupportedModelError("GGUF is a mixture-of-experts model; only dense models are supported")
+    if get("attention.sliding_window"):
+        raise UnsupportedModelError("GGUF sliding-window attention is not supported")
     hidden = int(get("embedding_length", required=True))
     heads = int(get("attention.head_count", required=True))
     head_dim = int(get("attention.key_length", hidden // heads))
@@ -270,6 +281,11 @@ def _config_from_fields(fields: dict[str, Any], tensor_names: set[str], tokenize
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
+        model_type=arch,
+        rope_scaling=scaling,
+        rope_freq_factors=rope_factors,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
 
 
@@ -291,8 +307,10 @@ def load_gguf(
     gf = read_gguf(path)
     _check_arch(gf.fields)  # before the tokenizer, whose errors would hide the real problem
     tokenizer = Tokenizer.from_gguf_fields(gf.fields)
-    config = _config_from_fields(gf.fields, {t.name for t in gf.tensors}, tokenizer)
-    names = [hf_name(t.name) for t in gf.tensors]  # fail on a foreign tensor before any work
+    factors = tuple(float(f) for t in gf.tensors if t.name == ROPE_FREQS for f in dequantize(t).reshape(-1))
+    tensors = [t for t in gf.tensors if t.name != ROPE_FREQS]
+    config = _config_from_fields(gf.fields, {t.name for t in tensors}, tokenizer, factors)
+    names = [hf_name(t.name) for t in tensors]  # fail on a foreign tensor before any work
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
         raise ValueError(f"{path}: several GGUF tensors map to {sorted(dupes)}")
@@ -300,8 +318,9 @@ def load_gguf(
     def convert(item: tuple[str, GGUFTensorInfo]) -> tuple[str, torch.Tensor, tuple[str, np.ndarray] | None]:
         name, t = item
         arr, raw = dequantize(t), raw_blocks(t)
+        # llama.cpp permutes Llama's Q/K rows for its normal rope; Qwen's (NEOX rope) keep HF's.
         heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
-        for suffix, n in heads.items():
+        for suffix, n in heads.items() if config.model_type == "llama" else ():
             if name.endswith(suffix):
                 arr = unpermute_qk(arr, n)
                 if raw is not None:  # the permutation moves whole rows, blocks and all
@@ -315,7 +334,7 @@ def load_gguf(
     # numpy releases the GIL in the dequantization kernels, so threads help on multi-core hosts.
     workers = max(1, min(8, os.cpu_count() or 1))
     with bar, ThreadPoolExecutor(max_workers=workers) as pool:
-        for name, tensor, raw in pool.map(convert, zip(names, gf.tensors, strict=True)):
+        for name, tensor, raw in pool.map(convert, zip(names, tensors, strict=True)):
             weights[name] = tensor
             if raw is not None:
                 blocks[name] = raw[0], torch.from_numpy(np.ascontiguousarray(raw[1]))

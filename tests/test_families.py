@@ -1,0 +1,210 @@
+"""The families beside plain Llama, each a tiny random-weight model made by transformers, held to
+HF transformers' greedy output token for token (exact numerics) and to batch invariance.
+
+Per family: each prompt alone, then all of them in one batch with a prefill budget of 7 tokens
+a step and a pool small enough to preempt, on both attention backends where the family allows
+the C one (a sliding window takes torch attention). An ablation (the HF model without the
+family's feature) must change the reference, so a model that ignored the feature would fail.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from stopline import LLM, FinishReason
+from stopline.errors import UnsupportedModelError
+from stopline.model.config import ModelConfig
+from stopline.model.kernels.paged_attention import supports as native_attention
+from stopline.model.loaders.loader import load_model
+from stopline.model.rope import inv_freq
+from tests.engine_support import (
+    MIN_MARGIN_TINY,
+    assert_idle,
+    greedy,
+    hf_greedy,
+    load_hf,
+    random_prompts,
+)
+from tests.tiny_families import FAMILIES, make_family_dir, make_family_gguf
+
+MAX_NEW = 24
+LENGTHS = [1, 5, 17, 33, 64, 100, 130, 9, 40]
+GGUF_FAMILIES = ["llama3", "qwen2", "qwen3"]
+
+# What each family's test takes away from the HF model (config.json changes) to show the feature
+# matters. As Llama, a Qwen checkpoint's biases or q/k norms are left unread.
+AS_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+ABLATIONS: dict[str, dict] = {
+    "llama3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "qwen2": AS_LLAMA,
+    "qwen3": AS_LLAMA,
+    "smollm3": {"no_rope_layers": [1, 1, 1]},
+    "mistral_window": {"sliding_window": None},
+    "qwen2_window": {"layer_types": ["full_attention"] * 3},
+    "gemma3": {"layer_types": ["full_attention"] * 3},
+}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(len(LENGTHS), LENGTHS, seed=3)
+
+
+_dirs: dict[str, Path] = {}
+_refs: dict[str, list[list[int]]] = {}
+
+
+def family_dir(factory: pytest.TempPathFactory, family: str) -> Path:
+    if family not in _dirs:
+        _dirs[family] = make_family_dir(factory.mktemp(family), family)
+    return _dirs[family]
+
+
+def reference(factory: pytest.TempPathFactory, family: str, prompts: list[list[int]]) -> list[list[int]]:
+    if family not in _refs:
+        ref = hf_greedy(load_hf(family_dir(factory, family)), prompts, MAX_NEW)
+        ref.check_meaningful(MIN_MARGIN_TINY)
+        # A model that repeats one token would match almost any buggy engine.
+        assert all(len(set(t)) >= MAX_NEW // 3 for t in ref.tokens), ref.tokens
+        _refs[family] = ref.tokens
+    return _refs[family]
+
+
+def _engine(model, **kw) -> LLM:
+    kw.setdefault("num_blocks", 1024)
+    kw.setdefault("block_size", 4)
+    return LLM(model=model, progress=False, debug=True, target_step_ms=None, **kw)
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    out = []
+    for res in llm.generate(prompts, greedy(MAX_NEW)):
+        c = res.outputs[0]
+        assert c.finish_reason is FinishReason.LENGTH, (c.finish_reason, c.stop_detail)
+        out.append(c.token_ids)
+    return out
+
+
+def _backends(family: str) -> list[str]:
+    windowed = family in ("mistral_window", "qwen2_window", "gemma3")
+    return ["torch"] if windowed or native_attention(16, "cpu") is not None else ["native", "torch"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_dir_matches_oracle_alone_and_batched(family: str, tmp_path_factory, prompts) -> None:
+    d = family_dir(tmp_path_factory, family)
+    ref = reference(tmp_path_factory, family, prompts)
+    for backend in _backends(family):
+        alone = _engine(str(d), attention_backend=backend, enable_prefix_caching=False)
+        assert alone.engine.model.attention == backend
+        # Only plain Llama (llama3 here) may take the fused C decoder or the C glue.
+        assert (alone.engine.model.config.plain_llama) == (family == "llama3")
+        got = [_run(alone, [p])[0] for p in prompts]
+        assert got == ref, f"{family} ({backend}): alone differs from HF"
+        assert_idle(alone.engine)
+        # All together, chunked at 7 tokens a step, in a pool that forces preemption.
+        batched = _engine(str(d), attention_backend=backend, num_blocks=40, max_num_batched_tokens=7,
+                          max_preemptions=1000)
+        assert _run(batched, prompts) == got, f"{family} ({backend}): batched differs from alone"
+        assert sum(batched.engine.lifecycle.stats.preemptions.values()) > 0
+        assert_idle(batched.engine)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_feature_changes_the_reference(family: str, tmp_path_factory, prompts) -> None:
+    """Without the family's feature the HF model answers otherwise: the oracle test sees it."""
+    src = family_dir(tmp_path_factory, family)
+    d = tmp_path_factory.mktemp(f"{family}_ablated")
+    shutil.copytree(src, d, dirs_exist_ok=True)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(ABLATIONS[family])
+    (d / "config.json").write_text(json.dumps(cfg))
+    ablated = hf_greedy(load_hf(d), prompts, MAX_NEW).tokens
+    assert ablated != reference(tmp_path_factory, family, prompts)
+
+
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
+def test_gguf_matches_oracle(family: str, tmp_path_factory, prompts, stopline_cache_dir: Path) -> None:
+    d = family_dir(tmp_path_factory, family)
+    path = make_family_gguf(d, tmp_path_factory.mktemp(f"{family}_gguf") / f"{family}.gguf")
+    loaded = load_model(path, progress=False, cache_dir=stopline_cache_dir)
+    assert loaded.config.model_type == FAMILIES[family][0]
+    if family == "llama3":
+        assert len(loaded.config.rope_freq_factors) == 8
+    ref = reference(tmp_path_factory, family, prompts)
+    llm = _engine(loaded, num_blocks=40, max_num_batched_tokens=7, max_preemptions=1000)
+    assert _run(llm, prompts) == ref
+    assert_idle(llm.engine)
+    # The weights cache gives the same config back.
+    again = load_model(path, progress=False, cache_dir=stopline_cache_dir)
+    assert again.from_cache and again.config == loaded.config
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "linear", "factor": 4.0},
+])
+def test_rope_frequencies_are_transformers_bits(scaling: dict) -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_cfg = LlamaConfig(hidden_size=1024, num_attention_heads=8, head_dim=128,
+                         rope_parameters={**scaling, "rope_theta": 500000.0})
+    want, factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_cfg, "cpu")
+    assert factor == 1.0
+    assert torch.equal(inv_freq(128, 500000.0, scaling), want)
+
+
+def _cfg(**kw) -> dict:
+    base = {"model_type": "llama", "vocab_size": 32, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "eos_token_id": 2}
+    return {**base, **kw}
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (_cfg(model_type="phi3", architectures=["Phi3ForCausalLM"]),
+     r"'phi3'.*\['gemma3_text', 'llama', 'mistral', 'qwen2', 'qwen3', 'smollm3'\]"),
+    (_cfg(model_type="gemma2"), "'gemma2' .*not supported"),
+    (_cfg(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "'yarn'"),
+    (_cfg(model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=30.0),
+     "final_logit_softcapping"),
+    (_cfg(model_type="qwen3", hidden_act="gelu"), "hidden_act 'gelu'"),
+])
+def test_unsupported_configs_are_refused_by_name(cfg: dict, match: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=match):
+        ModelConfig.from_hf_config(cfg)
+
+
+def test_layouts_of_windows_and_rope() -> None:
+    """transformers' assignment of windows and rope per layer, from v4 and v5 configs."""
+    qwen = ModelConfig.from_hf_config(_cfg(model_type="qwen2", num_hidden_layers=4, use_sliding_window=True,
+                                           sliding_window=64, max_window_layers=2))
+    assert qwen.layer_windows == (0, 0, 64, 64)
+    off = ModelConfig.from_hf_config(_cfg(model_type="qwen2", sliding_window=64, use_sliding_window=False))
+    assert off.layer_windows == () and off.plain_llama is False  # q/k/v biases
+    mistral = ModelConfig.from_hf_config(_cfg(model_type="mistral", sliding_window=64))
+    assert mistral.layer_windows == (64, 64)
+    gemma_v4 = ModelConfig.from_hf_config(_cfg(
+        model_type="gemma3_text", num_hidden_layers=6, hidden_activation="gelu_pytorch_tanh",
+        sliding_window=512, sliding_window_pattern=3, rope_theta=1e6, rope_local_base_freq=1e4,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=256))
+    assert gemma_v4.layer_windows == (512, 512, 0, 512, 512, 0)
+    assert (gemma_v4.rope_theta, gemma_v4.local_rope_theta) == (1e6, 1e4)
+    assert dict(gemma_v4.rope_scaling) == {"rope_type": "linear", "factor": 8.0}
+    assert gemma_v4.attention_scale == 256 ** -0.5 and gemma_v4.tie_word_embeddings
+    smol = ModelConfig.from_hf_config(_cfg(model_type="smollm3", num_hidden_layers=8))
+    assert smol.rope_layers == (True, True, True, False) * 2
+    assert ModelConfig.from_dict(smol.to_dict()) == smol
+    assert ModelConfig.from_dict(gemma_v4.to_dict()) == gemma_v4
+
+
+def test_windowed_model_refuses_native_attention(tmp_path_factory) -> None:
+    d = family_dir(tmp_path_factory, "mistral_window")
+    with pytest.raises(ValueError, match="sliding-window"):
+        _engine(str(d), attention_backend="native")
