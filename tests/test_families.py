@@ -208,3 +208,57 @@ def test_windowed_model_refuses_native_attention(tmp_path_factory) -> None:
     d = family_dir(tmp_path_factory, "mistral_window")
     with pytest.raises(ValueError, match="sliding-window"):
         _engine(str(d), attention_backend="native")
+
+
+def _q8_engine(tmp_path_factory, family: str, stopline_cache_dir: Path, **kw):
+    from stopline.config import EngineConfig
+    from stopline.engine.core import EngineCore
+
+    d = family_dir(tmp_path_factory, family)
+    path = make_family_gguf(d, tmp_path_factory.mktemp(f"{family}_q8") / f"{family}.q8_0.gguf", qtype="Q8_0")
+    loaded = load_model(path, progress=False, cache_dir=stopline_cache_dir)
+    cfg = dict(num_blocks=128, block_size=4, max_num_batched_tokens=64, quant_max_rows=16, debug=True,
+               target_step_ms=None)
+    return EngineCore(loaded, EngineConfig(**{**cfg, **kw}))
+
+
+@pytest.mark.skipif(native_attention(16, "cpu") is not None, reason="the C kernels don't run here")
+def test_llama3_rope_runs_in_the_fused_c_decoder(tmp_path_factory, prompts, stopline_cache_dir) -> None:
+    """Llama 3 rope is only a table: a Q8_0 Llama 3 GGUF keeps the fused C decoder, with the
+    layer loop's bits."""
+    from tests.engine_support import greedy_logprobs
+
+    fused = _q8_engine(tmp_path_factory, "llama3", stopline_cache_dir)
+    assert fused.model.decoder is not None
+    loop = _q8_engine(tmp_path_factory, "llama3", stopline_cache_dir)
+    loop.model.c_layers = False
+    assert greedy_logprobs(fused, prompts[:6]) == greedy_logprobs(loop, prompts[:6])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_other_gguf_families_leave_the_fused_decoder(family: str, tmp_path_factory, prompts,
+                                                     stopline_cache_dir) -> None:
+    """Biases and q/k norms are not in the C glue: a quantized Qwen runs the torch glue (with
+    the quantized linears and the C attention), alone and batched alike."""
+    from tests.engine_support import greedy_logprobs
+
+    batched = _q8_engine(tmp_path_factory, family, stopline_cache_dir)
+    assert batched.model.decoder is None and not batched.model.config.plain_llama
+    together = greedy_logprobs(batched, prompts)
+    alone = {}
+    for i, p in enumerate(prompts):
+        got = greedy_logprobs(_q8_engine(tmp_path_factory, family, stopline_cache_dir), [p])
+        alone[f"r{i}"] = got["r0"]
+    assert together == alone
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_fast_numerics_stay_batch_invariant(family: str, tmp_path_factory, prompts) -> None:
+    """Fast mode's bf16 linears under the torch glue: a request alone gets the tokens it gets
+    among the others, chunked and preempted."""
+    d = str(family_dir(tmp_path_factory, family))
+    alone = _engine(d, numerics="fast", enable_prefix_caching=False)
+    got = [_run(alone, [p])[0] for p in prompts]
+    batched = _engine(d, numerics="fast", num_blocks=40, max_num_batched_tokens=7, max_preemptions=1000)
+    assert _run(batched, prompts) == got
+    assert_idle(batched.engine)
