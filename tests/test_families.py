@@ -90,8 +90,12 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
+def _windowed(family: str) -> bool:
+    return family in ("mistral_window", "qwen2_window", "gemma3")
+
+
 def _backends(family: str) -> list[str]:
-    windowed = family in ("mistral_window", "qwen2_window", "gemma3")
+    windowed = _windowed(family)
     return ["torch"] if windowed or native_attention(16, "cpu") is not None else ["native", "torch"]
 
 
@@ -113,6 +117,11 @@ def test_hf_dir_matches_oracle_alone_and_batched(family: str, tmp_path_factory, 
         assert _run(batched, prompts) == got, f"{family} ({backend}): batched differs from alone"
         assert sum(batched.engine.lifecycle.stats.preemptions.values()) > 0
         assert_idle(batched.engine)
+    if _windowed(family):
+        # Decodes gathering their blocks rather than reading DecodeRows: the window's other mask.
+        gathered = _engine(str(d), decode_rows=False, max_num_batched_tokens=7)
+        assert _run(gathered, prompts) == ref
+        assert_idle(gathered.engine)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -198,6 +207,12 @@ def test_layouts_of_windows_and_rope() -> None:
     assert (gemma_v4.rope_theta, gemma_v4.local_rope_theta) == (1e6, 1e4)
     assert dict(gemma_v4.rope_scaling) == {"rope_type": "linear", "factor": 8.0}
     assert gemma_v4.attention_scale == 256 ** -0.5 and gemma_v4.tie_word_embeddings
+    # Llama 3.2's config.json (v4 layout: the theta beside rope_scaling).
+    llama32 = ModelConfig.from_hf_config(_cfg(rope_theta=500000.0, rope_scaling={
+        "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192, "rope_type": "llama3"}))
+    assert llama32.rope_theta == 500000.0 and dict(llama32.rope_scaling)["factor"] == 32.0
+    assert llama32.plain_llama
     smol = ModelConfig.from_hf_config(_cfg(model_type="smollm3", num_hidden_layers=8))
     assert smol.rope_layers == (True, True, True, False) * 2
     assert ModelConfig.from_dict(smol.to_dict()) == smol
