@@ -277,3 +277,26 @@ def test_fast_numerics_stay_batch_invariant(family: str, tmp_path_factory, promp
     batched = _engine(d, numerics="fast", num_blocks=40, max_num_batched_tokens=7, max_preemptions=1000)
     assert _run(batched, prompts) == got
     assert_idle(batched.engine)
+
+
+def test_qwen_gguf_tokenizer_splits_like_qwen(tmp_path_factory) -> None:
+    """tokenizer.ggml.pre = "qwen2" (Qwen2 and Qwen3 GGUFs): Qwen's tokenizer.json split (Llama 3's
+    with each digit alone), not GPT-2's; checked against `tokenizers` with that split."""
+    from tokenizers import Regex, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from stopline.model.loaders.gguf import read_gguf
+    from stopline.tokenizer.tokenizer import Tokenizer
+
+    d = family_dir(tmp_path_factory, "qwen2")
+    path = make_family_gguf(d, tmp_path_factory.mktemp("qwen_tok") / "q.gguf")
+    ours = Tokenizer.from_gguf_fields(read_gguf(path).fields)
+    ref = HFTokenizer.from_file(str(d / "tokenizer.json"))
+    ref.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    for text in ["The year 2024 had 65536 days", "They'LL arrive at 10:30\n\n  ok", "café 日本語 🎉 x=3.14159"]:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False).ids, text
+    assert len(ours.encode("65536")) == 5  # a token per digit

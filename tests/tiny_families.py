@@ -178,7 +178,7 @@ def make_family_gguf(hf_dir: str | Path, out_path: str | Path, *, qtype: str = "
     n = cfg["vocab_size"]
     by_id = {i: s for s, i in vocab.items()}
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3") else "gpt2")
     w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(n)])
     w.add_token_types([(gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED)
                        if i in added else gguf.TokenType.NORMAL if i in by_id else gguf.TokenType.UNUSED

@@ -45,6 +45,8 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2 and Qwen3: Llama 3's split with every digit alone (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2).
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # StarCoder-lineage vocabularies (SmolLM among them) split every digit before the GPT-2 regex.
 _PRE_DIGITS_THEN_GPT2 = frozenset({
     "smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva",
@@ -69,6 +71,11 @@ def _gguf_pre_tokenizer(pre: str | None) -> tuple[Any, bool]:
             pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
         ]), True
+    if pre in ("qwen2", "stablelm2"):  # one case in llama.cpp; it keeps the merges for these
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ]), False
     if pre is not None and pre not in _PRE_GPT2:
         warnings.warn(
             f"GGUF tokenizer.ggml.pre={pre!r} is not known to stopline; using the GPT-2 split. "
