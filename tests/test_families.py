@@ -34,7 +34,7 @@ from tests.tiny_families import FAMILIES, make_family_dir, make_family_gguf
 
 MAX_NEW = 24
 LENGTHS = [1, 5, 17, 33, 64, 100, 130, 9, 40]
-GGUF_FAMILIES = ["llama3", "qwen2", "qwen3"]
+GGUF_FAMILIES = ["llama3", "qwen2", "qwen3", "gemma3_gguf"]
 
 # What each family's test takes away from the HF model (config.json changes) to show the feature
 # matters. As Llama, a Qwen checkpoint's biases or q/k norms are left unread.
@@ -47,6 +47,7 @@ ABLATIONS: dict[str, dict] = {
     "mistral_window": {"sliding_window": None},
     "qwen2_window": {"layer_types": ["full_attention"] * 3},
     "gemma3": {"layer_types": ["full_attention"] * 3},
+    "gemma3_gguf": {"layer_types": ["full_attention"] * 6},
 }
 
 
@@ -91,7 +92,7 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _windowed(family: str) -> bool:
-    return family in ("mistral_window", "qwen2_window", "gemma3")
+    return family in ("mistral_window", "qwen2_window", "gemma3", "gemma3_gguf")
 
 
 def _backends(family: str) -> list[str]:
@@ -142,7 +143,12 @@ def test_gguf_matches_oracle(family: str, tmp_path_factory, prompts, stopline_ca
     d = family_dir(tmp_path_factory, family)
     path = make_family_gguf(d, tmp_path_factory.mktemp(f"{family}_gguf") / f"{family}.gguf")
     loaded = load_model(path, progress=False, cache_dir=stopline_cache_dir)
-    assert loaded.config.model_type == FAMILIES[family][0]
+    # The GGUF's metadata says what the HF config says (Llama 3's rope comes as factors instead).
+    hf = load_model(d, progress=False).config
+    same = ("model_type", "num_layers", "head_dim", "rope_theta", "local_rope_theta", "attention_bias",
+            "qk_norm", "rope_layers", "layer_windows", "hidden_act", "attention_scale", "tie_word_embeddings")
+    assert {k: getattr(loaded.config, k) for k in same} == {k: getattr(hf, k) for k in same}
+    assert loaded.config.rope_scaling == (() if family == "llama3" else hf.rope_scaling)
     if family == "llama3":
         assert len(loaded.config.rope_freq_factors) == 8
     ref = reference(tmp_path_factory, family, prompts)

@@ -260,7 +260,7 @@ def test_gguf_unsupported_arch(tmp_path: Path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported.*architectures: \\['llama', 'qwen2', 'qwen3'\\]"):
+    with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported.*architectures: \\['gemma3', 'llama', 'qwen2', 'qwen3'\\]"):
         load_model(path, progress=False, cache_dir=tmp_path / "c")
 
 

@@ -37,6 +37,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "sliding_window": 16, "query_pre_attn_scalar": 24,
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0}}}),
+    # llama.cpp's Gemma 3 layout: five sliding layers, then a global one.
+    "gemma3_gguf": ("gemma3_text", {
+        "num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "sliding_window": 16, "query_pre_attn_scalar": 16,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0}}}),
 }
 
 
@@ -47,6 +53,8 @@ def make_family_dir(path: str | Path, family: str, *, seed: int = 0, init_std: f
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, extra = FAMILIES[family]
+    extra = dict(extra)
+    layers = extra.pop("num_hidden_layers", layers)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = AutoConfig.for_model(
@@ -103,6 +111,12 @@ _GGUF_LAYER_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+_GEMMA3_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _GGUF_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -110,11 +124,12 @@ _GGUF_NAMES = {
 }
 
 
-def _gguf_name(hf: str) -> str:
+def _gguf_name(hf: str, arch: str) -> str:
     if hf in _GGUF_NAMES:
         return _GGUF_NAMES[hf]
+    names = _GEMMA3_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
     parts = hf.split(".")  # model.layers.{i}.<module...>.weight|bias
-    return f"blk.{parts[2]}.{_GGUF_LAYER_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+    return f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -142,9 +157,9 @@ def llama3_rope_factors(head_dim: int, rope: dict[str, Any]) -> np.ndarray:
 
 
 def make_family_gguf(hf_dir: str | Path, out_path: str | Path, *, qtype: str = "F32") -> Path:
-    """Convert a tiny llama / qwen2 / qwen3 HF dir to GGUF as convert_hf_to_gguf.py does: Llama's
-    Q/K rows permuted (ggml's normal rope), Qwen's left alone (NEOX rope); Llama 3 rope as a
-    rope_freqs tensor."""
+    """Convert a tiny llama / qwen2 / qwen3 / gemma3_text HF dir to GGUF as convert_hf_to_gguf.py
+    does: Llama's Q/K rows permuted (ggml's normal rope), the others' left alone (NEOX rope);
+    Llama 3 rope as a rope_freqs tensor; Gemma's norms shifted by 1."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -152,11 +167,17 @@ def make_family_gguf(hf_dir: str | Path, out_path: str | Path, *, qtype: str = "
     cfg = json.loads((hf_dir / "config.json").read_text())
     tj = json.loads((hf_dir / "tokenizer.json").read_text())
     weights = load_file(str(hf_dir / "model.safetensors"))
-    arch = cfg["model_type"]
+    arch = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
     w = gguf.GGUFWriter(str(out_path), arch)
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
+    if arch == "gemma3":  # Gemma3Model.set_gguf_parameters: the global layers' rope, the window
+        rope = rope["full_attention"]
+        w.add_sliding_window(cfg["sliding_window"])
+        if rope.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
     w.add_name(f"tiny-{arch}")
     w.add_vocab_size(cfg["vocab_size"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -194,14 +215,16 @@ def make_family_gguf(hf_dir: str | Path, out_path: str | Path, *, qtype: str = "
     quant = gguf.GGMLQuantizationType[qtype]
     for name, arr in weights.items():
         arr = arr.astype(np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            arr = arr + np.float32(1.0)  # Gemma3Model.norm_shift
         if arch == "llama" and name.endswith("q_proj.weight"):
             arr = _permute(arr, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             arr = _permute(arr, kv)
         if arr.ndim == 1 or quant == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(_gguf_name(name), arr)
+            w.add_tensor(_gguf_name(name, arch), arr)
         else:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(arr, quant), raw_dtype=quant)
+            w.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(arr, quant), raw_dtype=quant)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -15,7 +15,7 @@ from stopline.errors import UnsupportedModelError
 # the fields below: q/k/v biases, q/k norms, layers without rope, sliding windows, Gemma 3's
 # sandwich norms). Anything else would load but compute the wrong thing, so it is refused up front.
 SUPPORTED_HF_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text"})
-SUPPORTED_GGUF_ARCHS = frozenset({"llama", "qwen2", "qwen3"})
+SUPPORTED_GGUF_ARCHS = frozenset({"llama", "qwen2", "qwen3", "gemma3"})
 # Rope frequency schemes the model computes (HF `rope_type`); scaling that also changes the
 # attention (yarn, longrope) or the positions (dynamic) is refused.
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3"})

@@ -137,20 +137,18 @@ class LlamaModel:
         head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
         self.lm_head = linear(head, rows=max_logit_rows)
 
-        def norm(name: str) -> torch.Tensor:
-            # Gemma's norms multiply by (1 + w); adding the 1 once here gives the same float32.
-            return w(name) + 1.0 if c.gemma else w(name)
-
-        self.final_norm = norm("model.norm.weight")
+        # Gemma's norms multiply by (1 + w): the loaders hand over the multiplier (the HF loader
+        # adds the 1, a GGUF has it added), so every norm weight here is what x is scaled by.
+        self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
             layer: dict[str, InvariantLinear | torch.Tensor] = {
-                "ln1": norm(p + "input_layernorm.weight"),
+                "ln1": w(p + "input_layernorm.weight"),
                 # Gemma: post_attention_layernorm normalizes the attention's output, and
                 # pre_feedforward_layernorm is the MLP's input norm (Llama's ln2).
-                "ln2": norm(p + ("pre_feedforward_layernorm.weight" if c.gemma else "post_attention_layernorm.weight")),
+                "ln2": w(p + ("pre_feedforward_layernorm.weight" if c.gemma else "post_attention_layernorm.weight")),
                 "qkv": linear(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
                 "o": linear(attn + "o_proj.weight"),
                 "gate_up": linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
@@ -159,10 +157,10 @@ class LlamaModel:
             if c.attention_bias:
                 layer["qkv_bias"] = torch.cat([w(attn + f"{x}_proj.bias") for x in "qkv"])
             if c.qk_norm:
-                layer["q_norm"], layer["k_norm"] = norm(attn + "q_norm.weight"), norm(attn + "k_norm.weight")
+                layer["q_norm"], layer["k_norm"] = w(attn + "q_norm.weight"), w(attn + "k_norm.weight")
             if c.gemma:
-                layer["attn_out_norm"] = norm(p + "post_attention_layernorm.weight")
-                layer["mlp_out_norm"] = norm(p + "post_feedforward_layernorm.weight")
+                layer["attn_out_norm"] = w(p + "post_attention_layernorm.weight")
+                layer["mlp_out_norm"] = w(p + "post_feedforward_layernorm.weight")
             self.layers.append(layer)
         # One (cos, sin) table per distinct frequency set; None for a layer without rope.
         made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
