@@ -3,12 +3,11 @@
 One class runs every family (config.py names them): plain Llama through the C glue and the
 fused C decoder where they run; the others (q/k/v biases, q/k norms, layers without rope,
 sliding windows, Gemma 3's block) through the torch glue, which the C glue does not implement,
-with C attention unless a layer has a sliding window (the C kernel attends whole prefixes).
+with either attention (each takes a layer's sliding window).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 from dataclasses import dataclass, replace
@@ -16,7 +15,6 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from stopline.config import AttentionBackend
 from stopline.kv.decode_rows import DecodeRows, RowPlan
 from stopline.kv.kv_cache import KVCache, gather_blocks
 from stopline.model.attention import attend, attend_rows
@@ -32,8 +30,6 @@ from stopline.model.kernels.paged_attention import PagedRows, paged_attention
 from stopline.model.kernels.paged_attention import pick as pick_attention
 from stopline.model.kernels.quant_linear import Blocks, QuantWeight, can_pack, from_raw_rows
 from stopline.model.rope import layer_freqs, tables
-
-log = logging.getLogger("stopline.model")
 
 
 class StepInterrupted(Exception):
@@ -94,13 +90,6 @@ class LlamaModel:
         c = config
         self.group = c.num_heads // c.num_kv_heads
         self.scale = c.attention_scale or 1.0 / math.sqrt(c.head_dim)
-        if any(c.layer_windows) and attention != AttentionBackend.TORCH:
-            # The C kernel attends a row's whole prefix; a window needs the torch masks.
-            if attention == AttentionBackend.NATIVE:
-                raise ValueError("attention_backend 'native' can't run here: the model has "
-                                 "sliding-window layers, which the C kernel does not mask")
-            log.info("attention runs in torch: the model has sliding-window layers")
-            attention = AttentionBackend.TORCH
         self.attention = pick_attention(attention, c.head_dim, device)
 
         def w(name: str) -> torch.Tensor:
@@ -258,8 +247,9 @@ class LlamaModel:
         for t in self.rope:
             if t is not None and id(t) not in rope:
                 rope[id(t)] = tuple(a.index_select(0, inp.positions)[:, None, :] for a in t)
-        # The step's inputs with each window's keys masked (the C attention never sees a window).
-        windowed = {wd: self._windowed(inp, wd) for wd in set(c.layer_windows) if wd}
+        # For torch attention, the step's inputs with each window's keys masked too (the C
+        # attention takes the window itself).
+        windowed = {wd: self._windowed(inp, wd) for wd in set(c.layer_windows) if wd and inp.paged is None}
         act = (lambda g: F.gelu(g, approximate="tanh")) if c.hidden_act == GELU_TANH else F.silu
         for li, layer in enumerate(self.layers):
             self._check(interrupt, li)
@@ -318,8 +308,9 @@ class LlamaModel:
                    inp: StepInputs, kv: KVCache, decode_rows: DecodeRows | None) -> torch.Tensor:
         """Layer li's attention output [N, heads * d] for q [N, heads, d]; the step's k, v
         [N, kv_heads, d] are already in the cache."""
-        if inp.paged is not None:  # the C attention under the torch glue (c_glue off)
-            return paged_attention(q, kv.k[li], kv.v[li], inp.paged, kv.block_size, self.scale)
+        if inp.paged is not None:  # the C attention under the torch glue (c_glue off, or not Llama)
+            return paged_attention(q, kv.k[li], kv.v[li], inp.paged, kv.block_size, self.scale,
+                                   self.config.window(li))
         dec = inp.decode
         rows_kv = None
         if dec is not None and dec.staged is not None and decode_rows is not None:
