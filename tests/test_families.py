@@ -329,3 +329,25 @@ def test_qwen_gguf_tokenizer_splits_like_qwen(tmp_path_factory) -> None:
         ids = ours.encode(text)
         assert ids == ref.encode(text, add_special_tokens=False).ids, text
     assert len(ours.encode("65536")) == 5  # a token per digit
+
+
+def test_gemma_gguf_sentencepiece_tokenizer_matches_transformers(tmp_path_factory) -> None:
+    """A Gemma GGUF's SentencePiece vocabulary (no merges; runs of spaces stored as spaces) gives
+    the ids transformers' tokenizer for the same file gives, and decodes back."""
+    from transformers import AutoTokenizer
+
+    from stopline.model.loaders.gguf import read_gguf
+    from stopline.tokenizer.tokenizer import Tokenizer
+
+    d = family_dir(tmp_path_factory, "gemma3_gguf")
+    out = tmp_path_factory.mktemp("gemma_spm")
+    make_family_gguf(d, out / "g.gguf", sentencepiece=True)
+    ours = Tokenizer.from_gguf_fields(read_gguf(out / "g.gguf").fields)
+    ref = AutoTokenizer.from_pretrained(out, gguf_file="g.gguf")
+    assert ours.add_bos_token and ours.bos_token_id == 2 and not ours.is_byte_level
+    texts = ["The quick brown fox", "  two  spaces   and\ttabs\n\nnewlines", "café 日本語 🎉 <eos> x",
+             "def fibonacci(n):\n    return n", " leading", "trailing ", "", "Numbers: 65536 3.14159"]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == ref(text).input_ids, text
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text

@@ -156,7 +156,27 @@ def llama3_rope_factors(head_dim: int, rope: dict[str, Any]) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def make_family_gguf(hf_dir: str | Path, out_path: str | Path, *, qtype: str = "F32") -> Path:
+def sentencepiece_pieces(size: int) -> list[str]:
+    """A Gemma-style vocabulary of `size` pieces: <pad> <eos> <bos> <unk>, the 256 byte tokens,
+    runs of spaces as llama.cpp writes Gemma's (real spaces), then BPE pieces over
+    U+2581-spelled text, in merge order (the order a Gemma GGUF lists them in)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    from tests.tiny_model import _CORPUS
+
+    head = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256)), "  ", "   "]
+    trainer = Tokenizer(models.BPE())
+    trainer.normalizer = normalizers.Replace(" ", "\u2581")
+    trainer.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
+    trainer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainers.BpeTrainer(
+        vocab_size=4 * size, show_progress=False))
+    learned = sorted(trainer.get_vocab().items(), key=lambda kv: kv[1])
+    pieces = [p for p, _ in learned if p not in head]
+    return (head + pieces)[:size]
+
+
+def make_family_gguf(hf_dir: str | Path, out_path: str | Path, *, qtype: str = "F32",
+                     sentencepiece: bool = False) -> Path:
     """Convert a tiny llama / qwen2 / qwen3 / gemma3_text HF dir to GGUF as convert_hf_to_gguf.py
     does: Llama's Q/K rows permuted (ggml's normal rope), the others' left alone (NEOX rope);
     Llama 3 rope as a rope_freqs tensor; Gemma's norms shifted by 1."""
@@ -198,16 +218,23 @@ def make_family_gguf(hf_dir: str | Path, out_path: str | Path, *, qtype: str = "
         vocab[t["content"]] = i
     n = cfg["vocab_size"]
     by_id = {i: s for s, i in vocab.items()}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3") else "gpt2")
-    w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(n)])
-    w.add_token_types([(gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED)
-                       if i in added else gguf.TokenType.NORMAL if i in by_id else gguf.TokenType.UNUSED
-                       for i in range(n)])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
-    w.add_add_bos_token(False)
+    if sentencepiece:  # Gemma's published GGUFs: tokenizer.ggml.model "llama", no merges
+        pieces = sentencepiece_pieces(n)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(pieces)
+        w.add_token_scores([-float(i) for i in range(n)])
+        w.add_token_types([gguf.TokenType.CONTROL if i < 4 else gguf.TokenType.BYTE if i < 260
+                           else gguf.TokenType.NORMAL for i in range(n)])
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+        w.add_unk_token_id(3)
+        w.add_pad_token_id(0)
+        w.add_add_bos_token(True)
+        w.add_add_space_prefix(False)
+    else:
+        _bpe_vocabulary(w, by_id, added, tj, n, arch, cfg)
+
     w.add_chat_template(CHATML_TEMPLATE)
 
     if rope.get("rope_type") == "llama3":
@@ -230,3 +257,20 @@ def make_family_gguf(hf_dir: str | Path, out_path: str | Path, *, qtype: str = "
     w.write_tensors_to_file()
     w.close()
     return out_path
+
+
+def _bpe_vocabulary(w: Any, by_id: dict[int, str], added: dict[int, Any], tj: dict[str, Any], n: int,
+                    arch: str, cfg: dict[str, Any]) -> None:
+    """The tiny byte-level BPE, as llama.cpp writes one (Qwen's with its own split label)."""
+    import gguf
+
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3") else "gpt2")
+    w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(n)])
+    w.add_token_types([(gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED)
+                       if i in added else gguf.TokenType.NORMAL if i in by_id else gguf.TokenType.UNUSED
+                       for i in range(n)])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_add_bos_token(False)
