@@ -20,7 +20,7 @@ from stopline import LLM, FinishReason
 from stopline.errors import UnsupportedModelError
 from stopline.model.config import ModelConfig
 from stopline.model.kernels.paged_attention import supports as native_attention
-from stopline.model.loaders.loader import load_model
+from stopline.model.loaders.loader import export_hf_dir, load_model
 from stopline.model.rope import inv_freq
 from tests.engine_support import (
     MIN_MARGIN_TINY,
@@ -157,6 +157,15 @@ def test_gguf_matches_oracle(family: str, tmp_path_factory, prompts, stopline_ca
     # The weights cache gives the same config back.
     again = load_model(path, progress=False, cache_dir=stopline_cache_dir)
     assert again.from_cache and again.config == loaded.config
+    # Exported as an HF directory (for peers that need one), transformers answers the same; a
+    # config HF can't spell (rope_freqs factors, Gemma) is refused by name.
+    out = tmp_path_factory.mktemp(f"{family}_export")
+    if family in ("qwen2", "qwen3"):
+        export_hf_dir(loaded, out)
+        assert hf_greedy(load_hf(out), prompts, MAX_NEW).tokens == ref
+    else:
+        with pytest.raises(UnsupportedModelError, match="can't be written as an HF config"):
+            export_hf_dir(loaded, out)
 
 
 @pytest.mark.parametrize("scaling", [
