@@ -150,7 +150,8 @@ def _edit_config(src: Path, dst: Path, **changes) -> Path:
 @pytest.mark.parametrize("changes, match", [
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "model_type 'gpt2'"),
     ({"attention_bias": True}, "attention_bias"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}}, "yarn"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3.*lacks"),
 ])
 def test_unsupported_hf_models_are_refused(tmp_path: Path, tiny_model_dir: Path, changes, match) -> None:
     d = _edit_config(tiny_model_dir, tmp_path / "m", **changes)
@@ -251,15 +252,15 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
 def test_gguf_unsupported_arch(tmp_path: Path) -> None:
     import gguf
 
-    path = tmp_path / "qwen.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen2")
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedModelError, match="'qwen2' is not supported.*Llama"):
+    with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported.*architectures: \\['gemma3', 'llama', 'qwen2', 'qwen3'\\]"):
         load_model(path, progress=False, cache_dir=tmp_path / "c")
 
 

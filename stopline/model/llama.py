@@ -1,10 +1,16 @@
-"""The Llama-family transformer over a flat batch of rows, reading and writing paged K/V."""
+"""The Llama-family transformer over a flat batch of rows, reading and writing paged K/V.
+
+One class runs every family (config.py names them): plain Llama through the C glue and the
+fused C decoder where they run; the others (q/k/v biases, q/k norms, layers without rope,
+sliding windows, Gemma 3's block) through the torch glue, which the C glue does not implement,
+with either attention (each takes a layer's sliding window).
+"""
 
 from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +20,7 @@ from stopline.kv.kv_cache import KVCache, gather_blocks
 from stopline.model.attention import attend, attend_rows
 from stopline.model.attention import probe as attention_probe
 from stopline.model.batch_invariant import InvariantLinear, rms_norm
-from stopline.model.config import ModelConfig
+from stopline.model.config import GELU_TANH, ModelConfig
 from stopline.model.decoder_native import DecoderLoop
 from stopline.model.kernels.bf16_linear import BF16Weight
 from stopline.model.kernels.bf16_linear import resolve as fast_numerics
@@ -23,6 +29,7 @@ from stopline.model.kernels.layer_ops import add_rms_norm, rope_store, silu_mul
 from stopline.model.kernels.paged_attention import PagedRows, paged_attention
 from stopline.model.kernels.paged_attention import pick as pick_attention
 from stopline.model.kernels.quant_linear import Blocks, QuantWeight, can_pack, from_raw_rows
+from stopline.model.rope import layer_freqs, tables
 
 
 class StepInterrupted(Exception):
@@ -82,7 +89,7 @@ class LlamaModel:
         self.config = config
         c = config
         self.group = c.num_heads // c.num_kv_heads
-        self.scale = 1.0 / math.sqrt(c.head_dim)
+        self.scale = c.attention_scale or 1.0 / math.sqrt(c.head_dim)
         self.attention = pick_attention(attention, c.head_dim, device)
 
         def w(name: str) -> torch.Tensor:
@@ -114,30 +121,43 @@ class LlamaModel:
                                    quant=quant(names), quant_max_rows=quant_max_rows)
 
         self.embed = w("model.embed_tokens.weight")
+        # Gemma scales the embeddings by sqrt(hidden), rounded to float32 as its buffer is.
+        self.embed_scale = torch.tensor(c.hidden_size ** 0.5) if c.gemma else None
         head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
         self.lm_head = linear(head, rows=max_logit_rows)
+
+        # Gemma's norms multiply by (1 + w): the loaders hand over the multiplier (the HF loader
+        # adds the 1, a GGUF has it added), so every norm weight here is what x is scaled by.
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            self.layers.append({
+            attn = p + "self_attn."
+            layer: dict[str, InvariantLinear | torch.Tensor] = {
                 "ln1": w(p + "input_layernorm.weight"),
-                "ln2": w(p + "post_attention_layernorm.weight"),
-                "qkv": linear(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                              p + "self_attn.v_proj.weight"),
-                "o": linear(p + "self_attn.o_proj.weight"),
+                # Gemma: post_attention_layernorm normalizes the attention's output, and
+                # pre_feedforward_layernorm is the MLP's input norm (Llama's ln2).
+                "ln2": w(p + ("pre_feedforward_layernorm.weight" if c.gemma else "post_attention_layernorm.weight")),
+                "qkv": linear(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                "o": linear(attn + "o_proj.weight"),
                 "gate_up": linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 "down": linear(p + "mlp.down_proj.weight"),
-            })
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
-        pos = torch.arange(c.max_position, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(device)
-        # rotate_half(x) * sin == roll(x, half) * sin with the first half's sign flipped:
-        # the same products (negation is exact) in 2 ops fewer.
-        sin = emb.sin()
-        self.sin = torch.cat([-sin[:, :c.head_dim // 2], sin[:, c.head_dim // 2:]], dim=-1).to(device)
+            }
+            if c.attention_bias:
+                layer["qkv_bias"] = torch.cat([w(attn + f"{x}_proj.bias") for x in "qkv"])
+            if c.qk_norm:
+                layer["q_norm"], layer["k_norm"] = w(attn + "q_norm.weight"), w(attn + "k_norm.weight")
+            if c.gemma:
+                layer["attn_out_norm"] = w(p + "post_attention_layernorm.weight")
+                layer["mlp_out_norm"] = w(p + "post_feedforward_layernorm.weight")
+            self.layers.append(layer)
+        # One (cos, sin) table per distinct frequency set; None for a layer without rope.
+        made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        freqs = layer_freqs(c)
+        self.rope = [None if f is None else made.setdefault(id(f), tables(f, c.max_position, device))
+                     for f in freqs]
+        # The C glue and decoder read one table, which every layer of a plain Llama shares.
+        self.cos, self.sin = next((t for t in self.rope if t is not None), (None, None))
 
     # With the C attention, run the layer glue in C too (layer_ops.py). Off only to measure
     # what it saves (bench/step_time.py --compare-glue).
@@ -162,7 +182,7 @@ class LlamaModel:
                 lin.heights()
                 lin.kc()  # each weight checks its own packing against the library once
         self.one_row_ok = all(lin.kc() is not None or lin.fast is not None for lin in linears)
-        if self.attention == "native" and DecoderLoop.supports(self):
+        if self.attention == "native" and self.config.plain_llama and DecoderLoop.supports(self):
             self.decoder = DecoderLoop(self)
         rms_norm(self.embed[:2], self.final_norm, self.config.rms_norm_eps)
         if self.attention == "torch":
@@ -183,7 +203,9 @@ class LlamaModel:
         inp.decode.staged refers to, if any."""
         c = self.config
         x = self.embed.index_select(0, inp.token_ids)
-        if inp.paged is not None and self.c_glue:
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        if inp.paged is not None and self.c_glue and c.plain_llama:
             if self.c_layers and self.decoder is not None and self.decoder.can_run(x.shape[0], interrupt):
                 x, stopped = self.decoder.run(x, inp, kv, interrupt)
                 if stopped is not None:
@@ -220,32 +242,75 @@ class LlamaModel:
                       interrupt: threading.Event | None, decode_rows: DecodeRows | None) -> torch.Tensor:
         c = self.config
         n = inp.token_ids.shape[0]
-        cos = self.cos.index_select(0, inp.positions)[:, None, :]
-        sin = self.sin.index_select(0, inp.positions)[:, None, :]
         hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+        rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by table, for this step's positions
+        for t in self.rope:
+            if t is not None and id(t) not in rope:
+                rope[id(t)] = tuple(a.index_select(0, inp.positions)[:, None, :] for a in t)
+        # For torch attention, the step's inputs with each window's keys masked too (the C
+        # attention takes the window itself).
+        windowed = {wd: self._windowed(inp, wd) for wd in set(c.layer_windows) if wd and inp.paged is None}
+        act = (lambda g: F.gelu(g, approximate="tanh")) if c.hidden_act == GELU_TANH else F.silu
         for li, layer in enumerate(self.layers):
             self._check(interrupt, li)
             h = rms_norm(x, layer["ln1"], c.rms_norm_eps)
             qkv = layer["qkv"](h)
-            qk = self._rope(qkv[:, :(hq + hk) * d].reshape(n, hq + hk, d), cos, sin)
+            if "qkv_bias" in layer:
+                qkv = qkv + layer["qkv_bias"]
+            qk = qkv[:, :(hq + hk) * d].reshape(n, hq + hk, d)
+            if "q_norm" in layer:  # per head, before rope
+                qk = torch.cat([rms_norm(qk[:, :hq], layer["q_norm"], c.rms_norm_eps),
+                                rms_norm(qk[:, hq:], layer["k_norm"], c.rms_norm_eps)], dim=1)
+            if self.rope[li] is not None:
+                qk = self._rope(qk, *rope[id(self.rope[li])])
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
             kv.k[li].index_copy_(1, inp.write_slots, k.transpose(0, 1))
             kv.v[li].index_copy_(1, inp.write_slots, v.transpose(0, 1))
-            o = self._attention(li, q, k, v, inp, kv, decode_rows)
-            x = x + layer["o"](o)
+            o = layer["o"](self._attention(li, q, k, v, windowed.get(c.window(li), inp), kv, decode_rows))
+            if "attn_out_norm" in layer:
+                o = rms_norm(o, layer["attn_out_norm"], c.rms_norm_eps)
+            x = x + o
             h = rms_norm(x, layer["ln2"], c.rms_norm_eps)
             gu = layer["gate_up"](h)
             inter = gu.shape[1] // 2
-            x = x + layer["down"](F.silu(gu[:, :inter]) * gu[:, inter:])
+            m = layer["down"](act(gu[:, :inter]) * gu[:, inter:])
+            if "mlp_out_norm" in layer:
+                m = rms_norm(m, layer["mlp_out_norm"], c.rms_norm_eps)
+            x = x + m
         return x
+
+    @staticmethod
+    def _windowed(inp: StepInputs, window: int) -> StepInputs:
+        """inp with the keys more than `window` positions behind each row masked too (HF's
+        sliding window: a query at p sees the keys at p - window + 1 .. p). A key's index in
+        the gathered blocks and in DecodeRows is its position."""
+        if inp.paged is not None:
+            raise RuntimeError("a sliding-window layer was given the C attention's inputs")
+
+        def behind(masked: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            keys = torch.arange(masked.shape[-1], device=masked.device)
+            return masked | (keys[None, :] <= pos[:, None] - window).view(pos.shape[0], *[1] * (masked.dim() - 2), -1)
+
+        prefills = [replace(p, masked=behind(p.masked, inp.positions[p.row_start:p.row_end]))
+                    for p in inp.prefills]
+        dec = inp.decode
+        if dec is not None and dec.staged is not None:
+            st = dec.staged
+            pos = torch.zeros(st.masked.shape[0], dtype=st.positions.dtype, device=st.positions.device)
+            pos.index_copy_(0, st.rows, st.positions)  # an unused row keeps its one key
+            dec = replace(dec, staged=replace(st, masked=behind(st.masked, pos)))
+        elif dec is not None and dec.masked is not None:
+            dec = replace(dec, masked=behind(dec.masked, inp.positions.index_select(0, dec.rows)))
+        return replace(inp, prefills=prefills, decode=dec)
 
     def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    inp: StepInputs, kv: KVCache, decode_rows: DecodeRows | None) -> torch.Tensor:
         """Layer li's attention output [N, heads * d] for q [N, heads, d]; the step's k, v
         [N, kv_heads, d] are already in the cache."""
-        if inp.paged is not None:  # the C attention under the torch glue (c_glue off)
-            return paged_attention(q, kv.k[li], kv.v[li], inp.paged, kv.block_size, self.scale)
+        if inp.paged is not None:  # the C attention under the torch glue (c_glue off, or not Llama)
+            return paged_attention(q, kv.k[li], kv.v[li], inp.paged, kv.block_size, self.scale,
+                                   self.config.window(li))
         dec = inp.decode
         rows_kv = None
         if dec is not None and dec.staged is not None and decode_rows is not None:

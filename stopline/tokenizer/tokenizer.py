@@ -17,7 +17,7 @@ from typing import Any
 
 import jinja2
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from stopline.errors import UnsupportedModelError
 from stopline.tokenizer.chat_template import (
@@ -45,6 +45,8 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2 and Qwen3: Llama 3's split with every digit alone (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2).
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # StarCoder-lineage vocabularies (SmolLM among them) split every digit before the GPT-2 regex.
 _PRE_DIGITS_THEN_GPT2 = frozenset({
     "smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva",
@@ -69,6 +71,11 @@ def _gguf_pre_tokenizer(pre: str | None) -> tuple[Any, bool]:
             pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
         ]), True
+    if pre in ("qwen2", "stablelm2"):  # one case in llama.cpp; it keeps the merges for these
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ]), False
     if pre is not None and pre not in _PRE_GPT2:
         warnings.warn(
             f"GGUF tokenizer.ggml.pre={pre!r} is not known to stopline; using the GPT-2 split. "
@@ -76,6 +83,58 @@ def _gguf_pre_tokenizer(pre: str | None) -> tuple[Any, bool]:
             stacklevel=3,
         )
     return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True), False
+
+
+def _bpe_backend(tokens: list[str], fields: Mapping[str, Any]) -> tokenizers.Tokenizer:
+    """A GGUF's byte-level BPE vocabulary (`tokenizer.ggml.model` gpt2) with its merges."""
+    merges_raw = fields.get("tokenizer.ggml.merges")
+    if not merges_raw:
+        raise UnsupportedModelError("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges: list[tuple[str, str]] = []
+    for m in merges_raw:
+        left, sep, right = m.partition(" ")
+        if not sep:
+            raise ValueError(f"malformed GGUF merge rule {m!r} (expected 'left right')")
+        merges.append((left, right))
+    pre_tok, ignore_merges = _gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre"))
+    backend = tokenizers.Tokenizer(models.BPE(
+        vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges,
+    ))
+    backend.pre_tokenizer = pre_tok
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+# Gemma GGUFs carry a SentencePiece vocabulary (`tokenizer.ggml.model` llama) without merges.
+_GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
+
+
+def _gemma_spelling(tokens: list[str]) -> list[str]:
+    """Gemma files store a token of two or more spaces as real spaces; its tokenizer.json spells
+    them with U+2581, as every other piece, so the merges built from them can match."""
+    return ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+
+
+def _gemma_backend(tokens: list[str], unk_id: int | None) -> tokenizers.Tokenizer:
+    """Gemma's tokenizer (BPE with byte fallback over "\u2581"-spelled spaces, no prefix space)
+    from a GGUF's pieces, as transformers rebuilds it from the same file: the file has no merges,
+    so they are every split of a piece into two pieces, ranked by the merged piece's place in the
+    file (Gemma's scores do not follow its merge order; the file order does)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked: list[tuple[str, str, int]] = []
+    for rank, piece in enumerate(tokens):
+        local = [(piece[:k], piece[k:], -rank) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        ranked += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else "<unk>"
+    backend = tokenizers.Tokenizer(models.BPE(
+        vocab=vocab, merges=[(a, b) for a, b, _ in ranked], fuse_unk=True, unk_token=unk, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
 
 
 class Tokenizer:
@@ -229,37 +288,29 @@ class Tokenizer:
         """Build from GGUF `tokenizer.*` metadata (values already decoded to Python types).
 
         Supports byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`), which is what
-        llama.cpp's converter writes for SmolLM, Llama 3 and most recent Llama-family models.
+        llama.cpp's converter writes for SmolLM, Llama 3, Qwen and most recent models, and Gemma's
+        SentencePiece vocabulary (`llama` in a Gemma GGUF).
         """
         kind = fields.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        arch = fields.get("general.architecture")
+        gemma_spm = kind == "llama" and arch in _GEMMA_ARCHS
+        if kind != "gpt2" and not gemma_spm:
             raise UnsupportedModelError(
-                f"GGUF tokenizer.ggml.model={kind!r} is not supported; stopline builds byte-level "
-                "BPE ('gpt2') tokenizers from GGUF. Load the HF directory (with tokenizer.json) instead."
+                f"GGUF tokenizer.ggml.model={kind!r} is not supported here; stopline builds byte-level "
+                "BPE ('gpt2') tokenizers, and Gemma's SentencePiece ('llama'), from GGUF. Load the HF "
+                "directory (with tokenizer.json) instead."
             )
         tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
-        merges_raw = fields.get("tokenizer.ggml.merges")
-        if not merges_raw:
-            raise UnsupportedModelError("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges")
         token_types: list[int] = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         if len(token_types) != len(tokens):
             raise ValueError(
                 f"GGUF tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
             )
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        merges: list[tuple[str, str]] = []
-        for m in merges_raw:
-            left, sep, right = m.partition(" ")
-            if not sep:
-                raise ValueError(f"malformed GGUF merge rule {m!r} (expected 'left right')")
-            merges.append((left, right))
-        pre = fields.get("tokenizer.ggml.pre")
-        pre_tok, ignore_merges = _gguf_pre_tokenizer(pre)
-        backend = tokenizers.Tokenizer(models.BPE(
-            vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges,
-        ))
-        backend.pre_tokenizer = pre_tok
-        backend.decoder = decoders.ByteLevel()
+        if gemma_spm:
+            tokens = _gemma_spelling(tokens)
+            backend = _gemma_backend(tokens, fields.get("tokenizer.ggml.unknown_token_id"))
+        else:
+            backend = _bpe_backend(tokens, fields)
         # Control tokens become special added tokens so "<|im_start|>" in text is one id, and
         # decode(skip_special_tokens=True) drops them; user-defined ones are matched whole but kept.
         special = [AddedToken(t, special=True, normalized=False)
@@ -288,8 +339,8 @@ class Tokenizer:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             chat_template=fields.get("tokenizer.chat_template"),
-            # llama.cpp's default for BPE vocabularies without the key is no BOS.
-            add_bos_token=bool(add_bos) if add_bos is not None else False,
+            # llama.cpp's default without the key: BOS for SentencePiece vocabularies, none for BPE.
+            add_bos_token=bool(add_bos) if add_bos is not None else gemma_spm,
             eos_token=tokens[int(eos)] if eos is not None else None,
             pad_token=tokens[int(pad)] if pad is not None and 0 <= int(pad) < len(tokens) else None,
         )

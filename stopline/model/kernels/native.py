@@ -159,6 +159,8 @@ def _load() -> ctypes.CDLL:
     lib.stopline_paged_attention.argtypes = [ptr, c_long, ptr, ptr, ptr, c_int, c_int, c_int, c_int,
                                              c_long, c_int, ptr, ptr, ptr, c_int, ctypes.c_float]
     lib.stopline_paged_attention.restype = c_int
+    lib.stopline_paged_attention_window.argtypes = [*lib.stopline_paged_attention.argtypes, c_int]
+    lib.stopline_paged_attention_window.restype = c_int
     lib.stopline_decoder_layers.argtypes = [ptr, c_int, ptr, ptr, ptr]
     lib.stopline_decoder_layers.restype = c_int
     lib.stopline_bf16_gemm.argtypes = [ptr, ptr, ptr, c_int, c_int, c_int]

@@ -71,9 +71,10 @@ def pick(backend: str, head_dim: int, device: str | torch.device) -> AttentionBa
 
 
 def paged_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: PagedRows,
-                    block_size: int, scale: float) -> torch.Tensor:
+                    block_size: int, scale: float, window: int = 0) -> torch.Tensor:
     """q: [N, num_heads, d] (rows may be strided, heads and d contiguous); kc, vc: one layer's
-    cache [kv_heads, slots, d]. Returns [N, num_heads * d]."""
+    cache [kv_heads, slots, d]; window: a sliding window's keys (each row reads its last
+    `window`), 0 for all. Returns [N, num_heads * d]."""
     n, heads, d = q.shape
     hk, slots, dk = kc.shape
     if (q.dtype, kc.dtype, vc.dtype) != (torch.float32,) * 3 or d != dk or vc.shape != kc.shape:
@@ -85,10 +86,10 @@ def paged_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: P
     if q.stride(2) != 1 or q.stride(1) != d or not (kc.is_contiguous() and vc.is_contiguous()):
         raise ValueError("paged attention needs each row's heads contiguous and a contiguous cache")
     out = torch.empty(n, heads * d)
-    rc = kernels().stopline_paged_attention(
+    rc = kernels().stopline_paged_attention_window(
         q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), out.data_ptr(), n, heads, hk, d,
         slots, block_size, rows.nkeys.data_ptr(), rows.table_at.data_ptr(), rows.tables.data_ptr(),
-        rows.max_keys, scale)
+        rows.max_keys, scale, window)
     if rc != 0:
         raise MemoryError("paged attention could not allocate its scratch memory")
     return out

@@ -17,13 +17,20 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from stopline.model.config import SUPPORTED_GGUF_ARCHS, ModelConfig, UnsupportedModelError
+from stopline.model.config import (
+    GELU_TANH,
+    SUPPORTED_GGUF_ARCHS,
+    ModelConfig,
+    UnsupportedModelError,
+)
 from stopline.model.kernels.quant_linear import BLOCK_BYTES, GGML_TYPES, GROUP, Blocks
 from stopline.model.loaders.weights_cache import as_float32
 from stopline.tokenizer.tokenizer import Tokenizer
 
-# GGUF tensor name -> HF Llama name; "{i}" is the layer index.
+# GGUF tensor name -> HF name (Llama's, and Qwen's q/k norms); "{i}" is the layer index.
 _LAYER_MAP = {
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -34,24 +41,35 @@ _LAYER_MAP = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 names its four norms after llama.cpp's graph: ffn_norm is the MLP's input norm.
+_GEMMA3_LAYER_MAP = {
+    **_LAYER_MAP,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GLOBAL_MAP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Llama 3 rope scaling, as convert_hf_to_gguf.py writes it: each frequency's divisor. Read into
+# the config, not the weights.
+ROPE_FREQS = "rope_freqs.weight"
+# Qwen's q/k/v biases; a bias anywhere else has no place in the model.
+_BIASES = frozenset({"attn_q", "attn_k", "attn_v"})
 
 
-def hf_name(gguf_name: str) -> str:
-    """HF Llama tensor name for a GGUF tensor name; UnsupportedModelError if it has none."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """HF tensor name for a GGUF tensor name of `arch`; UnsupportedModelError if it has none."""
     if gguf_name in _GLOBAL_MAP:
         return _GLOBAL_MAP[gguf_name]
+    layer_map = _GEMMA3_LAYER_MAP if arch == "gemma3" else _LAYER_MAP
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}.weight"
-    if gguf_name == "rope_freqs.weight":
-        raise UnsupportedModelError("GGUF has rope_freqs (Llama 3.1-style rope scaling), which is not supported")
-    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no place in a plain Llama model")
+    if m and m.group(2) in layer_map and (m.group(3) == "weight" or m.group(2) in _BIASES):
+        return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}.{m.group(3)}"
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no place in the model")
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -226,13 +244,14 @@ def _check_arch(fields: dict[str, Any]) -> str:
     arch = fields.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise UnsupportedModelError(
-            f"GGUF general.architecture={arch!r} is not supported; stopline runs Llama-family "
-            f"models: {sorted(SUPPORTED_GGUF_ARCHS)}"
+            f"GGUF general.architecture={arch!r} is not supported; stopline runs these GGUF "
+            f"architectures: {sorted(SUPPORTED_GGUF_ARCHS)}"
         )
     return str(arch)
 
 
-def _config_from_fields(fields: dict[str, Any], tensor_names: set[str], tokenizer: Tokenizer) -> ModelConfig:
+def _config_from_fields(fields: dict[str, Any], tensor_names: set[str], tokenizer: Tokenizer,
+                        rope_factors: tuple[float, ...] = ()) -> ModelConfig:
     arch = _check_arch(fields)
 
     def get(key: str, default: Any = None, *, required: bool = False) -> Any:
@@ -243,11 +262,27 @@ def _config_from_fields(fields: dict[str, Any], tensor_names: set[str], tokenize
             return default
         return v
 
-    scaling = get("rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise UnsupportedModelError(f"GGUF rope scaling {scaling!r} is not supported")
+    kind = get("rope.scaling.type")
+    scaling: tuple[tuple[str, Any], ...] = ()
+    if kind == "linear":
+        scaling = (("factor", float(get("rope.scaling.factor", required=True))), ("rope_type", "linear"))
+    elif kind not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported")
     if get("expert_count", 0):
-        raise UnsupportedModelError("GGUF is a mixture-of-experts model; only dense Llama is supported")
+        raise UnsupportedModelError("GGUF is a mixture-of-experts model; only dense models are supported")
+    layers = int(get("block_count", required=True))
+    windows: tuple[int, ...] = ()
+    window = get("attention.sliding_window")
+    if window and arch != "gemma3":
+        raise UnsupportedModelError(f"GGUF sliding-window attention is not supported for {arch}")
+    if arch == "gemma3":
+        # llama.cpp: every 6th layer global unless the file says otherwise (a period or a flag a layer).
+        pattern = get("attention.sliding_window_pattern", 6)
+        local = ([bool(f) for f in pattern] if isinstance(pattern, list)
+                 else [(i + 1) % int(pattern) != 0 for i in range(layers)])
+        if len(local) != layers:
+            raise ValueError(f"GGUF sliding_window_pattern names {len(local)} of {layers} layers")
+        windows = tuple(int(window) if f else 0 for f in local)
     hidden = int(get("embedding_length", required=True))
     heads = int(get("attention.head_count", required=True))
     head_dim = int(get("attention.key_length", hidden // heads))
@@ -255,11 +290,12 @@ def _config_from_fields(fields: dict[str, Any], tensor_names: set[str], tokenize
     if rot is not None and int(rot) != head_dim:
         raise UnsupportedModelError(f"partial rotary (rope dims {rot} of head_dim {head_dim}) is not supported")
     vocab = get("vocab_size") or len(fields.get("tokenizer.ggml.tokens") or ())
+    gemma = arch == "gemma3"
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length", required=True)),
-        num_layers=int(get("block_count", required=True)),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -270,6 +306,18 @@ def _config_from_fields(fields: dict[str, Any], tensor_names: set[str], tokenize
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
+        model_type="gemma3_text" if gemma else arch,
+        rope_scaling=scaling,
+        rope_freq_factors=rope_factors,
+        # llama.cpp's sliding layers rope with base 10000 unless the file names one.
+        local_rope_theta=_round_f32(get("rope.freq_base_swa", 10000.0)) if any(windows) else 0.0,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        layer_windows=windows if any(windows) else (),
+        hidden_act=GELU_TANH if gemma else "silu",
+        # llama.cpp's Gemma 3 scale: 1/sqrt(head_dim), but 1/sqrt(hidden/heads) for 27B (62 layers),
+        # as query_pre_attn_scalar says in its HF config.
+        attention_scale=(hidden / heads if layers == 62 else head_dim) ** -0.5 if gemma else 0.0,
     )
 
 
@@ -291,8 +339,10 @@ def load_gguf(
     gf = read_gguf(path)
     _check_arch(gf.fields)  # before the tokenizer, whose errors would hide the real problem
     tokenizer = Tokenizer.from_gguf_fields(gf.fields)
-    config = _config_from_fields(gf.fields, {t.name for t in gf.tensors}, tokenizer)
-    names = [hf_name(t.name) for t in gf.tensors]  # fail on a foreign tensor before any work
+    factors = tuple(float(f) for t in gf.tensors if t.name == ROPE_FREQS for f in dequantize(t).reshape(-1))
+    tensors = [t for t in gf.tensors if t.name != ROPE_FREQS]
+    config = _config_from_fields(gf.fields, {t.name for t in tensors}, tokenizer, factors)
+    names = [hf_name(t.name, str(gf.fields["general.architecture"])) for t in tensors]  # fail early
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
         raise ValueError(f"{path}: several GGUF tensors map to {sorted(dupes)}")
@@ -300,8 +350,9 @@ def load_gguf(
     def convert(item: tuple[str, GGUFTensorInfo]) -> tuple[str, torch.Tensor, tuple[str, np.ndarray] | None]:
         name, t = item
         arr, raw = dequantize(t), raw_blocks(t)
+        # llama.cpp permutes Llama's Q/K rows for its normal rope; Qwen's (NEOX rope) keep HF's.
         heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
-        for suffix, n in heads.items():
+        for suffix, n in heads.items() if config.model_type == "llama" else ():
             if name.endswith(suffix):
                 arr = unpermute_qk(arr, n)
                 if raw is not None:  # the permutation moves whole rows, blocks and all
@@ -315,7 +366,7 @@ def load_gguf(
     # numpy releases the GIL in the dequantization kernels, so threads help on multi-core hosts.
     workers = max(1, min(8, os.cpu_count() or 1))
     with bar, ThreadPoolExecutor(max_workers=workers) as pool:
-        for name, tensor, raw in pool.map(convert, zip(names, gf.tensors, strict=True)):
+        for name, tensor, raw in pool.map(convert, zip(names, tensors, strict=True)):
             weights[name] = tensor
             if raw is not None:
                 blocks[name] = raw[0], torch.from_numpy(np.ascontiguousarray(raw[1]))

@@ -71,6 +71,12 @@ def load_hf_dir(path: Path, *, progress: bool = True) -> tuple[ModelConfig, dict
                         raise ValueError(f"tensor {name} appears in more than one shard ({f.name})")
                     weights[name] = st.get_tensor(name).to(torch.float32).contiguous()
             bar.update(1)
+    if config.gemma:
+        # Gemma's norms scale by (1 + w); hand the model the multiplier, as a GGUF holds it
+        # (convert_hf_to_gguf.py adds the 1). float32 1 + w is what transformers computes.
+        for name in weights:
+            if name.endswith("norm.weight"):
+                weights[name] = weights[name] + 1.0
     if config.tie_word_embeddings:
         # Some tied checkpoints still store lm_head (a copy of the embedding); the model ties it.
         weights.pop("lm_head.weight", None)

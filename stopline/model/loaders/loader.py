@@ -1,8 +1,8 @@
 """Public model-loading entry: `load_model`, `default_model_path`, `export_hf_dir`.
 
 Whatever the source (GGUF file or HF directory), the result is the same `LoadedModel`: a
-`ModelConfig`, float32 weights under HF Llama names in HF orientation ([out, in], Q/K in
-rotate_half layout), and a `Tokenizer`.
+`ModelConfig`, float32 weights under HF names in HF orientation ([out, in], Q/K in
+rotate_half layout; Gemma's norm weights as their multiplier 1 + w), and a `Tokenizer`.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@
  * Layout: cache [kv_heads][slots][d] float32 per layer, slot = block * block_size + offset;
  * q rows [N][ldq] with head e at e * d; out [N][num_heads * d]; row i reads nkeys[i] keys
  * through the block table starting at tables[table_at[i]].
+ *
+ * A sliding window (a layer of Mistral or Gemma 3) keeps a row to its last `window` keys: the
+ * row at position p = nkeys - 1 reads keys p - window + 1 .. p (transformers' mask), the same
+ * loops over fewer keys, so the same batch invariance; keys before the window are never read.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -142,11 +146,16 @@ static inline __attribute__((always_inline)) void weighted_values(
  * for g x n scores, `l` for g sums. */
 static inline __attribute__((always_inline)) void item(
     const float* q, const float* kc, const float* vc, float* out, int32_t* slot, float* s, float* l,
-    int g, int n, int bs, const int32_t* table, float scale, const int NV) {
+    int g, int n, int first, int bs, const int32_t* table, float scale, const int NV) {
     const int d = NV * 16;
-    for (int j = 0, b = 0; j < n; j += bs, b++) {
-        int m = n - j < bs ? n - j : bs;
-        for (int o = 0; o < m; o++) slot[j + o] = table[b] * bs + o;
+    if (first == 0) {
+        for (int j = 0, b = 0; j < n; j += bs, b++) {
+            int m = n - j < bs ? n - j : bs;
+            for (int o = 0; o < m; o++) slot[j + o] = table[b] * bs + o;
+        }
+    } else { /* under a window: keys first .. n-1 become keys 0 .. n-first-1 */
+        for (int k = first; k < n; k++) slot[k - first] = table[k / bs] * bs + k % bs;
+        n -= first;
     }
     for (int t = 0; t < KEYS_AHEAD && t < n; t++) prefetch_row(kc + (long)slot[t] * d, NV);
     for (int e = 0; e < g; e++) {
@@ -182,11 +191,11 @@ static inline __attribute__((always_inline)) void item(
 }
 
 /* Returns 0, or -1 when scratch memory could not be had (the caller raises). d is 16, 32, 64
- * or 128. */
-int stopline_paged_attention(const float* q, long ldq, const float* kc, const float* vc, float* out,
-                             int rows, int heads, int kv_heads, int d, long slots, int bs,
-                             const int32_t* nkeys, const int32_t* table_at, const int32_t* tables,
-                             int max_keys, float scale) {
+ * or 128; window 0 for full attention. */
+int stopline_paged_attention_window(const float* q, long ldq, const float* kc, const float* vc,
+                                    float* out, int rows, int heads, int kv_heads, int d, long slots,
+                                    int bs, const int32_t* nkeys, const int32_t* table_at,
+                                    const int32_t* tables, int max_keys, float scale, int window) {
     int g = heads / kv_heads;
     int items = rows * kv_heads;
     long keys = max_keys > 0 ? max_keys : 1;
@@ -210,14 +219,24 @@ int stopline_paged_attention(const float* q, long ldq, const float* kc, const fl
             const float* vh = vc + (long)h * slots * d;
             float* oi = out + (long)i * heads * d + (long)h * g * d;
             const int32_t* t = tables + table_at[i];
+            int n = nkeys[i], first = window > 0 && n > window ? n - window : 0;
             switch (d) {
-            case 16: item(qi, kh, vh, oi, slot, s, l, g, nkeys[i], bs, t, scale, 1); break;
-            case 32: item(qi, kh, vh, oi, slot, s, l, g, nkeys[i], bs, t, scale, 2); break;
-            case 64: item(qi, kh, vh, oi, slot, s, l, g, nkeys[i], bs, t, scale, 4); break;
-            default: item(qi, kh, vh, oi, slot, s, l, g, nkeys[i], bs, t, scale, 8); break;
+            case 16: item(qi, kh, vh, oi, slot, s, l, g, n, first, bs, t, scale, 1); break;
+            case 32: item(qi, kh, vh, oi, slot, s, l, g, n, first, bs, t, scale, 2); break;
+            case 64: item(qi, kh, vh, oi, slot, s, l, g, n, first, bs, t, scale, 4); break;
+            default: item(qi, kh, vh, oi, slot, s, l, g, n, first, bs, t, scale, 8); break;
             }
         }
         free(s);
     }
     return failed ? -1 : 0;
+}
+
+/* Full attention (the fused decoder's call). */
+int stopline_paged_attention(const float* q, long ldq, const float* kc, const float* vc, float* out,
+                             int rows, int heads, int kv_heads, int d, long slots, int bs,
+                             const int32_t* nkeys, const int32_t* table_at, const int32_t* tables,
+                             int max_keys, float scale) {
+    return stopline_paged_attention_window(q, ldq, kc, vc, out, rows, heads, kv_heads, d, slots, bs,
+                                           nkeys, table_at, tables, max_keys, scale, 0);
 }
