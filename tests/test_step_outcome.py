@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import pytest
 
+from stopline.config import EngineConfig
+from stopline.engine.core import EngineCore
+from stopline.engine.role import Role
+from stopline.lifecycle import Holder, Lifecycle
 from stopline.model.loaders.loader import load_model
-from stopline.request import FinishReason, SamplingParams
+from stopline.request import Family, FinishReason, Request, SamplingParams
 from stopline.sched.plan import ScheduledChunk, StepPlan
 from stopline.worker.sampler import Sampled
 from stopline.worker.step import BROKEN, ChunkOutcome
-from tests.engine_support import drive
-from tests.scripted import outcome_engine
+from tests.engine_support import collect, drive
+from tests.scripted import OutcomeWorker, outcome_engine
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 OTHER = [40, 41, 42, 43, 44]
@@ -128,3 +132,82 @@ def plain_steps(tiny, outcome, reqs) -> int:
     eng = outcome_engine(tiny, outcome)
     drive(eng, reqs)
     return eng.worker.steps
+
+
+class HoldBack(Role):
+    """A role that keeps every family back until `release_all`, holds it meanwhile, and
+    takes a request once its prompt is computed (as a split's prefill side does)."""
+
+    name = "hold-back"
+
+    def __init__(self) -> None:
+        self.held: dict[str, Family] = {}
+        self.taken: list[str] = []
+        self.starts = 0
+
+    def bind(self, core: EngineCore) -> list[Holder]:
+        self.core = core
+        return [self]
+
+    def admit(self, fam: Family) -> bool:
+        self.held[fam.incarnation] = fam
+        return True
+
+    def release_all(self) -> None:
+        for fam in self.held.values():
+            self.core.admit(fam)
+        self.held = {}
+
+    def step_start(self) -> None:
+        self.starts += 1
+
+    def prefilled(self, req: Request) -> bool:
+        if req.request_id != "taken":
+            return False
+        self.taken.append(req.incarnation)
+        self.core.lifecycle.finish(req, FinishReason.STOP, "taken")
+        return True
+
+    def holding(self) -> bool:
+        return bool(self.held)
+
+    def idle(self, req: Request) -> bool:
+        return req.incarnation in self.held
+
+    # a holder of the one release
+    def release(self, req: Request) -> None:
+        self.held.pop(req.incarnation, None)
+
+    def preempt(self, req: Request) -> None:
+        pass
+
+    def holds(self, req: Request) -> bool:
+        return req.incarnation in self.held
+
+
+def test_a_role_is_called_at_fixed_points_and_its_holders_go_before_the_blocks(tiny):
+    role = HoldBack()
+    eng = EngineCore(tiny, EngineConfig(block_size=4, num_blocks=64, target_step_ms=None, debug=True,
+                                        speculative="off"),
+                     worker=OutcomeWorker(counting), role=role)
+    holders = eng.lifecycle.holders
+    assert holders[-1] is eng.kv_manager and holders[-2] is role  # under the lifecycle's order check
+    with pytest.raises(ValueError, match="last holder"):
+        Lifecycle(eng.config, eng.kv_manager, [eng.kv_manager, role], eng.stats)
+    taken = eng.add_request("taken", PROMPT, greedy(4))
+    served = eng.add_request("served", OTHER, greedy(3))
+    gone = eng.add_request("gone", OTHER, greedy(3))
+    res: dict = {}
+    collect(res, eng.step())
+    assert set(role.held) == {taken, served, gone}  # kept back before admission
+    assert eng.all_paused() and eng.has_unfinished() and eng.worker.steps == 0
+    eng.abort(gone)  # released through the role's holder, never admitted
+    collect(res, eng.step())
+    assert gone not in role.held and res[("gone", 0)].finish_reason is FinishReason.ABORT
+    role.release_all()
+    while eng.has_unfinished():
+        collect(res, eng.step())
+    assert role.taken == [taken] and res[("taken", 0)].token_ids == []  # taken before sampling
+    assert res[("served", 0)].token_ids == [100, 101, 102]
+    assert role.starts == eng.steps
+    eng.audit()

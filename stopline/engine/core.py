@@ -11,15 +11,15 @@ computed for a request whose abort arrived mid-step is never delivered). If ever
 the step in flight is aborted, the forward stops at the next layer boundary.
 
 Per-request state lives in the holders declared here, in release order (lifecycle.py):
-queues, draft tokens, outputs (detokenizer), decode rows, the family table, swap slots, and
-the KV manager last.
+grammar, queues, draft tokens, outputs (detokenizer), decode rows, the family table, swap
+slots, the role's holders (a split's transfers: engine/role.py), and the KV manager last.
+The core is never subclassed: a split's side is a role it calls at fixed points.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +33,7 @@ from stopline.engine.families import FamilyTable
 from stopline.engine.grammars import GrammarHolder
 from stopline.engine.inbox import Inbox
 from stopline.engine.output import OutputProcessor, RequestOutput
+from stopline.engine.role import Role
 from stopline.kv.block_pool import BlockPool, LedgerError
 from stopline.kv.kv_cache import KVCache, SwapSpace
 from stopline.kv.manager import KVManager
@@ -64,10 +65,11 @@ _incarnations = itertools.count()
 class EngineCore:
     def __init__(self, model: LoadedModel | str | None = None, config: EngineConfig | None = None,
                  *, progress: bool = True, runner: Forward | None = None,
-                 worker: Worker | None = None) -> None:
+                 worker: Worker | None = None, role: Role | None = None) -> None:
         """runner: run forwards with this instead of the model (tests drive the stop path
         with hand-built logits); worker: run whole steps with this (tests hand-build each
-        step's outcome). The model then only gives its config and tokenizer."""
+        step's outcome). The model then only gives its config and tokenizer. role: the
+        plug-in for one side of a prefill/decode split (engine/role.py); default: one engine."""
         self.config = cfg = config or EngineConfig()
         # Denormal activations make CPU matmuls several times slower; they carry no signal.
         torch.set_flush_denormal(True)
@@ -120,11 +122,13 @@ class EngineCore:
         holders.append(self.families)
         if swap is not None:
             holders.append(swap)
+        self.role = role or Role()
+        holders += self.role.bind(self)  # the role's holders: after the core's, before the blocks
         holders.append(self.kv_manager)
         self.lifecycle = Lifecycle(cfg, self.kv_manager, holders, self.stats)
         self.scheduler = Scheduler(cfg, self.kv_manager, self.queues, self.lifecycle, self.drafts)
         self.applier = StepApplier(self.lifecycle, self.kv_manager, self.outputs, self.grammar, self.drafts,
-                                   defer_text=cfg.async_scheduling, prefilled=self._prefilled)
+                                   defer_text=cfg.async_scheduling, prefilled=self.role.prefilled)
         if cfg.preemption_mode is PreemptionMode.AUTO:
             self.lifecycle.calibrate_swap()
         self._rng = random.Random(cfg.seed)
@@ -210,28 +214,26 @@ class EngineCore:
 
     # ---- the step -----------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(self.families) or self.inbox.has_any() or bool(self._text_pending)
+        return (self.role.messages() or self.role.holding() or bool(self.families)
+                or self.inbox.has_any() or bool(self._text_pending))
 
     def all_paused(self) -> bool:
-        """Work exists but none can run: every live request is paused (or waits on another
-        process, `_idle`), nothing else pending. The loop then waits for a message or
-        `wake_at`."""
+        """Work exists but none can run: every live request is paused (its client's stream is
+        full) or waits for its role, nothing else pending. The loop then waits for a message
+        or `wake_at`."""
         live = self.families.live_requests()
-        return (bool(live) and all(self._idle(r) for r in live) and not self.inbox.has_any()
-                and not self._text_pending)
-
-    def _idle(self, req: Request) -> bool:
-        """req takes no step until a message comes: its client's stream is full (a split's
-        roles add a request waiting for the other role)."""
-        return req.paused
+        return (not self.role.messages() and bool(live) and all(r.paused or self.role.idle(r) for r in live)
+                and not self.inbox.has_any() and not self._text_pending)
 
     def wake_at(self) -> float:
-        """time.monotonic() by which an all-paused core must step with no message (a
-        split's transfer deadlines); inf: none. Request deadlines are the loop's."""
-        return math.inf
+        """time.monotonic() by which an all-paused core must step with no message (the role's
+        deadlines); inf: none. Request deadlines are the loop's."""
+        return self.role.wake_at()
 
     def step(self) -> list[RequestOutput]:
+        self.role.step_start()
         self._apply_inbox()  # aborts first, then adds
+        self.role.after_inbox()
         self._check_deadlines()
         plan = self._schedule()
         if plan.chunks:
@@ -345,24 +347,18 @@ class EngineCore:
                 self._abort_family(fam, source)
         self._pause_all(taken.pauses)
         for fam in self._to_schedule:
-            if not fam.members[0].status.is_finished:
-                self._admit(fam)
+            if not fam.members[0].status.is_finished and not self.role.admit(fam):
+                self.admit(fam)
         self._to_schedule = []
         for fam in self.grammar.poll(self._grammar_failed):
             self.scheduler.add(fam.members[0])
 
-    def _admit(self, fam: Family) -> None:
-        """A new family joins the scheduler's queue (a decode engine first waits for its
-        prompt's KV: stopline/disagg)."""
+    def admit(self, fam: Family) -> None:
+        """A new family joins the scheduler's queue, once its grammar is compiled."""
         if fam.members[0].params.grammar is not None:
             self.grammar.wait(fam)  # joins the queue once its grammar is compiled
         else:
             self.scheduler.add(fam.members[0])
-
-    def _prefilled(self, req: Request) -> bool:
-        """req's prompt is computed and its first token is about to be sampled. True: the
-        request is taken elsewhere (a prefill engine ships its KV) and samples nothing here."""
-        return False
 
     def _grammar_failed(self, req: Request, why: str) -> None:
         self.lifecycle.fail(req, FinishReason.ERROR, f"grammar: {why}")
@@ -412,7 +408,11 @@ class EngineCore:
     def transfers(self) -> list[tuple[int, float]] | None:
         """(bytes, seconds) of the KV transfers this core received; None: it receives none
         (only a split's decode role does)."""
-        return None
+        return self.role.transfers()
+
+    def close(self) -> None:
+        """Stop the role's threads and sockets (tests; a role's process just exits)."""
+        self.role.close()
 
     def audit(self) -> None:
         """The ledger contract: raises LedgerError on any leak, double count, or holder still
@@ -430,3 +430,4 @@ class EngineCore:
         rows = self.worker.rows
         if not self.families and rows is not None and rows.k:
             raise LedgerError("idle engine still holds decode rows")
+        self.role.audit(self.live_requests())
