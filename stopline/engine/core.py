@@ -29,7 +29,7 @@ import torch
 
 from stopline.config import EngineConfig, PreemptionMode
 from stopline.engine.apply import StepApplier
-from stopline.engine.families import FamilyTable
+from stopline.engine.families import FamilyTable, new_family
 from stopline.engine.grammars import GrammarHolder
 from stopline.engine.inbox import Inbox
 from stopline.engine.output import OutputProcessor, RequestOutput
@@ -90,13 +90,8 @@ class EngineCore:
             swap = SwapSpace(cfg.swap_space_blocks or num_blocks)
         self.model: LlamaModel | None = None
         if runner is None and worker is None:
-            self.model = LlamaModel(mc, loaded.weights, max_rows=cfg.max_num_batched_tokens,
-                                    max_logit_rows=cfg.max_num_seqs, device=cfg.device,
-                                    linear_backend=cfg.linear_backend, blocks=loaded.blocks,
-                                    quant_max_rows=cfg.quant_max_rows, attention=cfg.attention_backend,
-                                    numerics=cfg.numerics)
-            self.model.calibrate()
-            runner = ModelRunner(self.model, self.kv, cfg)
+            runner = ModelRunner.for_model(loaded, self.kv, cfg)
+            self.model = runner.model
         if self.model is None or self.model.attention == "torch":
             # Torch attention multiplies whole blocks by masked weights: unwritten slots must
             # hold zeros, not a freed block's NaN. The C kernel reads written slots only.
@@ -139,9 +134,9 @@ class EngineCore:
         self.steps = 0
         self.interrupted_steps = 0
         self._ms_per_prefill_token: float | None = None
-        # Async scheduling: the forward (and the sampling after it) runs on a worker thread
-        # (torch releases the GIL) while this thread detokenizes and emits the previous
-        # step's tokens.
+        # Async scheduling: the worker's step (the forward, then its sampling) runs on this
+        # thread pool's one thread (torch releases the GIL) while this thread detokenizes
+        # and emits the previous step's tokens.
         self._worker = ThreadPoolExecutor(1, "stopline-forward") if cfg.async_scheduling else None
         # Where outputs go as soon as they are ready (the async engine sets it); otherwise
         # step() returns them.
@@ -183,18 +178,8 @@ class EngineCore:
         if need > self.pool.num_blocks:
             raise InvalidRequest(f"prompt: needs {need} KV blocks; the pool has {self.pool.num_blocks}")
         inc = incarnation if incarnation is not None else f"{request_id}#{next(_incarnations)}"
-        arrival = time.monotonic() if arrival is None else arrival
-        members = [Request(request_id, prompt, params, arrival=arrival, index=i, incarnation=inc)
-                   for i in range(params.n)]
-        family = Family(request_id, members, inc)
-        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        leader = members[0]
-        for i, m in enumerate(members):
-            m.family = family
-            m.seed = base_seed + i
-            if i:
-                m.fork_leader = leader
-        leader.forks_pending = members[1:]
+        family = new_family(request_id, prompt, params, time.monotonic() if arrival is None else arrival,
+                            inc, params.seed if params.seed is not None else self._rng.getrandbits(63))
         if not self.inbox.add(family, self.families.by_incarnation):
             raise InvalidRequest(f"incarnation {inc!r} is already in use")
         return inc
