@@ -14,6 +14,7 @@ from stopline.config import EngineConfig
 from stopline.disagg.decode_core import DecodeCore, split_blocks
 from stopline.disagg.messages import RoleSpec
 from stopline.disagg.prefill_core import PrefillCore
+from stopline.engine.core import EngineCore
 from stopline.engine.output import RequestOutput
 from stopline.request import SamplingParams
 from tests.engine_support import Result, assert_idle, collect
@@ -28,8 +29,8 @@ def config(**kw: object) -> EngineConfig:
 
 @dataclass
 class Pair:
-    p: PrefillCore
-    d: DecodeCore
+    p: EngineCore  # with a PrefillRole
+    d: EngineCore  # with a DecodeRole
     link_dir: str
     out: dict[tuple[str, int], Result] = field(default_factory=dict)
     p_out: list[RequestOutput] = field(default_factory=list)
@@ -71,11 +72,11 @@ class Pair:
     def assert_idle(self) -> None:
         assert_idle(self.p)
         assert_idle(self.d)
-        assert not len(self.p.sending) and not len(self.d.receiving)
+        assert not len(self.p.role.sending) and not len(self.d.role.receiving)
 
     def close(self) -> None:
         self.p.close()
-        self.d.link.close()
+        self.d.role.link.close()
         shutil.rmtree(self.link_dir, ignore_errors=True)
 
 

@@ -1,7 +1,9 @@
 """Hand-built step results: an engine core whose forward pass is a script.
 
 `ScriptedRunner` stands in for the model runner: every sampled row's logits are one-hot at
-the token the script picks, so greedy sampling draws exactly that token. The engine's stop
+the token the script picks, so greedy sampling draws exactly that token. `OutcomeWorker`
+stands in for the whole worker: each step's `StepOutcome` (tokens, broken rows) is built by
+hand, with no logits at all. The engine's stop
 path (scheduler, KV manager, lifecycle, holders, outputs) runs for real, in milliseconds,
 with no forward pass. `hand_driven` builds the stop path's pieces alone, without even an
 engine core, for the scheduler and KV manager tests.
@@ -26,6 +28,8 @@ from stopline.sched.queues import Queues
 from stopline.sched.scheduler import Scheduler
 from stopline.stats import StopStats
 from stopline.worker.runner import StepResult
+from stopline.worker.sampler import Sampled
+from stopline.worker.step import ChunkOutcome, StepOutcome
 
 Script = Callable[[ScheduledChunk], int]
 
@@ -71,6 +75,40 @@ def scripted_engine(loaded, script: Script | None = None, **config: object) -> E
     vocab = loaded.config.vocab_size
     return EngineCore(loaded, EngineConfig(**cfg),
                       runner=ScriptedRunner(vocab, script or next_token(vocab)))
+
+
+Outcome = Callable[[ScheduledChunk], "int | ChunkOutcome"]
+
+
+class OutcomeWorker:
+    """The worker's stand-in: `outcome(ch)` gives each sampling chunk's token (for every
+    sample of it), or a whole ChunkOutcome (a broken row, a verify run)."""
+
+    rows = None
+
+    def __init__(self, outcome: Outcome) -> None:
+        self.outcome = outcome
+        self.before: Callable[[StepPlan], None] | None = None  # runs inside run, first
+        self.steps = 0
+
+    def run(self, plan: StepPlan, interrupt: threading.Event | None = None) -> StepOutcome:
+        self.steps += 1
+        if self.before is not None:
+            self.before(plan)
+        outs = []
+        for ch in plan.chunks:
+            got = self.outcome(ch) if ch.sample else ChunkOutcome()
+            if isinstance(got, int):
+                got = ChunkOutcome(samples=[(m, Sampled(got, None)) for m in [ch.req, *ch.req.forks_pending]])
+            outs.append(got)
+        return StepOutcome(plan, outs)
+
+
+def outcome_engine(loaded, outcome: Outcome, **config: object) -> EngineCore:
+    cfg = dict(block_size=4, num_blocks=64, max_num_seqs=16, max_num_batched_tokens=32,
+               target_step_ms=None, debug=True, speculative="off")
+    cfg.update(config)
+    return EngineCore(loaded, EngineConfig(**cfg), worker=OutcomeWorker(outcome))
 
 
 class HandDriven:

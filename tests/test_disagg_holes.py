@@ -198,7 +198,7 @@ def test_decode_waiting_for_kv_sleeps_and_the_link_wakes_it(loaded):
         time.sleep(0.3)
         idle_steps = pr.d.steps
         assert idle_steps <= 3, idle_steps  # the add; maybe a heartbeat
-        while not len(pr.p.sending):
+        while not len(pr.p.role.sending):
             pr.step_p()
         shipped = time.monotonic()
         while not any(o.finished for b in batches for o in b.outputs):

@@ -33,7 +33,7 @@ def _until_sent(pair) -> None:
     """Step the prefill side alone until it has pushed the KV: the decode side has not
     looked at it yet."""
     for _ in range(100):
-        if len(pair.p.sending):
+        if len(pair.p.role.sending):
             return
         pair.step_p()
     raise AssertionError("the prefill side never shipped the KV")
@@ -55,7 +55,7 @@ def test_greedy_and_seeded_output_equal_one_engine(loaded, pair):
         pair.add(rid, prompt, params)
     pair.settle()
     pair.assert_idle()
-    assert pair.d.imported_blocks == sum((len(p) - 1) // 4 for p in prompts) * 2  # KV really moved
+    assert pair.d.role.imported_blocks == sum((len(p) - 1) // 4 for p in prompts) * 2  # KV really moved
     for key, r in want.items():
         assert pair.out[key].token_ids == r.token_ids, key
         assert pair.out[key].finish_reason is r.finish_reason
@@ -71,7 +71,7 @@ def test_abort_before_the_transfer_reaches_prefill_at_a_chunk_boundary(pair):
     pair.abort(inc)
     pair.step_p()  # the next step start applies it: no further chunk
     assert not pair.p.live_requests()
-    assert pair.p.sending.requests() == []
+    assert pair.p.role.sending.requests() == []
     pair.settle()
     pair.assert_idle()
     assert pair.out[("a", 0)].finish_reason is FinishReason.ABORT
@@ -84,7 +84,7 @@ def test_abort_during_the_transfer_refuses_the_late_kv(pair):
     pair.d.abort(inc)  # decode side first; its KV arrives after
     pair.settle(until=lambda pr: not pr.d.has_unfinished())
     # The decode side refused the late KV (nothing written, no block taken) ...
-    assert pair.d.imported_blocks == 0
+    assert pair.d.role.imported_blocks == 0
     pair.p.abort(inc)
     pair.settle()
     pair.assert_idle()
@@ -97,7 +97,7 @@ def test_abort_during_the_transfer_prefill_first(pair):
     _until_sent(pair)
     pair.p.abort(inc)
     pair.step_p()
-    assert not len(pair.p.sending) and pair.p.pool.num_used == 0  # released at once
+    assert not len(pair.p.role.sending) and pair.p.pool.num_used == 0  # released at once
     pair.d.abort(inc)
     pair.settle()
     pair.assert_idle()
@@ -133,7 +133,7 @@ def test_send_side_reclaims_when_the_receiver_never_acks(loaded):
     try:
         pr.p.add_request("a", list(range(5, 25)), SamplingParams(max_tokens=1))  # decode never hears
         t0 = time.monotonic()
-        while not len(pr.p.sending):
+        while not len(pr.p.role.sending):
             pr.step_p()
         assert pr.p.pool.num_used > 0
         while pr.p.has_unfinished():
@@ -163,21 +163,21 @@ def test_kv_waiting_for_a_peer_goes_with_its_request(loaded, tmp_path):
         for rid in ("a", "b"):
             p.add_request(rid, list(range(5, 25)), SamplingParams(max_tokens=1), incarnation=f"inc-{rid}")
         for _ in range(100):
-            if len(p.sending) == 2:
+            if len(p.role.sending) == 2:
                 break
             p.step()
             p.audit()
-        assert p.link.queued() == {"inc-a", "inc-b"}
+        assert p.role.link.queued() == {"inc-a", "inc-b"}
         p.abort("inc-a")
         p.step()
         p.audit()
-        assert p.link.queued() == {"inc-b"}
+        assert p.role.link.queued() == {"inc-b"}
         t0 = time.monotonic()
         while p.has_unfinished():  # b: nobody acks, the reclaim deadline ends it
             p.step()
             p.audit()
             assert time.monotonic() - t0 < 5
-        assert p.link.queued() == set() and p.pool.num_used == 0
+        assert p.role.link.queued() == set() and p.pool.num_used == 0
     finally:
         p.close()
 
@@ -188,7 +188,7 @@ def test_receive_side_reclaims_when_the_sender_goes_quiet(loaded):
         pr.add("a", list(range(5, 45)), greedy(4))
         pr.step_p()  # one chunk; the heartbeat's Progress arms the decode side's clock
         pr.step_d()
-        t = pr.d.receiving.get(pr.d.live_requests()[0])
+        t = pr.d.role.receiving.get(pr.d.live_requests()[0])
         assert t is not None
         for _ in range(200):
             pr.step_d()
@@ -197,8 +197,8 @@ def test_receive_side_reclaims_when_the_sender_goes_quiet(loaded):
             time.sleep(0.005)
         assert t.deadline != float("inf")
         # The prefill side goes quiet: no step, no heartbeat (as a dead or cut-off process).
-        pr.p._stop_beat.set()
-        pr.p._beat_thread.join(2)
+        pr.p.role._stop_beat.set()
+        pr.p.role._beat_thread.join(2)
         t0 = time.monotonic()
         while pr.d.has_unfinished():
             pr.step_d()
@@ -218,8 +218,8 @@ def test_a_late_transfer_fails_on_block_epochs(pair):
     again fails loudly, on either side, instead of reading or writing another request's KV."""
     pair.add("a", list(range(5, 30)), greedy(2))
     _until_sent(pair)
-    req = pair.p.sending.requests()[0]
-    refs = pair.p.sending.get(req).refs
+    req = pair.p.role.sending.requests()[0]
+    refs = pair.p.role.sending.get(req).refs
     pair.p.abort(req.incarnation)
     pair.step_p()
     pair.p.add_request("b", list(range(50, 80)), greedy(1))  # reuses the freed blocks
@@ -227,7 +227,7 @@ def test_a_late_transfer_fails_on_block_epochs(pair):
     from stopline.disagg.wire import pack
 
     with pytest.raises(StaleBlock):
-        pack(req.incarnation, pair.p.kv, pair.p.epochs, refs)
+        pack(req.incarnation, pair.p.kv, pair.p.role.epochs, refs)
     pair.d.abort(req.incarnation)
     pair.p.abort(pair.p.live_requests()[0].incarnation)
     pair.settle()
@@ -237,7 +237,7 @@ def test_a_late_transfer_fails_on_block_epochs(pair):
 def test_a_refusing_ack_errors_the_prefill_copy(pair):
     inc = pair.add("a", list(range(5, 30)), greedy(2))
     _until_sent(pair)
-    pair.d.link.send(Ack(inc, "test refusal"))  # as if the decode side had refused it
+    pair.d.role.link.send(Ack(inc, "test refusal"))  # as if the decode side had refused it
     pair.d.abort(inc)
     pair.settle()
     pair.assert_idle()

@@ -1,6 +1,6 @@
-"""The decode role: an EngineCore that takes a split request's prompt KV from the prefill
-role, then serves the request as one engine would (sampling from the first token on,
-grammars, n > 1, speculation, stop strings, streams).
+"""The decode role: the plug-in (engine/role.py) with which an EngineCore takes a split
+request's prompt KV from the prefill role, then serves the request as one engine would
+(sampling from the first token on, grammars, n > 1, speculation, stop strings, streams).
 
 A request whose prompt has a full block to ship (`split_blocks`) waits in
 `Transfers(RECV)` (a holder of the one release) instead of joining the scheduler's queue.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from stopline.disagg.epochs import BlockEpochs
@@ -28,7 +29,8 @@ from stopline.disagg.messages import Ack, Progress, RoleSpec
 from stopline.disagg.transfers import Side, Transfers
 from stopline.disagg.wire import TransferHeader, write
 from stopline.engine.core import EngineCore
-from stopline.engine.output import RequestOutput
+from stopline.engine.role import Role
+from stopline.lifecycle import Holder
 from stopline.request import Family, FinishReason, Request
 
 log = logging.getLogger("stopline.disagg.decode")
@@ -41,55 +43,58 @@ def split_blocks(prompt_len: int, block_size: int) -> int:
     return (prompt_len - 1) // block_size
 
 
-class DecodeCore(EngineCore):
-    def __init__(self, model: Any = None, config: Any = None, *, spec: RoleSpec,
-                 progress: bool = True, **kwargs: Any) -> None:
-        super().__init__(model, config, progress=progress, **kwargs)
-        if not self.kv_manager.prefix_caching:
-            raise ValueError("the decode role needs prefix caching: received KV enters it")
+class DecodeRole(Role):
+    name = "decode"
+
+    def __init__(self, spec: RoleSpec) -> None:
         self.spec = spec
-        self.epochs = BlockEpochs(self.pool)
-        self.receiving = Transfers(Side.RECV, spec.reclaim_s)
-        self.lifecycle.holders.insert(len(self.lifecycle.holders) - 1, self.receiving)
         self._waiting: dict[str, Family] = {}  # incarnation -> family waiting for its KV
-        self.link = Link(spec.kv_addr, spec.ack_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push,
-                         wake=lambda: self.wake())
         self.imported_blocks = 0
         # The last transfers: (bytes, seconds from the sender's pack to the blocks written here).
         self.transfer_log: list[tuple[int, float]] = []
 
-    def has_unfinished(self) -> bool:
-        # What the link brought must be read even with no request here: stray KV is refused.
-        return self.link.pending() or bool(len(self.receiving)) or super().has_unfinished()
+    def bind(self, core: EngineCore) -> list[Holder]:
+        if not core.kv_manager.prefix_caching:
+            raise ValueError("the decode role needs prefix caching: received KV enters it")
+        self.core = core
+        spec = self.spec
+        self.epochs = BlockEpochs(core.pool)
+        self.receiving = Transfers(Side.RECV, spec.reclaim_s)
+        self.link = Link(spec.kv_addr, spec.ack_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push,
+                         wake=lambda: core.wake())
+        return [self.receiving]  # the transfer entry before the blocks
 
-    def all_paused(self) -> bool:
-        # A request waiting for its KV takes no step: the loop sleeps until the link wakes it
-        # or the reclaim deadline (wake_at) is due.
-        return not self.link.pending() and super().all_paused()
+    # What the link brought must be read even with no request here: stray KV is refused. A
+    # request waiting for its KV takes no step: the loop sleeps until the link wakes it or the
+    # reclaim deadline (wake_at) is due.
+    def messages(self) -> bool:
+        return self.link.pending()
 
-    def _idle(self, req: Request) -> bool:
-        return req.paused or self._waiter(req.incarnation) is not None
+    def holding(self) -> bool:
+        return bool(len(self.receiving))
+
+    def idle(self, req: Request) -> bool:
+        return self._waiter(req.incarnation) is not None
 
     def wake_at(self) -> float:
         return self.receiving.next_deadline()
 
-    def step(self) -> list[RequestOutput]:
-        self._apply_inbox()  # new requests first: a KV that overtook nothing finds its waiter
+    def after_inbox(self) -> None:
+        """New requests first: a KV that overtook nothing finds its waiter."""
         self._take_link()
         for req in self.receiving.expired():
-            self.lifecycle.fail(req, FinishReason.ERROR,
-                                f"recv transfer: no word from the prefill engine within "
-                                f"{self.spec.reclaim_s:g} s (reclaim deadline)")
+            self.core.lifecycle.fail(req, FinishReason.ERROR,
+                                     f"recv transfer: no word from the prefill engine within "
+                                     f"{self.spec.reclaim_s:g} s (reclaim deadline)")
         self._forget_ended()
-        return super().step()
 
-    def _admit(self, fam: Family) -> None:
+    def admit(self, fam: Family) -> bool:
         leader = fam.members[0]
-        if split_blocks(leader.prompt_len, self.pool.block_size) == 0:
-            super()._admit(fam)
-            return
+        if split_blocks(leader.prompt_len, self.core.pool.block_size) == 0:
+            return False
         self.receiving.start(leader, [])  # its clock runs from now: see the module's docstring
         self._waiting[fam.incarnation] = fam
+        return True
 
     def _waiter(self, inc: str) -> Request | None:
         fam = self._waiting.get(inc)
@@ -112,21 +117,22 @@ class DecodeCore(EngineCore):
         self.link.bad.clear()
 
     def _receive(self, head: TransferHeader, data: list) -> None:
+        core = self.core
         inc = head.request_id
         req = self._waiter(inc)
         if req is None:
             self.link.send(Ack(inc, "no request of this incarnation is waiting for KV "
                                     "(aborted, expired or unknown)"))
             return
-        n = split_blocks(req.prompt_len, self.pool.block_size)
+        n = split_blocks(req.prompt_len, core.pool.block_size)
         try:
             if len(head.refs) != n:
                 raise ValueError(f"{len(head.refs)} blocks sent, {n} expected")
-            got = self.kv_manager.import_prefix(
+            got = core.kv_manager.import_prefix(
                 req.prompt_token_ids, n,
-                lambda blocks: write(self.kv, self.epochs, self.epochs.refs(blocks), head, data))
+                lambda blocks: write(core.kv, self.epochs, self.epochs.refs(blocks), head, data))
         except Exception as exc:  # StaleBlock, BadTransfer, a shape mismatch: never decode it
-            self.lifecycle.fail(req, FinishReason.ERROR, f"KV transfer failed: {exc}")
+            core.lifecycle.fail(req, FinishReason.ERROR, f"KV transfer failed: {exc}")
             self.link.send(Ack(inc, f"KV transfer failed: {exc}"))
             return
         self.imported_blocks += got
@@ -135,10 +141,10 @@ class DecodeCore(EngineCore):
             self.transfer_log = [*self.transfer_log[-999:], (nbytes, time.monotonic() - head.sent_at)]
         self.receiving.done(req)
         fam = self._waiting.pop(inc)
-        if self.taken_sink is not None:  # before the ack: prefill may end, or die, from here on
-            self.taken_sink([inc])
+        if core.taken_sink is not None:  # before the ack: prefill may end, or die, from here on
+            core.taken_sink([inc])
         self.link.send(Ack(inc))
-        super()._admit(fam)  # admitted in this step: its blocks are prefix hits now
+        core.admit(fam)  # admitted in this step: its blocks are prefix hits now
 
     def _forget_ended(self) -> None:
         for inc in [i for i, f in self._waiting.items() if f.members[0].status.is_finished]:
@@ -147,6 +153,11 @@ class DecodeCore(EngineCore):
     def transfers(self) -> list[tuple[int, float]]:
         return self.transfer_log
 
-    def audit(self) -> None:
-        super().audit()
-        self.receiving.audit(self.live_requests())
+    def audit(self, live: Sequence[Request]) -> None:
+        self.receiving.audit(live)
+
+
+def DecodeCore(model: Any = None, config: Any = None, *, spec: RoleSpec,  # noqa: N802
+               progress: bool = True, **kwargs: Any) -> EngineCore:
+    """An EngineCore serving the decode side of a split (its role: `core.role`)."""
+    return EngineCore(model, config, progress=progress, role=DecodeRole(spec), **kwargs)

@@ -138,7 +138,7 @@ class Link:
             self._wake()
 
     def close(self) -> None:
-        with self._lock:  # the heartbeat thread has stopped (see PrefillCore.close)
+        with self._lock:  # the heartbeat thread has stopped (see PrefillRole.close)
             self._push.close(linger=0)
         self._ctx.term()  # the receiver thread sees ETERM and closes its socket
         self._thread.join(1.0)

@@ -1,5 +1,6 @@
-"""The prefill role: an EngineCore that computes prompts (chunked, interruptible as in one
-engine) and ships each prompt's KV blocks to the decode role instead of sampling.
+"""The prefill role: the plug-in (engine/role.py) with which an EngineCore computes prompts
+(chunked, interruptible as in one engine) and ships each prompt's KV blocks to the decode
+role instead of sampling.
 
 Its prompts are the full blocks of the client's prompt (the front end cuts the rest): when
 the last chunk has run, the blocks are packed (wire.pack checks their epochs), pushed over
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from stopline.disagg.epochs import BlockEpochs
@@ -24,8 +26,9 @@ from stopline.disagg.messages import Ack, RoleSpec
 from stopline.disagg.transfers import Side, Transfers
 from stopline.disagg.wire import pack
 from stopline.engine.core import EngineCore
-from stopline.engine.output import RequestOutput
+from stopline.engine.role import Role
 from stopline.kv.block_pool import LedgerError
+from stopline.lifecycle import Holder
 from stopline.request import FinishReason, Request
 
 log = logging.getLogger("stopline.disagg.prefill")
@@ -52,43 +55,41 @@ class Backlog:
         return req.incarnation in self.link.queued()
 
 
-class PrefillCore(EngineCore):
-    def __init__(self, model: Any = None, config: Any = None, *, spec: RoleSpec,
-                 progress: bool = True, **kwargs: Any) -> None:
-        super().__init__(model, config, progress=progress, **kwargs)
+class PrefillRole(Role):
+    name = "prefill"
+
+    def __init__(self, spec: RoleSpec) -> None:
         self.spec = spec
-        self.epochs = BlockEpochs(self.pool)
-        self.sending = Transfers(Side.SEND, spec.reclaim_s)
-        # The transfer entry goes before the KV manager: the entry first, the blocks last.
-        self.lifecycle.holders.insert(len(self.lifecycle.holders) - 1, self.sending)
-        self.link = Link(spec.ack_addr, spec.kv_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push,
-                         wake=lambda: self.wake())
-        # Frames still on the link go with the transfer entry, before the blocks.
-        self.lifecycle.holders.insert(len(self.lifecycle.holders) - 1, Backlog(self.link))
         self.shipped_bytes = 0
+
+    def bind(self, core: EngineCore) -> list[Holder]:
+        self.core = core
+        self.epochs = BlockEpochs(core.pool)
+        self.sending = Transfers(Side.SEND, self.spec.reclaim_s)
+        spec = self.spec
+        self.link = Link(spec.ack_addr, spec.kv_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push,
+                         wake=lambda: core.wake())
         self._stop_beat = threading.Event()
         self._beat_thread = threading.Thread(target=self._heartbeat, daemon=True, name="stopline-beat")
         self._beat_thread.start()
+        # The transfer entry, then the frames still on the link; the blocks last.
+        return [self.sending, Backlog(self.link)]
 
     # ---- the loop's view ------------------------------------------------------------------
     # A request waiting for its ack is paused: the loop sleeps until the link wakes it or the
     # reclaim deadline (wake_at) is due. An ack with no request left must still be read.
-    def has_unfinished(self) -> bool:
-        return self.link.pending() or super().has_unfinished()
-
-    def all_paused(self) -> bool:
-        return not self.link.pending() and super().all_paused()
+    def messages(self) -> bool:
+        return self.link.pending()
 
     def wake_at(self) -> float:
         return self.sending.next_deadline()
 
-    def step(self) -> list[RequestOutput]:
+    def step_start(self) -> None:
         self._take_link()
         for req in self.sending.expired():
-            self.lifecycle.fail(req, FinishReason.ERROR,
-                                f"send transfer not acked by the decode engine within "
-                                f"{self.spec.reclaim_s:g} s (reclaim deadline)")
-        return super().step()
+            self.core.lifecycle.fail(req, FinishReason.ERROR,
+                                     f"send transfer not acked by the decode engine within "
+                                     f"{self.spec.reclaim_s:g} s (reclaim deadline)")
 
     def _heartbeat(self) -> None:
         """Tell the decode side, every quarter of the reclaim deadline, which requests this
@@ -98,7 +99,7 @@ class PrefillCore(EngineCore):
         while not self._stop_beat.wait(self.spec.reclaim_s / 4):
             try:
                 # Queued adds too: one long step can keep an add in the inbox past the deadline.
-                incs = list(self.families.by_incarnation) + self.inbox.queued()
+                incs = list(self.core.families.by_incarnation) + self.core.inbox.queued()
             except RuntimeError:  # the table changed under the copy: the next beat has it
                 continue
             self.link.beat(incs)
@@ -109,10 +110,10 @@ class PrefillCore(EngineCore):
         self._beat_thread.join(2.0)
         self.link.close()
 
-    def _prefilled(self, req: Request) -> bool:
-        n = len(req.prompt_token_ids) // self.pool.block_size
+    def prefilled(self, req: Request) -> bool:
+        n = len(req.prompt_token_ids) // self.core.pool.block_size
         refs = self.epochs.refs(req.block_ids[:n])
-        frames = pack(req.incarnation, self.kv, self.epochs, refs)
+        frames = pack(req.incarnation, self.core.kv, self.epochs, refs)
         self.sending.start(req, refs)
         req.paused = True  # holds its blocks, takes no step
         self.link.send_kv(req.incarnation, frames)
@@ -120,22 +121,27 @@ class PrefillCore(EngineCore):
         return True
 
     def _take_link(self) -> None:
+        lifecycle = self.core.lifecycle
         for msg in self.link.take():
             if not isinstance(msg, Ack):
                 continue
-            fam = self.families.get(msg.incarnation)
+            fam = self.core.families.get(msg.incarnation)
             req = fam.members[0] if fam is not None else None
             if req is None or req.status.is_finished or self.sending.done(req) is None:
                 continue  # aborted or expired meanwhile: a late ack changes nothing
             if msg.error is None:
-                self.lifecycle.finish(req, FinishReason.STOP, HANDED_OFF)
+                lifecycle.finish(req, FinishReason.STOP, HANDED_OFF)
             else:
-                self.lifecycle.fail(req, FinishReason.ERROR, f"decode engine refused the KV: {msg.error}")
+                lifecycle.fail(req, FinishReason.ERROR, f"decode engine refused the KV: {msg.error}")
 
-    def audit(self) -> None:
-        super().audit()
-        live = self.live_requests()
+    def audit(self, live: Sequence[Request]) -> None:
         self.sending.audit(live)
         stray = self.link.queued() - {r.incarnation for r in live}
         if stray:
             raise LedgerError(f"KV frames of ended requests wait on the link: {sorted(stray)}")
+
+
+def PrefillCore(model: Any = None, config: Any = None, *, spec: RoleSpec,  # noqa: N802
+                progress: bool = True, **kwargs: Any) -> EngineCore:
+    """An EngineCore serving the prefill side of a split (its role: `core.role`)."""
+    return EngineCore(model, config, progress=progress, role=PrefillRole(spec), **kwargs)

@@ -1,4 +1,8 @@
-"""The engine core: admit, schedule, run, sample, stop — one step at a time.
+"""The engine core: the loop, the inbox, deadlines and the audit — one step at a time.
+
+A step goes down once and comes back once: apply the inbox, schedule, run the plan on the
+worker (worker/step.py: forward, sampling, grammar masks, verify; it returns a StepOutcome),
+apply the aborts that arrived meanwhile, apply the outcome (apply.py), collect the outputs.
 
 Threading: `add_request`, `abort` and `pause` may be called from any thread; they only record
 the wish (inbox.py). Everything else runs on the thread that calls `step()`, which applies the
@@ -7,30 +11,30 @@ computed for a request whose abort arrived mid-step is never delivered). If ever
 the step in flight is aborted, the forward stops at the next layer boundary.
 
 Per-request state lives in the holders declared here, in release order (lifecycle.py):
-queues, draft tokens, outputs (detokenizer), decode rows, the family table, swap slots, and
-the KV manager last.
+grammar, queues, draft tokens, outputs (detokenizer), decode rows, the family table, swap
+slots, the role's holders (a split's transfers: engine/role.py), and the KV manager last.
+The core is never subclassed: a split's side is a role it calls at fixed points.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Protocol
 
 import torch
 
 from stopline.config import EngineConfig, PreemptionMode
-from stopline.engine.families import FamilyTable
+from stopline.engine.apply import StepApplier
+from stopline.engine.families import FamilyTable, new_family
 from stopline.engine.grammars import GrammarHolder
 from stopline.engine.inbox import Inbox
-from stopline.engine.output import OutputProcessor, RequestOutput, Stop
+from stopline.engine.output import OutputProcessor, RequestOutput
+from stopline.engine.role import Role
 from stopline.kv.block_pool import BlockPool, LedgerError
-from stopline.kv.decode_rows import DecodeRows
 from stopline.kv.kv_cache import KVCache, SwapSpace
 from stopline.kv.manager import KVManager
 from stopline.lifecycle import Holder, Lifecycle
@@ -43,35 +47,29 @@ from stopline.request import (
     FinishReason,
     InvalidRequest,
     Request,
-    RequestStatus,
     SamplingParams,
 )
-from stopline.sched.plan import ScheduledChunk, StepPlan
+from stopline.sched.plan import StepPlan
 from stopline.sched.queues import Queues
 from stopline.sched.scheduler import Scheduler
 from stopline.spec.drafts import Drafts
 from stopline.stats import StopStats
-from stopline.worker.runner import ModelRunner, StepResult
-from stopline.worker.sampler import Sampled, SampleTask, nonfinite_rows, sample, score_tokens
+from stopline.worker.runner import ModelRunner
+from stopline.worker.step import Forward, StepOutcome, StepWorker, Worker
 
 log = logging.getLogger("stopline.engine")
 
 _incarnations = itertools.count()
 
 
-class StepRunner(Protocol):
-    """What runs a step's forward pass: the model runner, or a test's scripted stand-in."""
-
-    rows: DecodeRows | None
-
-    def execute(self, plan: StepPlan, interrupt: StepInterrupt | None = None) -> StepResult: ...
-
-
 class EngineCore:
     def __init__(self, model: LoadedModel | str | None = None, config: EngineConfig | None = None,
-                 *, progress: bool = True, runner: StepRunner | None = None) -> None:
-        """runner: run steps with this instead of the model (tests drive the stop path with
-        hand-built step results); the model then only gives its config and tokenizer."""
+                 *, progress: bool = True, runner: Forward | None = None,
+                 worker: Worker | None = None, role: Role | None = None) -> None:
+        """runner: run forwards with this instead of the model (tests drive the stop path
+        with hand-built logits); worker: run whole steps with this (tests hand-build each
+        step's outcome). The model then only gives its config and tokenizer. role: the
+        plug-in for one side of a prefill/decode split (engine/role.py); default: one engine."""
         self.config = cfg = config or EngineConfig()
         # Denormal activations make CPU matmuls several times slower; they carry no signal.
         torch.set_flush_denormal(True)
@@ -91,19 +89,14 @@ class EngineCore:
         if cfg.preemption_mode is not PreemptionMode.RECOMPUTE:
             swap = SwapSpace(cfg.swap_space_blocks or num_blocks)
         self.model: LlamaModel | None = None
-        if runner is None:
-            self.model = LlamaModel(mc, loaded.weights, max_rows=cfg.max_num_batched_tokens,
-                                    max_logit_rows=cfg.max_num_seqs, device=cfg.device,
-                                    linear_backend=cfg.linear_backend, blocks=loaded.blocks,
-                                    quant_max_rows=cfg.quant_max_rows, attention=cfg.attention_backend,
-                                    numerics=cfg.numerics)
-            self.model.calibrate()
-            runner = ModelRunner(self.model, self.kv, cfg)
+        if runner is None and worker is None:
+            runner = ModelRunner.for_model(loaded, self.kv, cfg)
+            self.model = runner.model
         if self.model is None or self.model.attention == "torch":
             # Torch attention multiplies whole blocks by masked weights: unwritten slots must
             # hold zeros, not a freed block's NaN. The C kernel reads written slots only.
             self.pool.on_allocate = self.kv.zero
-        self.runner: StepRunner = runner
+        self.runner: Forward | None = runner
         self.stats = StopStats()
         self.kv_manager = KVManager(self.pool, self.kv, swap, self.stats,
                                     prefix_caching=cfg.enable_prefix_caching,
@@ -117,15 +110,20 @@ class EngineCore:
         # compile tickets before all), KV blocks last. Draft tokens go before the outputs:
         # the terminal output's usage counts the drafts of a step in flight as discarded.
         self.drafts = Drafts(cfg, self.stats, self.max_model_len)
+        self.worker: Worker = worker or StepWorker(runner, mc.eos_token_ids, self.grammar)
         holders: list[Holder] = [self.grammar, self.queues, self.drafts, self.outputs]
-        if runner.rows is not None:
-            holders.append(runner.rows)
+        if self.worker.rows is not None:
+            holders.append(self.worker.rows)
         holders.append(self.families)
         if swap is not None:
             holders.append(swap)
+        self.role = role or Role()
+        holders += self.role.bind(self)  # the role's holders: after the core's, before the blocks
         holders.append(self.kv_manager)
         self.lifecycle = Lifecycle(cfg, self.kv_manager, holders, self.stats)
         self.scheduler = Scheduler(cfg, self.kv_manager, self.queues, self.lifecycle, self.drafts)
+        self.applier = StepApplier(self.lifecycle, self.kv_manager, self.outputs, self.grammar, self.drafts,
+                                   defer_text=cfg.async_scheduling, prefilled=self.role.prefilled)
         if cfg.preemption_mode is PreemptionMode.AUTO:
             self.lifecycle.calibrate_swap()
         self._rng = random.Random(cfg.seed)
@@ -136,11 +134,10 @@ class EngineCore:
         self.steps = 0
         self.interrupted_steps = 0
         self._ms_per_prefill_token: float | None = None
-        # Async scheduling: the forward (and the sampling after it) runs on a worker thread
-        # (torch releases the GIL) while this thread detokenizes and emits the previous
-        # step's tokens.
+        # Async scheduling: the worker's step (the forward, then its sampling) runs on this
+        # thread pool's one thread (torch releases the GIL) while this thread detokenizes
+        # and emits the previous step's tokens.
         self._worker = ThreadPoolExecutor(1, "stopline-forward") if cfg.async_scheduling else None
-        self._text_pending: list[Request] = []
         # Where outputs go as soon as they are ready (the async engine sets it); otherwise
         # step() returns them.
         self.output_sink: Callable[[list[RequestOutput]], None] | None = None
@@ -181,18 +178,8 @@ class EngineCore:
         if need > self.pool.num_blocks:
             raise InvalidRequest(f"prompt: needs {need} KV blocks; the pool has {self.pool.num_blocks}")
         inc = incarnation if incarnation is not None else f"{request_id}#{next(_incarnations)}"
-        arrival = time.monotonic() if arrival is None else arrival
-        members = [Request(request_id, prompt, params, arrival=arrival, index=i, incarnation=inc)
-                   for i in range(params.n)]
-        family = Family(request_id, members, inc)
-        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        leader = members[0]
-        for i, m in enumerate(members):
-            m.family = family
-            m.seed = base_seed + i
-            if i:
-                m.fork_leader = leader
-        leader.forks_pending = members[1:]
+        family = new_family(request_id, prompt, params, time.monotonic() if arrival is None else arrival,
+                            inc, params.seed if params.seed is not None else self._rng.getrandbits(63))
         if not self.inbox.add(family, self.families.by_incarnation):
             raise InvalidRequest(f"incarnation {inc!r} is already in use")
         return inc
@@ -212,29 +199,50 @@ class EngineCore:
 
     # ---- the step -----------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(self.families) or self.inbox.has_any() or bool(self._text_pending)
+        return (self.role.messages() or self.role.holding() or bool(self.families)
+                or self.inbox.has_any() or bool(self._text_pending))
 
     def all_paused(self) -> bool:
-        """Work exists but none can run: every live request is paused (or waits on another
-        process, `_idle`), nothing else pending. The loop then waits for a message or
-        `wake_at`."""
+        """Work exists but none can run: every live request is paused (its client's stream is
+        full) or waits for its role, nothing else pending. The loop then waits for a message
+        or `wake_at`."""
         live = self.families.live_requests()
-        return (bool(live) and all(self._idle(r) for r in live) and not self.inbox.has_any()
-                and not self._text_pending)
-
-    def _idle(self, req: Request) -> bool:
-        """req takes no step until a message comes: its client's stream is full (a split's
-        roles add a request waiting for the other role)."""
-        return req.paused
+        return (not self.role.messages() and bool(live) and all(r.paused or self.role.idle(r) for r in live)
+                and not self.inbox.has_any() and not self._text_pending)
 
     def wake_at(self) -> float:
-        """time.monotonic() by which an all-paused core must step with no message (a
-        split's transfer deadlines); inf: none. Request deadlines are the loop's."""
-        return math.inf
+        """time.monotonic() by which an all-paused core must step with no message (the role's
+        deadlines); inf: none. Request deadlines are the loop's."""
+        return self.role.wake_at()
 
     def step(self) -> list[RequestOutput]:
-        self._apply_inbox()
+        self.role.step_start()
+        self._apply_inbox()  # aborts first, then adds
+        self.role.after_inbox()
         self._check_deadlines()
+        plan = self._schedule()
+        if plan.chunks:
+            t0 = time.perf_counter()
+            outcome = self._execute(plan)  # the worker's StepOutcome; None: interrupted or failed
+            self._apply_aborts()  # aborts that arrived during the forward win: their rows are void
+            if outcome is not None:
+                self.applier.apply(outcome)
+                self._observe(plan, t0)
+            self.kv_manager.step_processed(plan.step_id)  # blocks fenced by the step go back
+        else:
+            self._text_phase()
+            # Nothing to run: requests wait for their grammar at most. Sleep until a compile
+            # ends rather than spin (a few ms; deadlines are checked every step).
+            if not self._text_pending:
+                self.grammar.idle_wait(0.005)
+        if not self.families and self.worker.rows is not None:
+            self.worker.rows.reset()  # an idle engine keeps no copies of K/V
+        if self.config.debug:
+            self.audit()
+        self.steps += 1
+        return self.outputs.collect()
+
+    def _schedule(self) -> StepPlan:
         if self._ms_per_prefill_token and self.config.target_step_ms:
             self.scheduler.prefill_cap = max(self.config.block_size,
                                              int(self.config.target_step_ms / self._ms_per_prefill_token))
@@ -242,44 +250,32 @@ class EngineCore:
         if self.config.debug and any(c.req.paused for c in plan.chunks):  # docs/stop-path.md
             raise LedgerError(f"a paused request is in step {plan.step_id}: "
                               f"{[c.req.incarnation for c in plan.chunks if c.req.paused]}")
-        if plan.chunks:
-            self._run(plan)
-        else:
-            self._text_phase()
-            # Nothing to run: requests wait for their grammar at most. Sleep until a compile
-            # ends rather than spin (a few ms; deadlines are checked every step).
-            if not self._text_pending:
-                self.grammar.idle_wait(0.005)
-        if not self.families and self.runner.rows is not None:
-            self.runner.rows.reset()  # an idle engine keeps no copies of K/V
-        if self.config.debug:
-            self.audit()
-        self.steps += 1
-        return self.outputs.collect()
+        return plan
 
-    def _run(self, plan: StepPlan) -> None:
+    def _execute(self, plan: StepPlan) -> StepOutcome | None:
+        """Run the plan on the worker: on this thread, or (async scheduling) on the forward
+        thread while this one runs the previous step's text phase. A failed step ends every
+        live request with an error, none hangs."""
         with self.inbox.lock:
             self._inflight_ids = {c.req.incarnation for c in plan.chunks}
             self._interrupt.clear()
             if self._inflight_ids <= self.inbox.aborting:
                 self._interrupt.set()
         t0 = time.perf_counter()
-        result: StepResult | None = None
-        sampled: dict[tuple[int, int], Sampled | str] | None = None
+        outcome: StepOutcome | None = None
         try:
             if self._worker is not None:
-                # Overlap: the text phase of the previous step runs while this forward does.
-                future: Future = self._worker.submit(self._forward_and_sample, plan)
+                future: Future = self._worker.submit(self.worker.run, plan, self._interrupt)
                 try:
                     self._text_phase()
                 finally:
                     wait([future])  # the forward writes KV blocks: nothing is freed before it ends
-                result, sampled = future.result()
+                outcome = future.result()
             else:
-                result = self.runner.execute(plan, self._interrupt)
+                outcome = self.worker.run(plan, self._interrupt)
         except StepInterrupted:
             self.interrupted_steps += 1
-        except Exception as exc:  # engine-wide: every request ends with an error, none hangs
+        except Exception as exc:
             log.exception("step %d failed", plan.step_id)
             self._apply_aborts()
             for r in self.families.live_requests():
@@ -287,22 +283,20 @@ class EngineCore:
         finally:
             with self.inbox.lock:
                 self._inflight_ids = set()
-        elapsed_ms = (time.perf_counter() - t0) * 1000
+        self._measure(plan, (time.perf_counter() - t0) * 1000)
+        return outcome
+
+    def _measure(self, plan: StepPlan, elapsed_ms: float) -> None:
+        """Cost per row of the step, decode rows included: the cap gives the prefill rows about
+        target_step_ms on top of the decodes. Measured from 16 prefill rows up, or from the cap
+        itself: a threshold above the cap would freeze the estimate once one slow step had
+        pushed the cap below it."""
         n_prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
-        # Cost per row of the step, decode rows included: the cap gives the prefill rows about
-        # target_step_ms on top of the decodes. Measured from 16 prefill rows up, or from the
-        # cap itself: a threshold above the cap would freeze the estimate once one slow step
-        # had pushed the cap below it.
         if n_prefill >= min(16, self.scheduler.prefill_cap or 16):
             per_tok = elapsed_ms / plan.num_tokens
             prev = self._ms_per_prefill_token
             self._ms_per_prefill_token = per_tok if prev is None else 0.7 * prev + 0.3 * per_tok
             self.lifecycle.ms_per_recomputed_token = self._ms_per_prefill_token
-        self._apply_aborts()  # aborts that arrived during the forward win
-        if result is not None:
-            self._process(result, sampled)
-            self._observe(plan, t0)
-        self.kv_manager.step_processed(plan.step_id)
 
     def _observe(self, plan: StepPlan, t0: float) -> None:
         """The auto mode's cost of a step of decode and verify rows only (a prefill's rows
@@ -312,209 +306,13 @@ class EngineCore:
         ms = (time.perf_counter() - t0) * 1000
         self.drafts.observe(len(plan.chunks), sum(len(c.drafts) for c in plan.chunks), ms)
 
-    def _forward_and_sample(self, plan: StepPlan) -> tuple[StepResult, dict[tuple[int, int], Sampled | str]]:
-        """The worker thread's part of an async step: the forward, then the sampling of every
-        row that may need it (a request that ends meanwhile just wastes its sample). Keeping
-        every parallel torch op on one thread matters: once two threads had each run OpenMP
-        regions, libgomp counted more threads than cores and stopped spinning for all of
-        them, and both modes ran at about half speed."""
-        result = self.runner.execute(plan, self._interrupt)
-        result.bad_rows = bad_rows = self._bad_rows(result)
-        tasks = [SampleTask(result.logit_index[ci], m)
-                 for ci, ch in enumerate(plan.chunks)
-                 if ch.sample and not ch.drafts and ch.req.status is RequestStatus.RUNNING
-                 and result.logit_index[ci] not in bad_rows and ch.req.params.max_tokens != 0
-                 for m in [ch.req, *ch.req.forks_pending]]
-        samples = self._sample(result.logits, tasks) if tasks else []
-        return result, {(t.row, id(t.req)): s for t, s in zip(tasks, samples, strict=True)}
-
-    def _sample(self, logits: torch.Tensor, tasks: list[SampleTask]) -> list[Sampled | str]:
-        """sample() with each structured request's grammar mask; a task whose grammar can't
-        advance gets the reason instead of a token (its request fails in this step)."""
-        masks, stuck = self.grammar.masks([t.req for t in tasks])
-        if not stuck:
-            return list(sample(logits, tasks, self.outputs.eos, masks))
-        keep = [i for i in range(len(tasks)) if i not in stuck]
-        got = sample(logits, [tasks[i] for i in keep], self.outputs.eos,
-                     {j: masks[i] for j, i in enumerate(keep) if i in masks}) if keep else []
-        drawn = dict(zip(keep, got, strict=True))
-        return [stuck[i] if i in stuck else drawn[i] for i in range(len(tasks))]
-
-    @staticmethod
-    def _bad_rows(result: StepResult) -> set[int]:
-        """Rows no token can be drawn from: a NaN or +inf anywhere (a broken forward), or
-        nothing above -inf. Sampling would turn them into an arbitrary token."""
-        if result.bad_rows is not None:
-            return result.bad_rows
-        return nonfinite_rows(result.logits)
-
-    def _process(self, result: StepResult,
-                 sampled: dict[tuple[int, int], Sampled | str] | None = None) -> None:
-        plan = result.plan
-        tasks: list[SampleTask] = []
-        bad_rows = self._bad_rows(result)
-        verifies: list[tuple[int, ScheduledChunk]] = []
-        for ci, ch in enumerate(plan.chunks):
-            req = ch.req
-            req.inflight_samples = req.inflight_tokens = 0
-            if req.status is not RequestStatus.RUNNING or req.epoch != ch.epoch:
-                continue  # ended or preempted while the step ran: its result is void
-            if ch.drafts:
-                verifies.append((result.logit_index[ci], ch))
-                continue
-            if ch.num_scored and not self._score_prompt(req, ch, result, ci, bad_rows):
-                continue
-            self.kv_manager.register(req)
-            if not ch.sample:
-                continue
-            if self._prefilled(req):  # a prefill engine hands the request off here
-                continue
-            if req.params.max_tokens == 0:  # scored, nothing to generate
-                self._end_unsampled(req)
-                continue
-            row = result.logit_index[ci]
-            if row in bad_rows:
-                self.lifecycle.fail(req, FinishReason.ERROR, "the model produced NaN or infinite logits")
-                continue
-            tasks += [SampleTask(row, m) for m in [req, *req.forks_pending]]
-        for row, ch in verifies:
-            self._verify(result.logits, row, ch, bad_rows)
-        if not tasks:
-            return
-        if sampled is not None and all((t.row, id(t.req)) in sampled for t in tasks):
-            samples = [sampled[(t.row, id(t.req))] for t in tasks]
-        else:
-            samples = self._sample(result.logits, tasks)
-        for task, s in zip(tasks, samples, strict=True):
-            req = task.req
-            if req.fork_leader is not None:
-                self._fork(req)
-            if req.status is not RequestStatus.RUNNING:
-                continue
-            if isinstance(s, str):  # its grammar can't advance: end it now, never hang
-                self.lifecycle.fail(req, FinishReason.ERROR, f"grammar: {s}")
-                continue
-            try:
-                stop = self.outputs.append(req, s.token_id, s.logprob)
-            except Exception as exc:  # a stop check that fails ends only its own request
-                self.lifecycle.fail(req, FinishReason.ERROR, f"output processing failed: {exc!r}")
-                continue
-            why = self.grammar.commit(req, s.token_id)
-            if why is not None:
-                self.lifecycle.fail(req, FinishReason.ERROR, f"grammar: {why}")
-                continue
-            if stop is None and self.grammar.complete(req):
-                stop = Stop(FinishReason.STOP, "grammar complete")  # only EOS could follow
-            self._to_text(req, stop)
-
-    def _score_prompt(self, req: Request, ch: ScheduledChunk, result: StepResult, ci: int,
-                      bad_rows: set[int]) -> bool:
-        """Record the prompt logprobs ch's rows give; False if they are broken (req failed)."""
-        row0 = result.score_index[ci]
-        if any(row0 + j in bad_rows for j in range(ch.num_scored)):
-            self.lifecycle.fail(req, FinishReason.ERROR, "the model produced NaN or infinite logits")
-            return False
-        if ch.score_from == len(req.prompt_logprobs):  # not already scored by an earlier run
-            nxt = req.prompt_token_ids[ch.score_from + 1:ch.score_from + 1 + ch.num_scored]
-            req.prompt_logprobs += score_tokens(result.logits[row0:row0 + ch.num_scored], nxt,
-                                                req.params.prompt_logprobs or 0)
-        return True
-
-    def _end_unsampled(self, req: Request) -> None:
-        """max_tokens 0: the prompt is scored; every sample ends at once with no tokens."""
-        for m in list(req.forks_pending):
-            self._fork(m)
-            m.prompt_logprobs = list(req.prompt_logprobs)
-            self.lifecycle.finish(m, FinishReason.LENGTH, "max_tokens")
-        self.lifecycle.finish(req, FinishReason.LENGTH, "max_tokens")
-
-    def _to_text(self, req: Request, stop: Stop | None) -> None:
-        if stop is None and self.config.async_scheduling:
-            self._text_pending.append(req)  # detokenized while the next forward runs
-        else:
-            self._text(req, stop)
-
-    def _verify(self, logits: torch.Tensor, row0: int, ch: ScheduledChunk, bad_rows: set[int]) -> None:
-        """Accept the longest prefix of ch's drafts that equals what the sampler draws.
-
-        Row j of the run holds the logits after the decode token and j drafts: exactly the
-        logits plain decoding would have had at that position if the first j drafts are what
-        it drew. So row j is sampled as plain decoding would sample it, with the request
-        holding the tokens accepted so far (the counter-based key of its next token,
-        penalties over its history, min_tokens), and each token goes through the one stop
-        check before the next row is looked at: nothing after a stop is delivered. The run
-        ends at the first token that differs from its draft (that token is still the
-        sampler's: delivered), at a stop, or after the last draft. Then the rejected
-        positions are rewound: num_computed back, and blocks only they opened released."""
-        req, drafts = ch.req, ch.drafts
-        first_out = len(req.output_token_ids)
-        accepted = 0
-        stop: Stop | None = None
-        failed = None
-        for j in range(len(drafts) + 1):
-            if row0 + j in bad_rows:
-                failed = "the model produced NaN or infinite logits"
-                break
-            s = sample(logits, [SampleTask(row0 + j, req)], self.outputs.eos)[0]
-            try:
-                stop = self.outputs.append(req, s.token_id, s.logprob)
-            except Exception as exc:
-                failed = f"output processing failed: {exc!r}"
-                break
-            if j == len(drafts) or s.token_id != drafts[j]:
-                break
-            accepted += 1
-            if stop is not None:
-                break
-        # Valid K/V: the decode token's and the accepted drafts'.
-        req.num_computed = ch.start + 1 + accepted
-        self.kv_manager.trim(req)
-        self.kv_manager.register(req)
-        # Drafts after a failure, or after a stop on an accepted draft, were never compared
-        # (discarded); drafts after a mismatch are rejected.
-        stopped_on_draft = stop is not None and len(req.output_token_ids) - first_out == accepted
-        unverified = len(drafts) - accepted if failed or stopped_on_draft else 0
-        self.drafts.settle(req, len(drafts), accepted, unverified, "error" if failed else "stop", first_out)
-        if failed is not None:
-            self.lifecycle.fail(req, FinishReason.ERROR, failed)
-            return
-        self._to_text(req, stop)
-
-    def _text(self, req: Request, stop: Stop | None) -> None:
-        """Text phase of one request: detokenize, check stop strings, emit or finish."""
-        try:
-            cut = self.outputs.catch_up(req)
-            if cut is not None:
-                self.drafts.truncated(req)  # a stop string inside an accepted run
-            stop = cut or stop
-        except Exception as exc:
-            self.lifecycle.fail(req, FinishReason.ERROR, f"output processing failed: {exc!r}")
-            return
-        if stop is not None:
-            self.lifecycle.finish(req, *stop)
-        else:
-            self.outputs.step_output(req)
+    @property
+    def _text_pending(self) -> list[Request]:
+        return self.applier.text_pending
 
     def _text_phase(self) -> None:
-        pending, self._text_pending = self._text_pending, []
-        for req in pending:
-            # Not aborted meanwhile. A request preempted since its token was sampled still
-            # gets its stop check and output now, as it would have without preemption.
-            if not req.status.is_finished:
-                self._text(req, None)
-        if pending and self.output_sink is not None:
+        if self.applier.text_phase() and self.output_sink is not None:
             self.output_sink(self.outputs.collect())
-
-    def _fork(self, sample: Request) -> None:
-        leader = sample.fork_leader
-        assert leader is not None  # _process forks only samples that wait for a leader
-        self.kv_manager.fork(sample, leader)
-        sample.num_computed = sample.prompt_len
-        sample.num_cached = leader.num_cached
-        sample.last_scheduled_step = leader.last_scheduled_step
-        sample.prompt_logprobs = list(leader.prompt_logprobs)  # the prompt is the same
-        sample.fork_leader = None
-        leader.forks_pending.remove(sample)
 
     # ---- inbox, deadlines ----------------------------------------------------------------
     def _apply_inbox(self) -> None:
@@ -534,24 +332,18 @@ class EngineCore:
                 self._abort_family(fam, source)
         self._pause_all(taken.pauses)
         for fam in self._to_schedule:
-            if not fam.members[0].status.is_finished:
-                self._admit(fam)
+            if not fam.members[0].status.is_finished and not self.role.admit(fam):
+                self.admit(fam)
         self._to_schedule = []
         for fam in self.grammar.poll(self._grammar_failed):
             self.scheduler.add(fam.members[0])
 
-    def _admit(self, fam: Family) -> None:
-        """A new family joins the scheduler's queue (a decode engine first waits for its
-        prompt's KV: stopline/disagg)."""
+    def admit(self, fam: Family) -> None:
+        """A new family joins the scheduler's queue, once its grammar is compiled."""
         if fam.members[0].params.grammar is not None:
             self.grammar.wait(fam)  # joins the queue once its grammar is compiled
         else:
             self.scheduler.add(fam.members[0])
-
-    def _prefilled(self, req: Request) -> bool:
-        """req's prompt is computed and its first token is about to be sampled. True: the
-        request is taken elsewhere (a prefill engine ships its KV) and samples nothing here."""
-        return False
 
     def _grammar_failed(self, req: Request, why: str) -> None:
         self.lifecycle.fail(req, FinishReason.ERROR, f"grammar: {why}")
@@ -601,7 +393,11 @@ class EngineCore:
     def transfers(self) -> list[tuple[int, float]] | None:
         """(bytes, seconds) of the KV transfers this core received; None: it receives none
         (only a split's decode role does)."""
-        return None
+        return self.role.transfers()
+
+    def close(self) -> None:
+        """Stop the role's threads and sockets (tests; a role's process just exits)."""
+        self.role.close()
 
     def audit(self) -> None:
         """The ledger contract: raises LedgerError on any leak, double count, or holder still
@@ -616,6 +412,7 @@ class EngineCore:
         # Decode rows are dropped by the forward's thread at its next step (with async
         # scheduling the release may run while a forward uses them), so a stopped request's
         # row may outlive it by a step, but never the engine's going idle.
-        rows = self.runner.rows
+        rows = self.worker.rows
         if not self.families and rows is not None and rows.k:
             raise LedgerError("idle engine still holds decode rows")
+        self.role.audit(self.live_requests())

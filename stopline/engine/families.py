@@ -9,7 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from stopline.request import Family, Request
+from stopline.request import Family, Request, SamplingParams
+
+
+def new_family(request_id: str, prompt: list[int], params: SamplingParams, arrival: float,
+               incarnation: str, base_seed: int) -> Family:
+    """A request's n samples as one family: sample i draws with seed base_seed + i, and the
+    samples after the first wait to fork from it at its first token."""
+    members = [Request(request_id, prompt, params, arrival=arrival, index=i, incarnation=incarnation)
+               for i in range(params.n)]
+    family = Family(request_id, members, incarnation)
+    leader = members[0]
+    for i, m in enumerate(members):
+        m.family = family
+        m.seed = base_seed + i
+        if i:
+            m.fork_leader = leader
+    leader.forks_pending = members[1:]
+    return family
 
 
 class FamilyTable:

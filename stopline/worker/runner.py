@@ -14,6 +14,7 @@ from stopline.model.attention import KEY_TILE
 from stopline.model.batch_invariant import threads_pinned
 from stopline.model.kernels.paged_attention import PagedRows
 from stopline.model.llama import DecodeBatch, LlamaModel, PrefillSeq, StepInputs
+from stopline.model.loaders.loader import LoadedModel
 from stopline.sched.plan import ScheduledChunk, StepPlan
 from stopline.worker.cpu_share import CpuShare, ThreadPolicy
 
@@ -62,6 +63,18 @@ class ModelRunner:
             self.rows = DecodeRows(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.bs, KEY_TILE,
                                    max_rows=config.max_num_seqs, max_bytes=2 * pool_bytes,
                                    verify=config.debug, device=self.device)
+
+    @classmethod
+    def for_model(cls, loaded: LoadedModel, kv: KVCache, config: EngineConfig) -> ModelRunner:
+        """The loaded model's network, calibrated, and a runner over it."""
+        cfg, mc = config, loaded.config
+        model = LlamaModel(mc, loaded.weights, max_rows=cfg.max_num_batched_tokens,
+                           max_logit_rows=cfg.max_num_seqs, device=cfg.device,
+                           linear_backend=cfg.linear_backend, blocks=loaded.blocks,
+                           quant_max_rows=cfg.quant_max_rows, attention=cfg.attention_backend,
+                           numerics=cfg.numerics)
+        model.calibrate()
+        return cls(model, kv, config)
 
     def _width(self, nb: int) -> int:
         return -(-nb // self.tile_blocks) * self.tile_blocks

@@ -31,6 +31,13 @@ def mix_seed(seed: int, index: int) -> int:
 class SampleTask:
     row: int  # row of the logits tensor
     req: Request  # who receives the token
+    # Tokens taken as already output before this row: a verify row's drafts before it (row j
+    # is sampled as plain decoding would, had the first j drafts been drawn).
+    prior: Sequence[int] = ()
+
+    def history(self) -> list[int]:
+        """The output tokens this row is sampled after."""
+        return self.req.output_token_ids + list(self.prior) if self.prior else self.req.output_token_ids
 
 
 @dataclass
@@ -39,12 +46,14 @@ class Sampled:
     logprob: TokenLogprob | None
 
 
-def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, req: Request, output: Sequence[int] | None = None) -> torch.Tensor:
+    """output: the tokens sampled so far (default: req's)."""
     p = req.params
     vocab = logits.shape[0]
-    out = torch.tensor(req.output_token_ids, dtype=torch.long)
+    output = req.output_token_ids if output is None else list(output)
+    out = torch.tensor(output, dtype=torch.long)
     if p.repetition_penalty != 1.0:
-        seen = torch.unique(torch.tensor(req.prompt_token_ids + req.output_token_ids, dtype=torch.long))
+        seen = torch.unique(torch.tensor(req.prompt_token_ids + output, dtype=torch.long))
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if out.numel() and (p.frequency_penalty or p.presence_penalty):
@@ -59,12 +68,12 @@ def apply_logit_bias(row: torch.Tensor, bias: Mapping[int, float]) -> None:
     row[ids] += torch.tensor(list(bias.values()), dtype=row.dtype)
 
 
-def suppressed_ids(req: Request, eos_token_ids: Collection[int], vocab: int) -> list[int]:
+def suppressed_ids(req: Request, eos_token_ids: Collection[int], vocab: int, ahead: int = 0) -> list[int]:
     """Tokens the request may not sample yet: below min_tokens, EOS (unless ignore_eos) and its
     stop tokens. Masking them, as vLLM and HF do, keeps an early EOS out of the output rather
-    than emitting it and carrying on past it."""
+    than emitting it and carrying on past it. ahead: tokens drawn beyond req's output."""
     p = req.params
-    if len(req.output_token_ids) >= p.min_tokens:
+    if len(req.output_token_ids) + ahead >= p.min_tokens:
         return []
     ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
     return sorted(t for t in ids if 0 <= t < vocab)
@@ -91,9 +100,10 @@ def _filtered(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return logits.masked_fill(~keep, float("-inf"))
 
 
-def draw_keys(req: Request) -> tuple[int, int]:
-    """The 64-bit key of req's next random draw, as two 32-bit halves."""
-    z = mix_seed(req.seed, len(req.output_token_ids))
+def draw_keys(req: Request, ahead: int = 0) -> tuple[int, int]:
+    """The 64-bit key of req's next random draw (ahead: tokens drawn beyond its output), as
+    two 32-bit halves."""
+    z = mix_seed(req.seed, len(req.output_token_ids) + ahead)
     return z & 0xFFFFFFFF, z >> 32
 
 
@@ -215,13 +225,13 @@ def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
         masked = {i: block[j] for j, i in enumerate(gidx)}
     for i, t in enumerate(tasks):
         p = t.req.params
-        mask = suppressed_ids(t.req, eos_token_ids, vocab)
+        mask = suppressed_ids(t.req, eos_token_ids, vocab, len(t.prior))
         filters = not p.greedy and (p.top_k or p.min_p > 0 or p.top_p < 1.0)
         if p.needs_penalties or p.logit_bias or mask or filters or i in masked:
             # this task's own copy (grammar rows come masked already): no other row sees its edits
             row = masked[i] if i in masked else logits[t.row].clone()
             if p.needs_penalties:
-                row = apply_penalties(row, t.req)
+                row = apply_penalties(row, t.req, t.history())
             if p.logit_bias:
                 apply_logit_bias(row, p.logit_bias)  # a masked token stays at -inf
             if mask:
@@ -234,12 +244,12 @@ def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
         tokens.update(zip(argmax, argmax_rows(logits, [tasks[i].row for i in argmax]), strict=True))
     drawn = [i for i in plain if not tasks[i].req.params.greedy]
     if drawn:
-        tokens.update(zip(drawn, _draw(logits, [tasks[i].row for i in drawn], [tasks[i].req for i in drawn]),
+        tokens.update(zip(drawn, _draw(logits, [tasks[i].row for i in drawn], [tasks[i] for i in drawn]),
                           strict=True))
     drawn = [i for i in edited if not tasks[i].req.params.greedy]
     if drawn:
         rows = torch.stack([_filtered(edited[i], tasks[i].req) for i in drawn])
-        tokens.update(zip(drawn, _draw(rows, list(range(len(drawn))), [tasks[i].req for i in drawn]),
+        tokens.update(zip(drawn, _draw(rows, list(range(len(drawn))), [tasks[i] for i in drawn]),
                           strict=True))
     greedy = [i for i in edited if tasks[i].req.params.greedy]
     # Masked rows edited in place are still rows of `block`: one argmax call over them, not
@@ -256,5 +266,6 @@ def sample(logits: torch.Tensor, tasks: Sequence[SampleTask],
             for i, t in enumerate(tasks)]
 
 
-def _draw(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> list[int]:
-    return draw_rows(logits, rows, [1.0 / r.params.temperature for r in reqs], [draw_keys(r) for r in reqs])
+def _draw(logits: torch.Tensor, rows: list[int], tasks: list[SampleTask]) -> list[int]:
+    return draw_rows(logits, rows, [1.0 / t.req.params.temperature for t in tasks],
+                     [draw_keys(t.req, len(t.prior)) for t in tasks])
