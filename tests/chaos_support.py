@@ -20,6 +20,7 @@ import dataclasses
 import os
 import random
 import signal
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -309,7 +310,12 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
         engine.backend.pause = counted
         await engine.start()
         frozen: set[int] = set()
+        timers: list[threading.Timer] = []
         frng = random.Random(seed + 1)  # its own draws: the jobs' stay as they were
+
+        def thaw(pid: int) -> None:
+            os.kill(pid, signal.SIGCONT)
+            frozen.discard(pid)
 
         async def freezer() -> None:
             while True:
@@ -318,17 +324,18 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                         if p.get("pid") and not p.get("remote") and p.get("state") == "healthy"]
                 if not pids:
                     continue
-                pid = frng.choice(pids)
-                os.kill(pid, signal.SIGSTOP)
+                pid, stop_s = frng.choice(pids), frng.uniform(0.05, freeze)
+                # The SIGCONT comes from a timer thread: due even if something on this loop
+                # waited on the stopped process.
+                timer = threading.Timer(stop_s, thaw, (pid,))
                 frozen.add(pid)
+                os.kill(pid, signal.SIGSTOP)
+                timer.start()
+                timers.append(timer)
                 res.freezes += 1
-                try:
-                    await asyncio.sleep(frng.uniform(0.05, freeze))
-                finally:
-                    os.kill(pid, signal.SIGCONT)
-                    frozen.discard(pid)
+                await asyncio.sleep(stop_s)
 
-        thaw = asyncio.create_task(freezer()) if freeze else None
+        thawing = asyncio.create_task(freezer()) if freeze else None
         try:
             tasks = []
             for n, job in enumerate(work):
@@ -341,9 +348,11 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                 if n % 4 == 3:
                     await asyncio.sleep(rng.uniform(0, 0.02))
             await asyncio.gather(*tasks)
-            if thaw is not None:
-                thaw.cancel()
-                await asyncio.gather(thaw, return_exceptions=True)
+            if thawing is not None:
+                thawing.cancel()
+                await asyncio.gather(thawing, return_exceptions=True)
+                for t in timers:
+                    t.join()
                 assert not frozen
             audits = await engine.utility("audit")
             assert all(a is None for a in (audits if isinstance(audits, list) else [audits]))
@@ -351,10 +360,12 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
             for snap in snaps if isinstance(snaps, list) else [snaps]:
                 assert snap.kv_blocks_used == 0 and snap.running == snap.waiting == 0, snap
         finally:
-            if thaw is not None:
-                thaw.cancel()
-            for pid in frozen:  # never leave a process stopped behind a failure
-                os.kill(pid, signal.SIGCONT)
+            if thawing is not None:
+                thawing.cancel()
+            for t in timers:
+                t.cancel()
+            for pid in list(frozen):  # never leave a process stopped behind a failure
+                thaw(pid)
             await engine.close()
 
     asyncio.run(main())

@@ -69,7 +69,7 @@ def test_chaos_storm_through_the_router(tmp_path):
         return engine
 
     res = run_async_storm(str(tiny_dir), work, config, seed=21, make=make, slow=0.25, max_buffered=2,
-                          freeze=0.5)
+                          freeze=float(__import__("os").environ.get("FREEZE", "0.5")))
     assert check_storm(work, ref, res) > 10
     assert res.pauses > 0 and res.freezes > 0  # slow readers; replicas stopped and continued
     steps = [s.steps for s in used[0].backend.snapshots().values()]

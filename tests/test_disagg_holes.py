@@ -168,7 +168,8 @@ def test_prefill_waiting_for_an_ack_sleeps_until_its_deadline(loaded):
     try:
         t0 = time.monotonic()
         loop.add("a", list(range(5, 45)), SamplingParams(max_tokens=1))  # 40 tokens: 5 chunks of 8
-        while pr.p.has_unfinished():
+        # The loop emits a step's outputs after the step: wait for the end to be sent too.
+        while pr.p.has_unfinished() or not any(o.finished for b in list(batches) for o in b.outputs):
             assert time.monotonic() - t0 < 5, "the send deadline never ended the transfer"
             time.sleep(0.01)
         took = time.monotonic() - t0
