@@ -5,6 +5,7 @@
   `restarting` (new requests 503) and then `healthy` in a new process, a new request gives
   the same greedy output as before the kill, and the audit is clean on both roles;
 - the same for decode (every open stream errors);
+- a role stuck past the kill bound is killed and restarted;
 - a role that keeps dying is restarted only up to the bound, then stays dead (503), and the
   log says why; `close()` during a restart starts nothing more.
 """
@@ -24,6 +25,7 @@ import pytest
 from stopline.config import EngineConfig
 from stopline.disagg.frontend import Restarts, disagg_engine
 from stopline.engine.async_engine import AsyncEngine
+from stopline.engine.liveness import Bounds
 from stopline.engine.streams import EngineDead, EngineUnavailable
 from stopline.request import FinishReason, SamplingParams
 from tests.server_harness import ServerProcess
@@ -144,6 +146,34 @@ def test_decode_killed_is_restarted(tiny_long_model_dir):
     asyncio.run(run())
 
 
+def test_a_role_stuck_past_the_kill_bound_is_killed_and_restarted(tiny_long_model_dir):
+    """SIGSTOP on decode: stuck after 0.5 s, killed after 3 s, then restarted in a new process
+    (the stopped one is gone: SIGKILL works on a stopped process)."""
+
+    async def run() -> None:
+        engine = disagg_engine(str(tiny_long_model_dir), _config(), reclaim_s=2.0, progress=False,
+                               liveness=Bounds(0.5, 3.0))
+        await engine.start()
+        backend = engine.backend
+        try:
+            before = await _tokens(engine, "before")
+            pid = backend.cores["decode"].pid
+            os.kill(pid, signal.SIGSTOP)
+            await _until(lambda: backend.state["decode"] == "stuck", 10, "never marked stuck")
+            await _until(lambda: backend.state["decode"] == "restarting", 20, "never killed")
+            assert "killed" in backend.errors["decode"]
+            await _back_and_clean(engine, "decode", pid)
+            assert await _tokens(engine, "after") == before
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            await engine.close()
+
+    asyncio.run(run())
+
+
 def test_a_role_that_keeps_dying_stays_dead(tiny_long_model_dir, caplog):
     """limit 2: the first death restarts at once, the second within the window is the last."""
 
@@ -222,16 +252,15 @@ def test_health_over_http_restarting_then_healthy(tiny_long_model_dir):
             time.sleep(0.02)
         health, by_role = r
         assert health.status_code == 503 and health.headers.get("Retry-After")
-        if by_role["prefill"]["state"] == "restarting":
-            assert "prefill engine is restarting" in health.json()["detail"]
-            try:
-                ask()
-                assert roles()[1]["prefill"]["state"] == "healthy"  # the restart won the race
-            except openai.APIStatusError as refused:
-                assert refused.status_code == 503 and refused.response.headers.get("Retry-After")
-                assert "restarting" in str(refused)
-        else:
-            assert by_role["prefill"]["state"] == "dead", by_role  # the sentinel, then the restart
+        # The death and the start of the restart are one step of the front end: no "dead" between.
+        assert by_role["prefill"]["state"] == "restarting", by_role
+        assert "prefill engine is restarting" in health.json()["detail"]
+        try:
+            ask()
+            assert roles()[1]["prefill"]["state"] == "healthy"  # the restart won the race
+        except openai.APIStatusError as refused:
+            assert refused.status_code == 503 and refused.response.headers.get("Retry-After")
+            assert "restarting" in str(refused)
         end = time.monotonic() + UP_S
         while (r := roles())[0].status_code != 200:
             assert time.monotonic() < end, r[1]

@@ -387,6 +387,9 @@ class DisaggCores:
         for r in ROLES:
             if self._reachable(r) or self.state[r] == "restarting":
                 self.state[r] = "closed"
+        for core in self.cores.values():
+            if core.pid is None and core.proc is not None and core.proc.is_alive():
+                core.proc.kill()  # a restart still loading: nothing to drain, no clean stop to wait for
         await asyncio.gather(*(c.close() for c in self.cores.values() if c not in self._closed))
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
