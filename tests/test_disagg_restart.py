@@ -271,3 +271,43 @@ def test_health_over_http_restarting_then_healthy(tiny_long_model_dir):
         assert ask() == before
     finally:
         srv.stop()
+
+
+def test_local_role_beside_a_remote_one_is_restarted_and_the_remote_one_is_not(tiny_long_model_dir):
+    """Prefill remote (`stopline role`, TCP): the local decode role, killed, is restarted on the
+    same TCP link ports and serves the same greedy text; the remote role, killed, stays dead."""
+    from tests.test_disagg_remote import _split
+
+    srv, role = _split(tiny_long_model_dir, "prefill")
+    try:
+        srv.wait_ready()
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+
+        def ask() -> str:
+            return client.completions.create(model="tiny", prompt="the quick brown fox " * 6,
+                                             max_tokens=12, temperature=0.0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        def roles() -> dict[str, dict]:
+            return {x["role"]: x for x in httpx.get(srv.base + "/health", timeout=5).json()["roles"]}
+
+        before = ask()
+        pid = roles()["decode"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        end = time.monotonic() + UP_S
+        while not ((r := roles())["decode"]["state"] == "healthy" and r["decode"]["pid"] != pid):
+            assert time.monotonic() < end, r
+            time.sleep(0.1)
+        assert httpx.get(srv.base + "/health", timeout=5).status_code == 200
+        assert ask() == before
+        role.proc.kill()
+        end = time.monotonic() + 10
+        while roles()["prefill"]["state"] != "dead":
+            assert time.monotonic() < end, roles()
+            time.sleep(0.05)
+        time.sleep(1.5)
+        assert roles()["prefill"]["state"] == "dead"  # another host's process: not restarted here
+        assert httpx.get(srv.base + "/health", timeout=5).status_code == 503
+    finally:
+        srv.stop()
+        role.stop()
