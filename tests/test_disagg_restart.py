@@ -7,7 +7,8 @@
 - the same for decode (every open stream errors);
 - a role stuck past the kill bound is killed and restarted;
 - a role that keeps dying is restarted only up to the bound, then stays dead (503), and the
-  log says why; `close()` during a restart starts nothing more.
+  log says why; `close()` during a restart starts nothing more;
+- beside a remote role (TCP), the local one is restarted; the remote one is not.
 """
 
 from __future__ import annotations
