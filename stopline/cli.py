@@ -97,6 +97,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disagg-remote", default=None, choices=["prefill", "decode"],
                    help="with --disagg: this role runs on another host (`stopline role ROLE "
                         "--front HOST:PORT` there); the other runs here")
+    g.add_argument("--disagg-restarts", type=int, default=5,
+                   help="with --disagg: a local role that dies is restarted; after this many "
+                        "deaths within 300 s it stays dead (503) (0: never restart)")
     g.add_argument("--disagg-listen", default="127.0.0.1:7100",
                    help="with --disagg-remote: host:port P of this host the remote role connects "
                         "to (ports P..P+4; use an address the other host reaches)")
@@ -167,11 +170,15 @@ def serve(args: argparse.Namespace) -> int:
                             max_waiting=args.max_waiting,
                             stall_timeout=args.stall_timeout, max_buffered=args.max_buffered)
     elif args.disagg:
-        from stopline.disagg.frontend import disagg_engine
+        from stopline.disagg.frontend import Restarts, disagg_engine
 
+        try:
+            restarts = Restarts(limit=args.disagg_restarts)
+        except ValueError as exc:
+            raise SystemExit(f"--disagg-restarts: {exc}") from None
         engine = disagg_engine(args.model, engine_config(args), reclaim_s=args.reclaim_s,
                                threads=args.core_threads, remote=args.disagg_remote,
-                               listen=args.disagg_listen, liveness=liveness,
+                               listen=args.disagg_listen, liveness=liveness, restarts=restarts,
                                max_waiting=args.max_waiting,
                                stall_timeout=args.stall_timeout, max_buffered=args.max_buffered)
     return run_server(args.model, engine_config(args), settings, host=args.host, port=args.port,

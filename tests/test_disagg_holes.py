@@ -101,7 +101,7 @@ def test_prefill_death_spares_a_request_whose_kv_decode_took(tiny_long_model_dir
             snap = await _snap(engine, "decode")
             assert snap.waiting == 1 and snap.running == 1  # B queued behind A
             os.kill(backend.cores["prefill"].pid, signal.SIGKILL)
-            while backend.state["prefill"] != "dead":
+            while backend.state["prefill"] not in ("dead", "restarting"):  # a restart may follow
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.2)
             assert not b.finished, "B ended with the prefill engine though decode had its KV"

@@ -2,7 +2,7 @@
 (greedy, seeded, n > 1, echo with prompt logprobs), cancels reaching both roles, /health per
 role, and both fault cases (a role killed mid-flight: its streams end with an error within
 1 s, the survivor's pool is back to baseline within the reclaim deadline, /health names the
-dead role)."""
+dead role until it is restarted)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,16 @@ def _roles(srv: ServerProcess) -> dict[str, dict]:
 
 def _used(srv: ServerProcess, role: str) -> float:
     return srv.metrics()[f'stopline_kv_blocks_used{{replica="{role}"}}']
+
+
+def _restarted(srv: ServerProcess, role: str, old_pid: int) -> bool:
+    """After a kill of `role`: False while it is dead or restarting, True once a new process
+    serves (the restart may win a race with a check made right after the kill)."""
+    r = _roles(srv)[role]
+    if r["state"] in ("dead", "restarting"):
+        return False
+    assert r["state"] == "healthy" and r["pid"] != old_pid, r
+    return True
 
 
 def test_health_reports_each_role(servers):
@@ -134,23 +144,29 @@ def test_decode_killed_mid_decode(tiny_long_model_dir):
         threads, started, ended = _storm(srv, 4, 100, 7500)
         started.wait(60)  # every stream is receiving tokens
         t_kill = time.monotonic()
-        os.kill(_roles(srv)["decode"]["pid"], signal.SIGKILL)
+        decode_pid = _roles(srv)["decode"]["pid"]
+        os.kill(decode_pid, signal.SIGKILL)
         for t in threads:
             t.join(10)
         for t_end, exc in ended:
             assert isinstance(exc, openai.APIError), exc
             assert "decode engine died" in str(exc)
             assert t_end - t_kill < 1.0, t_end - t_kill
+        # The role is restarted (tests/test_disagg_restart.py); until it is up, it is named.
         health = httpx.get(srv.base + "/health", timeout=5)
-        assert health.status_code == 503 and "decode" in health.json()["detail"]
-        assert _roles(srv)["decode"]["state"] == "dead" and _roles(srv)["prefill"]["state"] == "healthy"
-        assert srv.metrics()["stopline_engine_healthy"] == 0
+        if _restarted(srv, "decode", decode_pid):
+            assert health.status_code == 200
+        else:
+            assert health.status_code == 503 and "decode" in health.json()["detail"]
+        assert _roles(srv)["prefill"]["state"] == "healthy"
         while _used(srv, "prefill") != 0:
             assert time.monotonic() - t_kill < RECLAIM_S, srv.metrics()
             time.sleep(0.02)
-        with pytest.raises(openai.APIStatusError) as refused:
+        try:
             _client(srv).completions.create(model="tiny", prompt="hi", max_tokens=2)
-        assert refused.value.status_code == 503
+            assert _restarted(srv, "decode", decode_pid)
+        except openai.APIStatusError as refused:
+            assert refused.status_code == 503
     finally:
         srv.stop()
 
@@ -195,7 +211,8 @@ def test_prefill_killed_mid_transfer(tiny_long_model_dir):
             assert "prefill engine died" in str(exc)
             assert t_end - t_kill < 1.0, t_end - t_kill
         health = httpx.get(srv.base + "/health", timeout=5)
-        assert health.status_code == 503 and "prefill" in health.json()["detail"]
+        if not _restarted(srv, "prefill", prefill_pid):
+            assert health.status_code == 503 and "prefill" in health.json()["detail"]
         # The stream already decoding does not depend on the prefill side: it goes on.
         assert threads[0].is_alive()
         # Within the reclaim deadline the decode side holds the surviving stream alone.

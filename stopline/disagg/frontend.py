@@ -18,10 +18,18 @@ front end, so the remote host needs the front end's address only (remote_spec).
 A role that dies ends every stream it still matters to within the time its process exit
 takes to notice (the process sentinel): the decode role, all open ones; the prefill role,
 those whose KV the decode side has not taken yet. The survivor's copies are aborted, so
-its blocks come back at once, and /health names the dead role (503) from then on. A role
-that is alive but answers no heartbeat (engine/liveness.py) is stuck: /health names it (503),
-new requests get 503 at once, and while decode is stuck the front end confirms cancels
-itself; past the kill bound it is killed, and that is a death as above.
+its blocks come back at once. A role that is alive but answers no heartbeat
+(engine/liveness.py) is stuck: /health names it (503), new requests get 503 at once, and
+while decode is stuck the front end confirms cancels itself; past the kill bound it is
+killed, and that is a death as above.
+
+A local role that died is restarted (`Restarts`): a fresh process with the same RoleSpec and
+callbacks, after a back-off that doubles with each death in the window; meanwhile /health
+names it `restarting` (503) and new requests get 503. Once it is up and loaded the same model
+as the survivor, it serves again. Past `Restarts.limit` deaths in the window it stays dead
+(503). Nothing of the old process can reach the new one's work: incarnations are never
+reused, so its stray KV, acks and beats name requests the new process never had. A remote
+role is another host's process: it is not restarted from here.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from stopline.config import EngineConfig
@@ -54,6 +63,28 @@ log = logging.getLogger("stopline.disagg")
 ROLES = ("prefill", "decode")
 
 
+@dataclass(frozen=True)
+class Restarts:
+    """When a local role that died is started again."""
+
+    limit: int = 5  # this many deaths within window_s: it stays dead
+    window_s: float = 300.0
+    first_s: float = 1.0  # the back-off before the second restart in the window; doubles
+    cap_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.limit < 0 or not self.window_s > 0 or self.first_s < 0 or self.cap_s < self.first_s:
+            raise ValueError(f"bad restart bounds: {self}")
+
+    def delay(self, deaths: int) -> float | None:
+        """Seconds to wait before restarting after the `deaths`-th death in the window (the
+        first restarts at once: a single crash should cost no more than the reload); None:
+        not at all."""
+        if deaths >= self.limit:
+            return None
+        return 0.0 if deaths <= 1 else min(self.cap_s, self.first_s * 2 ** (deaths - 2))
+
+
 def link_addresses(listen: str) -> tuple[str, str]:
     """(kv, ack) addresses of the link when one role is remote: ports P+3 and P+4."""
     host, port = split_host_port(listen)
@@ -71,9 +102,11 @@ def remote_spec(role: str, listen: str, reclaim_s: float) -> RoleSpec:
 class DisaggCores:
     def __init__(self, model: str | None, config: EngineConfig | None, *, reclaim_s: float = 3.0,
                  threads: int | None = None, progress: bool = True, remote: str | None = None,
-                 listen: str = "127.0.0.1:7100", liveness: Bounds | None = None) -> None:
+                 listen: str = "127.0.0.1:7100", liveness: Bounds | None = None,
+                 restarts: Restarts | None = None) -> None:
         """remote: the role ("prefill" or "decode") that runs elsewhere and connects to
-        `listen` (host:port of this host; ports P..P+4); None: both roles here."""
+        `listen` (host:port of this host; ports P..P+4); None: both roles here. restarts:
+        when a local role that died is started again."""
         if not reclaim_s > 0:
             raise ValueError(f"reclaim deadline must be > 0 s, got {reclaim_s}")
         if remote is not None and remote not in ROLES:
@@ -81,6 +114,7 @@ class DisaggCores:
         cfg = config or EngineConfig()
         self.reclaim_s = reclaim_s
         self.remote = remote
+        self.restarts = restarts or Restarts()
         # Two roles on one host share its CPUs: each gets half (one on two cores) rather than
         # both spinning OpenMP threads on every core.
         local_roles = 2 if remote is None else 1
@@ -97,16 +131,24 @@ class DisaggCores:
         else:
             kv, ack = link_addresses(listen)
             specs = {r: RoleSpec(r, kv, ack, reclaim_s, bind_pull=True, bind_push=True) for r in ROLES}
+
+        def local(r: str) -> ProcCore:  # the same role again, on each (re)start
+            return ProcCore(model, configs[r], progress=progress and r == "decode", threads=threads,
+                            make_core=RoleFactory(specs[r]), liveness=liveness, name=f"{r} role")
+
+        self._local = local
         self.cores: dict[str, ProcCore] = {}
         for r in ROLES:
             if r == remote:
-                self.cores[r] = RemoteCore(listen, name=f"{r} role", liveness=liveness)
+                self._put(r, RemoteCore(listen, name=f"{r} role", liveness=liveness))
             else:
-                self.cores[r] = ProcCore(model, configs[r], progress=progress and r == "decode",
-                                         threads=threads, make_core=RoleFactory(specs[r]),
-                                         liveness=liveness, name=f"{r} role")
-            self.cores[r].on_stuck = lambda why, r=r: self._stuck(r, why)
-            self.cores[r].on_back = lambda r=r: self._back(r)
+                self._put(r, local(r))
+        self.infos: dict[str, CoreInfo] = {}
+        self._deaths: dict[str, list[float]] = {r: [] for r in ROLES}  # times, within the window
+        self._restarting: dict[str, asyncio.Task] = {}
+        self._ended: set[ProcCore] = set()  # cores whose death was handled: told once
+        self._closed: set[ProcCore] = set()
+        self._closing = False
         self.state = {r: "starting" for r in ROLES}
         self.errors: dict[str, str | None] = {r: None for r in ROLES}
         self.snaps = {r: Snapshot() for r in ROLES}
@@ -123,15 +165,29 @@ class DisaggCores:
     async def start(self, on_batch: Callable[[Batch], None],
                     on_dead: Callable[[str], None]) -> CoreInfo:
         self._on_batch = on_batch
-        infos = await asyncio.gather(
-            self.cores["prefill"].start(self._from_prefill, lambda why: self._lost("prefill", why)),
-            self.cores["decode"].start(self._from_decode, lambda why: self._lost("decode", why)))
+        infos = await asyncio.gather(*(self._start_core(r, self.cores[r]) for r in ROLES))
         _check_same_model(*infos)
+        self.infos = dict(zip(ROLES, infos, strict=True))
         for r in ROLES:
             if self.state[r] == "starting":
                 self.state[r] = "healthy"
         self.tokenizer = self.cores["decode"].tokenizer
         return infos[1]
+
+    def _put(self, role: str, core: ProcCore) -> None:
+        # Each callback names its core: a late word from a replaced process changes nothing.
+        core.on_stuck = lambda why: self._stuck(role, why) if self.cores[role] is core else None
+        core.on_back = lambda: self._back(role) if self.cores[role] is core else None
+        self.cores[role] = core
+
+    async def _start_core(self, role: str, core: ProcCore) -> CoreInfo:
+        handle = self._from_prefill if role == "prefill" else self._from_decode
+
+        def on_batch(batch: Batch) -> None:
+            if self.cores[role] is core:
+                handle(batch)
+
+        return await core.start(on_batch, lambda why: self._lost(role, why, core))
 
     # ---- requests -------------------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -232,9 +288,10 @@ class DisaggCores:
         if batch.timings:
             self._on_batch(Batch(timings=batch.timings))
 
-    def _lost(self, role: str, why: str) -> None:
-        if self.state[role] in ("dead", "closed"):
+    def _lost(self, role: str, why: str, core: ProcCore) -> None:
+        if self._closing or core is not self.cores[role] or core in self._ended:
             return
+        self._ended.add(core)
         self.state[role] = "dead"
         self.errors[role] = why
         if role == "decode":
@@ -248,6 +305,59 @@ class DisaggCores:
             self._forget(inc)
         log.error("the %s engine died: %s; ending its %d open requests", role, why, len(incs))
         self.on_lost(incs, f"the {role} engine died: {why}")
+        self._restart_later(role)
+
+    def _restart_later(self, role: str) -> None:
+        """Restart a local role after its death, or leave it dead (remote, or past the bound)."""
+        if role == self.remote or not self.infos:
+            # Another host's process (that host restarts it: `stopline role`), or one that never
+            # started: the start fails as a whole.
+            return
+        now = time.monotonic()
+        deaths = [t for t in self._deaths[role] if now - t < self.restarts.window_s] + [now]
+        self._deaths[role] = deaths
+        delay = self.restarts.delay(len(deaths))
+        if delay is None:
+            log.error("the %s engine died %d times within %g s (--disagg-restarts %d): it is not "
+                      "restarted again; the server answers 503 until it is restarted", role,
+                      len(deaths), self.restarts.window_s, self.restarts.limit)
+            return
+        self.state[role] = "restarting"
+        log.warning("restarting the %s engine in %g s (death %d within %g s; it stays dead at %d)",
+                    role, delay, len(deaths), self.restarts.window_s, self.restarts.limit)
+        self._restarting[role] = asyncio.create_task(self._restart(role, delay),
+                                                     name=f"stopline-restart-{role}")
+
+    async def _restart(self, role: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        old = self.cores[role]
+        self._closed.add(old)
+        try:
+            await old.close()  # its sockets and ipc dir; the process is gone already
+        except Exception:  # noqa: BLE001 - a half-closed dead core must not stop the restart
+            log.exception("closing the dead %s engine's core failed", role)
+        core = self._local(role)
+        self._put(role, core)
+        try:
+            info = await self._start_core(role, core)
+            both = {**self.infos, role: info}
+            _check_same_model(both["prefill"], both["decode"])
+        except ValueError as exc:  # another model or layout now: no point trying again
+            log.error("the restarted %s engine does not match: %s; it stays dead", role, exc)
+            self._ended.add(core)
+            self.state[role], self.errors[role] = "dead", str(exc)
+            self._closed.add(core)
+            await core.close()
+            return
+        except Exception as exc:  # noqa: BLE001 - it died while starting: a death like any other
+            self._lost(role, f"restart failed: {exc}", core)  # no-op if its sentinel told us first
+            return
+        self.infos[role] = info
+        if role == "decode":
+            self.tokenizer = core.tokenizer
+        if self.state[role] == "restarting":
+            self.state[role] = "healthy"  # its last_error still says why it died
+            log.warning("the %s engine is back in process %d", role, core.pid)
 
     def _stuck(self, role: str, why: str) -> None:
         if self.state[role] == "healthy":
@@ -270,10 +380,17 @@ class DisaggCores:
         return dict(self.snaps)
 
     async def close(self) -> None:
+        self._closing = True  # no restart from here on
+        for task in self._restarting.values():
+            task.cancel()
+        await asyncio.gather(*self._restarting.values(), return_exceptions=True)
         for r in ROLES:
-            if self._reachable(r):
+            if self._reachable(r) or self.state[r] == "restarting":
                 self.state[r] = "closed"
-        await asyncio.gather(*(c.close() for c in self.cores.values()))
+        for core in self.cores.values():
+            if core.pid is None and core.proc is not None and core.proc.is_alive():
+                core.proc.kill()  # a restart still loading: nothing to drain, no clean stop to wait for
+        await asyncio.gather(*(c.close() for c in self.cores.values() if c not in self._closed))
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -294,11 +411,11 @@ def _check_same_model(prefill: CoreInfo, decode: CoreInfo) -> None:
 def disagg_engine(model: str | None, config: EngineConfig | None, *, reclaim_s: float = 3.0,
                   threads: int | None = None, progress: bool = True, remote: str | None = None,
                   listen: str = "127.0.0.1:7100", liveness: Bounds | None = None,
-                  **streams: Any) -> AsyncEngine:
+                  restarts: Restarts | None = None, **streams: Any) -> AsyncEngine:
     """An AsyncEngine whose core is a prefill process and a decode process (one of them
     possibly on another host: `remote`, connecting to `listen`)."""
     backend = DisaggCores(model, config, reclaim_s=reclaim_s, threads=threads, progress=progress,
-                          remote=remote, listen=listen, liveness=liveness)
+                          remote=remote, listen=listen, liveness=liveness, restarts=restarts)
     engine = AsyncEngine(backend, **streams)
     backend.on_lost = lambda incs, why: engine.fail(incs, why)
     return engine
