@@ -60,6 +60,7 @@ class ReplicaSlot:
     snapshot: Snapshot = Snapshot()
     watch: Watch | None = None  # from healthy on; a fresh one per incarnation of the actor
     beat: asyncio.Future | None = None  # the heartbeat call in flight
+    sent: int = 0  # aborts and pauses sent to this incarnation of the actor (their order)
 
     @property
     def serving(self) -> bool:
@@ -189,7 +190,10 @@ class RayCores:
     def _send(self, r: int, method: str, *args: Any) -> None:
         slot = self.slots[r]
         if slot.serving:  # a stuck one gets it when it comes back
-            getattr(slot.actor, method).remote(*args)  # fire and forget; ordered per caller
+            # Fire and forget, numbered: Ray may run an async actor's calls out of order, and a
+            # pause overtaken by its resume would hold a request paused for good.
+            slot.sent += 1
+            slot.actor.deliver.remote(slot.sent, method, *args)
 
     async def utility(self, method: Utility) -> list[Any]:
         """Runs on every healthy replica; their results in replica order."""
@@ -239,6 +243,7 @@ class RayCores:
         slot.pid, node = await slot.actor.where.remote()
         slot.watch = Watch(f"replica {slot.index}", self.bounds)
         slot.beat = None
+        slot.sent = 0  # a new process numbers from 1
         slot.state = ReplicaState.HEALTHY
         self._unwatch(slot)
         if node == self._node and hasattr(os, "pidfd_open"):

@@ -20,7 +20,7 @@ from typing import Any
 from stopline.config import EngineConfig
 from stopline.engine.core_loop import CoreLoop
 from stopline.engine.messages import Batch, CoreInfo, Utility
-from stopline.request import AbortSource, InvalidRequest, SamplingParams
+from stopline.request import InvalidRequest, SamplingParams
 
 
 class Replica:
@@ -37,6 +37,8 @@ class Replica:
         self.loop = CoreLoop(self.core, self._emit)
         self.batches: list[Batch] = []
         self.dead: str | None = None
+        self._next = 1  # the number of the next abort or pause to apply (deliver)
+        self._held: dict[int, tuple[str, tuple]] = {}  # arrived ahead of their turn
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -76,11 +78,16 @@ class Replica:
             return str(exc)
         return None
 
-    async def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
-        self.loop.abort(incarnations, source, t0)
-
-    async def pause(self, incarnations: list[str], paused: bool) -> None:
-        self.loop.pause(incarnations, paused)
+    async def deliver(self, seq: int, method: str, *args: Any) -> None:
+        """An abort or a pause, numbered by the front end: applied in its order, since Ray
+        runs an async actor's calls in any order."""
+        if method not in ("abort", "pause"):
+            raise ValueError(f"deliver: no method {method!r}")
+        self._held[seq] = (method, args)
+        while self._next in self._held:
+            name, held = self._held.pop(self._next)
+            self._next += 1
+            getattr(self.loop, name)(*held)
 
     async def utility(self, method: Utility) -> Any:
         return await asyncio.wrap_future(self.loop.call(method))
