@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -269,25 +270,37 @@ async def _whole(request: Request, stream: batch.Group, fmt: Formatter, abort: A
         stream.close()
 
 
-async def _race(request: Request, stream: batch.Group, fmt: Formatter, abort: Any,
-                headers: dict[str, str]) -> Response:
-    collect = asyncio.ensure_future(_collect(stream, fmt.n))
+_LEFT = object()  # what _unless_client_leaves gives when the client left first
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[Any], abort: Any) -> Any:
+    """`work`'s result, raced against the client: _LEFT (and `work` cancelled) when the
+    client closed the request first; a dead engine is a 500."""
+    task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(watch_disconnect(request.receive, abort))
     try:
-        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # our own task was cancelled (shutdown): the request goes with it
         abort(time.monotonic())
-        collect.cancel()
+        task.cancel()
         raise
     finally:
         watch.cancel()
-    if not collect.done() or (watch.done() and not watch.cancelled()):
-        collect.cancel()
-        return Response(status_code=499)  # client closed the request; nobody reads this
+    if not task.done() or (watch.done() and not watch.cancelled()):
+        task.cancel()
+        return _LEFT
     try:
-        choices, usage = collect.result()
+        return task.result()
     except EngineDead as exc:
         raise ApiError(500, f"the engine core died: {exc}", code="engine_dead") from None
+
+
+async def _race(request: Request, stream: batch.Group, fmt: Formatter, abort: Any,
+                headers: dict[str, str]) -> Response:
+    got = await _unless_client_leaves(request, _collect(stream, fmt.n), abort)
+    if got is _LEFT:
+        return Response(status_code=499)  # client closed the request; nobody reads this
+    choices, usage = got
     fmt.check_outcome(choices)
     return JSONResponse(fmt.response(choices, usage), headers=headers)
 
@@ -296,25 +309,11 @@ async def _first_output(request: Request, stream: Any, abort: Any) -> _Peeked | 
     """The stream with its first output read, raced against the client (None: the client
     left first)."""
     it = aiter(stream)
-    peek = asyncio.ensure_future(anext(it))
-    watch = asyncio.ensure_future(watch_disconnect(request.receive, abort))
     try:
-        await asyncio.wait({peek, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # our own task was cancelled (shutdown): the request goes with it
-        abort(time.monotonic())
-        peek.cancel()
-        raise
-    finally:
-        watch.cancel()
-    if not peek.done() or (watch.done() and not watch.cancelled()):
-        peek.cancel()
-        return None
-    try:
-        return _Peeked(stream, it, peek.result())
+        first = await _unless_client_leaves(request, anext(it), abort)
     except StopAsyncIteration:
         return None
-    except EngineDead as exc:
-        raise ApiError(500, f"the engine core died: {exc}", code="engine_dead") from None
+    return None if first is _LEFT else _Peeked(stream, it, first)
 
 
 class _Peeked:
