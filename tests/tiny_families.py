@@ -15,7 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from tests.tiny_model import BOS_ID, CHATML_TEMPLATE, EOS_ID, SPECIAL_TOKENS, _train_tokenizer
+from tests.tiny_model import (
+    BOS_ID,
+    CHATML_TEMPLATE,
+    EOS_ID,
+    SPECIAL_TOKENS,
+    _train_tokenizer,
+    add_shape,
+)
 
 VOCAB = 512
 
@@ -198,18 +205,9 @@ def make_family_gguf(hf_dir: str | Path, out_path: str | Path, *, qtype: str = "
         if rope.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(rope["factor"])
-    w.add_name(f"tiny-{arch}")
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_rope_dimension_count(head_dim)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
+    add_shape(w, cfg, f"tiny-{arch}", head_dim)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
 
     vocab: dict[str, int] = dict(tj["model"]["vocab"])

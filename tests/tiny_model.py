@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -195,16 +196,7 @@ def make_tiny_gguf(hf_dir: str | Path, out_path: str | Path, *, qtype: str = "F3
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
-    w.add_name("tiny-llama")
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_rope_dimension_count(head_dim)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    add_shape(w, cfg, "tiny-llama", head_dim)
     w.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
     # Tokenizer, as llama.cpp writes a byte-level BPE vocabulary.
@@ -254,3 +246,18 @@ def make_tiny_gguf(hf_dir: str | Path, out_path: str | Path, *, qtype: str = "F3
     w.write_tensors_to_file()
     w.close()
     return out_path
+
+
+def add_shape(w: Any, cfg: dict, name: str, head_dim: int) -> None:
+    """A GGUF's name and shape keys from an HF config.json, as llama.cpp's converter writes
+    them (every family's writer in the tests shares them)."""
+    w.add_name(name)
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_rope_dimension_count(head_dim)
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
