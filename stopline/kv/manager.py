@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from stopline.kv.block_pool import BlockPool, LedgerError, extend_hashes
@@ -46,6 +46,9 @@ class KVManager:
         self.block_size = pool.block_size
         self.deferred: list[_Deferred] = []
         self.last_processed_step = -1
+        # What a request's K/V depends on besides its tokens (its LoRA adapter's load): blocks
+        # are shared only within one salt. The engine sets it; None for every request here.
+        self.salt: Callable[[Request], Hashable] = lambda req: None
 
     # ---- counts -------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -65,7 +68,7 @@ class KVManager:
         computed once per request: a request at the head of the queue is looked up again at
         every step until it fits."""
         if len(req.block_hashes) < n_blocks:
-            extend_hashes(req.block_hashes, req.all_token_ids, self.block_size, n_blocks)
+            extend_hashes(req.block_hashes, req.all_token_ids, self.block_size, n_blocks, self.salt(req))
         return req.block_hashes[:n_blocks]
 
     def admit(self, req: Request, reserve: int) -> bool:

@@ -1,0 +1,43 @@
+"""Random LoRA adapters for the tiny test models, written by peft itself (the PEFT layout), and
+the HF + peft oracle: the base model with the adapter merged into its weights."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_adapter(model_dir: Path, out: Path, *, seed: int, r: int = 4, alpha: float = 8.0,
+                 targets: Sequence[str] = ALL_TARGETS, std: float = 0.15, rslora: bool = False) -> Path:
+    """A PEFT LoRA directory for the HF model at model_dir, with random A and B (peft starts
+    B at zero, which would change nothing)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
+                     bias="none", use_rslora=rslora, task_type="CAUSAL_LM")
+    model = get_peft_model(base, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out)
+    return out
+
+
+def merged(model_dir: Path, adapter_dir: Path):  # -> transformers.PreTrainedModel
+    """The oracle: the base model with the adapter merged (W + scale * B A), in eval mode."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    model.eval()
+    model.generation_config.eos_token_id = None
+    return model
