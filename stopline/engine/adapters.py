@@ -124,17 +124,19 @@ class Adapters:
         return gone
 
     # ---- the holder --------------------------------------------------------------------------
-    def hold(self, req: Request) -> str | None:
-        """Take req's reference at admission; the reason it can't be served, or None."""
+    def hold(self, req: Request) -> bool:
+        """Take req's reference at admission. False: its adapter went after add_request took
+        it (an unload between the two); the core ends it as the unload's other requests.
+        Draining (`wait`) still admits: the request came before the unload."""
         name = req.params.lora
         if name is None:
-            return None
-        if not self.serves(name):
-            return f"adapter {name!r} was unloaded before the request was admitted"
+            return True
+        if name not in self.loaded:
+            return False
         self.refs[name].add(req)
         self.held[req] = (name, self.load_id[name])
         self.requests[name] += 1
-        return None
+        return True
 
     def salt(self, req: Request) -> Hashable:
         """What the prefix cache keys req's blocks by besides its tokens: its adapter's load."""

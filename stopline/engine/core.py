@@ -346,9 +346,8 @@ class EngineCore:
             for m in fam.members:
                 self.outputs.start(m)
             self._to_schedule.append(fam)
-            refused = [why for m in fam.members if (why := self.adapters.hold(m))]
-            for m in fam.live() if refused else ():  # its adapter went after add_request took it
-                self.lifecycle.fail(m, FinishReason.ERROR, refused[0])
+            if not all([self.adapters.hold(m) for m in fam.members]):
+                self._abort_family(fam, AbortSource.UNLOAD)  # its adapter went since add_request
         self._abort_all(taken.aborts)
         self.inbox.expire()
         for fam in taken.adds:

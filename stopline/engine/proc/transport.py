@@ -57,7 +57,7 @@ from stopline.engine.messages import (
 )
 from stopline.engine.snapshot import Snapshot
 from stopline.engine.streams import EngineDead, EngineUnavailable
-from stopline.request import AbortSource, InvalidRequest, SamplingParams
+from stopline.request import AbortSource, InvalidRequest, SamplingParams, UnknownAdapter
 
 if TYPE_CHECKING:
     from stopline.config import EngineConfig
@@ -341,7 +341,9 @@ class ProcCore:
         if fut is None or fut.done():
             return
         if msg.error is not None:
-            fut.set_exception(InvalidRequest(msg.error))
+            # The core's UnknownAdapter names the model (its adapter went): the server's 404.
+            kind = UnknownAdapter if msg.error.startswith("model:") else InvalidRequest
+            fut.set_exception(kind(msg.error))
         else:
             fut.set_result(None)
 
