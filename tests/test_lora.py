@@ -109,17 +109,23 @@ def test_a_row_delta_does_not_depend_on_its_neighbours(tmp_path_factory) -> None
     eng = _engine(base_dir, adapters).engine
     ad = [eng.model.adapters[a] for a in sorted(adapters)]
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(70, 64, generator=g)
-    y = torch.randn(70, 128, generator=g)  # the fused q/k/v output of the tiny model
 
     def groups(n: int):
         rows = torch.arange(n)
-        return [(rows[rows % 3 == i], ad[i]) for i in range(3)]
+        return [(rows[rows % 4 == i], ad[i]) for i in range(3)]  # every fourth row: the base
 
-    full = apply(y, x, 0, "qkv", groups(70))
-    assert not torch.equal(full, y)
-    for n in (1, 2, 3, 7, 16, 33, 64):
-        assert torch.equal(apply(y[:n], x[:n], 0, "qkv", groups(n)), full[:n]), n
+    # (linear, in, out) of the tiny model
+    for linear, k, width in (("qkv", 64, 128), ("o", 64, 64), ("gate_up", 64, 256), ("down", 128, 64)):
+        x = torch.randn(300, k, generator=g)
+        y = torch.randn(300, width, generator=g)
+        full = apply(y, x, 0, linear, groups(300))
+        assert not torch.equal(full, y)
+        for n in (1, 2, 3, 7, 16, 33, 64, 100, 257):
+            assert torch.equal(apply(y[:n], x[:n], 0, linear, groups(n)), full[:n]), (linear, n)
+        # A row alone, whatever its place in the batch.
+        for i in (1, 150, 299):
+            alone = apply(y[i:i + 1], x[i:i + 1], 0, linear, [(torch.tensor([0]), ad[i % 4])] if i % 4 < 3 else None)
+            assert torch.equal(alone, full[i:i + 1]), (linear, i)
 
 
 def _adapter_dir(tmp: Path, base: Path, **kw) -> Path:

@@ -7,7 +7,9 @@ row's delta is computed by itself, in one fixed order, whatever shares the step:
 
 - `u = sum_k x[k] * A[j, k]` as an element-wise product reduced over its last (contiguous)
   axis: the reduction of one output never depends on how many outputs there are;
-- `d = u[0] * B[:, 0] + u[1] * B[:, 1] + ...`, element-wise products added in rank order;
+- `d = u[0] * B[:, 0] + u[1] * B[:, 1] + ...`, element-wise products reduced over the rank
+  axis, which is not the innermost: each output adds its r products one after another (torch
+  vectorizes such a reduction across outputs, never across the reduced axis);
 - `y = y_base + scale * d`.
 
 So a row's bits depend on its own input and adapter only (batch invariance with adapters),
@@ -70,9 +72,7 @@ class Adapter:
         y = y.clone()
         for p in parts:
             u = (x[:, None, :] * p.a[None]).sum(-1)  # [n, r], one reduction per output
-            d = u[:, 0:1] * p.bt[0]
-            for j in range(1, p.a.shape[0]):
-                d = d + u[:, j:j + 1] * p.bt[j]
+            d = (u[:, :, None] * p.bt[None]).sum(1)  # [n, out]: summed over the rank in order
             w = p.bt.shape[1]
             y[:, p.off:p.off + w] = y[:, p.off:p.off + w] + d * self.scale
         return y
