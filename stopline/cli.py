@@ -259,6 +259,8 @@ _BENCHES: list[tuple[str, str, str]] = [
     ("serve-report", "render docs/benchmarks.md from `bench serve` results", "stopline.bench.report"),
     ("grammar", "structured output served: N json_schema streams vs N unstructured, throughput ratio "
      "and mask time", "stopline.bench.grammar"),
+    ("lora", "LoRA adapters served: N streams under 4 adapters vs base only (ratio), unload latency "
+     "under load (abort and wait)", "stopline.bench.lora"),
     ("spec", "speculative decoding off / on / auto: one repetitive stream, one free, N streams",
      "stopline.bench.spec"),
     ("offline", "offline tokens/s, 1 and N streams, next to HF transformers generate", "stopline.bench.offline"),
