@@ -41,3 +41,35 @@ def merged(model_dir: Path, adapter_dir: Path):  # -> transformers.PreTrainedMod
     model.eval()
     model.generation_config.eos_token_id = None
     return model
+
+
+def peft_to_gguf(adapter_dir: Path, out: Path, *, q_heads: int, kv_heads: int, f16: bool = False) -> Path:
+    """The PEFT adapter as llama.cpp's convert_lora_to_gguf.py writes it: blk.N.<tensor>.weight
+    .lora_a / .lora_b, Llama's Q/K rows of B permuted like the base weights."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from tests.tiny_families import _permute
+
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(cfg["lora_alpha"]))
+    for key, t in sorted(load_file(str(adapter_dir / "adapter_model.safetensors")).items()):
+        parts = key.split(".")
+        li, module, half = int(parts[parts.index("layers") + 1]), parts[-3], parts[-2][-1].lower()
+        arr = t.numpy().astype(np.float32)
+        if half == "b" and module in ("q_proj", "k_proj"):
+            arr = _permute(arr, q_heads if module == "q_proj" else kv_heads)
+        w.add_tensor(f"blk.{li}.{names[module]}.weight.lora_{half}", arr.astype(np.float16) if f16 else arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -304,3 +304,25 @@ def test_unload_policies(tmp_path_factory, prompts) -> None:
     # An idle unload with any policy is immediate.
     assert eng.unload_lora("mlp", "wait") == {"status": 200, "message": "adapter 'mlp' unloaded", "pending": False}
     assert_idle(eng)
+
+
+def test_a_gguf_lora_file_loads_as_its_peft_twin(tmp_path_factory, tmp_path, prompts) -> None:
+    """llama.cpp's LoRA GGUF layout (Q/K rows of B permuted) gives the PEFT adapter's weights
+    and tokens; a GGUF that is not a LoRA is refused."""
+    from tests.lora_support import peft_to_gguf
+
+    base_dir, adapters = family(tmp_path_factory, "llama")
+    gguf_path = peft_to_gguf(adapters["all"], tmp_path / "all.gguf", q_heads=4, kv_heads=2)
+    eng = _engine(base_dir, {"peft": adapters["all"]})
+    assert eng.engine.load_lora("gguf", str(gguf_path))["status"] == 200
+    peft, gg = eng.engine.model.adapters["peft"], eng.engine.model.adapters["gguf"]
+    assert peft.scale == gg.scale and peft.parts.keys() == gg.parts.keys()
+    for k, parts in peft.parts.items():
+        for p, q in zip(parts, gg.parts[k], strict=True):
+            assert p.off == q.off and torch.equal(p.a, q.a) and torch.equal(p.bt, q.bt), k
+    want = _run(eng, prompts, [greedy(MAX_NEW, lora="peft")] * len(prompts))
+    assert _run(eng, prompts, [greedy(MAX_NEW, lora="gguf")] * len(prompts)) == want
+    from tests.tiny_model import make_tiny_gguf
+    model_gguf = make_tiny_gguf(base_dir, tmp_path / "model.gguf")
+    got = eng.engine.load_lora("model", str(model_gguf))
+    assert got["status"] == 400 and "not a LoRA adapter" in got["message"], got

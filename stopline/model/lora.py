@@ -224,7 +224,7 @@ def load_gguf(name: str, path: str | Path, config: ModelConfig, max_rank: int) -
         v = f.parts[f.data[0]]
         return bytes(v).decode() if f.types and f.types[0].name == "STRING" else v.tolist()[0]
 
-    if field_value("general.type") not in (None, "adapter") or field_value("adapter.type") not in (None, "lora"):
+    if field_value("general.type") != "adapter" or field_value("adapter.type") not in (None, "lora"):
         raise LoraError(f"adapter {name!r}: {path} is not a LoRA adapter GGUF")
     alpha = field_value("adapter.lora.alpha")
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
