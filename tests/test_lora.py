@@ -277,14 +277,16 @@ def test_unload_policies(tmp_path_factory, prompts) -> None:
     assert eng.adapters.serves("qv")
     assert eng.unload_lora("nope", "wait")["status"] == 404
     assert eng.unload_lora("qv", "later")["status"] == 400
-    # abort: its requests end abort with source `unload`, the others run on
+    # abort: its requests end abort with source `unload`, the others run on; one accepted
+    # before the unload but not admitted yet ends with them
+    eng.add_request("u_late", prompts[0], greedy(40, lora="qv"))
     got = eng.unload_lora("qv", "abort")
     assert got["status"] == 200 and got["aborted"] == 2
     with pytest.raises(UnknownAdapter):
         eng.add_request("new", prompts[0], greedy(4, lora="qv"))
     collect(results, eng.step())
     assert "qv" not in eng.adapters.loaded
-    for rid in ("u0", "u1"):
+    for rid in ("u0", "u1", "u_late"):
         assert results[(rid, 0)].finish_reason is FinishReason.ABORT
         assert results[(rid, 0)].stop_detail == "unload"
     assert results.get(("u2", 0)) is not None and results[("u2", 0)].finish_reason is None

@@ -56,7 +56,9 @@ class Adapters:
         self.refs: dict[str, set[Request]] = {}
         self.held: dict[Request, tuple[str, int]] = {}  # request -> (adapter, its load)
         self.load_id: dict[str, int] = {}
-        self.draining: set[str] = set()  # unloading with `wait`: no new requests
+        # Unloading, by policy: no new requests. With `abort`, a request accepted before the
+        # unload but admitted after it ends as the unload's others do.
+        self.draining: dict[str, UnloadPolicy] = {}
         # Metrics: requests admitted, tokens generated, loads and unloads per adapter.
         self.requests: Counter = Counter()
         self.tokens: Counter = Counter()
@@ -103,7 +105,8 @@ class Adapters:
         users = list(self.refs.get(name, ()))
         if users and policy is UnloadPolicy.REFUSE:
             return answer(409, f"adapter {name!r} is in use by {len(users)} requests"), []
-        self.draining.add(name)
+        if self.draining.get(name) is not UnloadPolicy.ABORT:  # abort, once asked, stays
+            self.draining[name] = policy
         if policy is UnloadPolicy.ABORT:
             return answer(200, f"adapter {name!r} unloaded; {len(users)} requests aborted",
                           aborted=len(users)), users
@@ -116,7 +119,7 @@ class Adapters:
         """Drop draining adapters no request holds any more (after each step and each unload)."""
         gone = [n for n in self.draining if not self.refs.get(n)]
         for n in gone:
-            self.draining.discard(n)
+            del self.draining[n]
             del self.loaded[n]
             self.refs.pop(n, None)
             self.load_id.pop(n, None)
@@ -127,11 +130,12 @@ class Adapters:
     def hold(self, req: Request) -> bool:
         """Take req's reference at admission. False: its adapter went after add_request took
         it (an unload between the two); the core ends it as the unload's other requests.
-        Draining (`wait`) still admits: the request came before the unload."""
+        Draining with `wait` still admits: the request came before the unload; with `abort`
+        it ends as the unload's other requests do."""
         name = req.params.lora
         if name is None:
             return True
-        if name not in self.loaded:
+        if name not in self.loaded or self.draining.get(name) is UnloadPolicy.ABORT:
             return False
         self.refs[name].add(req)
         self.held[req] = (name, self.load_id[name])
