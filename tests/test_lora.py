@@ -319,8 +319,9 @@ def test_a_gguf_lora_file_loads_as_its_peft_twin(tmp_path_factory, tmp_path, pro
     assert eng.engine.load_lora("gguf", str(gguf_path))["status"] == 200
     peft, gg = eng.engine.model.adapters["peft"], eng.engine.model.adapters["gguf"]
     assert peft.scale == gg.scale and peft.parts.keys() == gg.parts.keys()
-    for k, parts in peft.parts.items():
-        for p, q in zip(parts, gg.parts[k], strict=True):
+    for k, target in peft.parts.items():
+        assert torch.equal(target.a, gg.parts[k].a)
+        for p, q in zip(target.parts, gg.parts[k].parts, strict=True):
             assert p.off == q.off and torch.equal(p.a, q.a) and torch.equal(p.bt, q.bt), k
     want = _run(eng, prompts, [greedy(MAX_NEW, lora="peft")] * len(prompts))
     assert _run(eng, prompts, [greedy(MAX_NEW, lora="gguf")] * len(prompts)) == want

@@ -20,6 +20,7 @@ bits as the fused C decoder (tests/test_decoder_native.py), so base rows do not 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -54,24 +55,35 @@ class Part:
 
 
 @dataclass
+class Target:
+    """An adapter's parts of one fused linear, their A stacked: the parts read the same input,
+    so one product and one reduction give every part's u (each output its own reduction)."""
+
+    a: torch.Tensor  # [sum of ranks, in]
+    parts: list[Part]
+    spans: list[tuple[int, int]]  # each part's rows of `a`
+
+
+@dataclass
 class Adapter:
     name: str
     path: str
     rank: int
     scale: float
     # (layer, fused linear name) -> its parts, in target order
-    parts: dict[tuple[int, str], list[Part]] = field(default_factory=dict)
+    parts: dict[tuple[int, str], Target] = field(default_factory=dict)
     modules: tuple[str, ...] = ()
 
     def delta(self, x: torch.Tensor, li: int, linear: str, y: torch.Tensor) -> torch.Tensor | None:
         """y (the base linear's output for rows x, [n, out]) plus this adapter's delta, or None
         where the adapter leaves this linear alone."""
-        parts = self.parts.get((li, linear))
-        if not parts:
+        target = self.parts.get((li, linear))
+        if target is None:
             return None
         y = y.clone()
-        for p in parts:
-            u = (x[:, None, :] * p.a[None]).sum(-1)  # [n, r], one reduction per output
+        u_all = (x[:, None, :] * target.a[None]).sum(-1)  # [n, ranks], one reduction per output
+        for p, (lo, hi) in zip(target.parts, target.spans, strict=True):
+            u = u_all[:, lo:hi]
             d = (u[:, :, None] * p.bt[None]).sum(1)  # [n, out]: summed over the rank in order
             w = p.bt.shape[1]
             y[:, p.off:p.off + w] = y[:, p.off:p.off + w] + d * self.scale
@@ -140,8 +152,13 @@ def build(name: str, path: str, config: ModelConfig, max_rank: int, scale: float
         part = Part(offsets[module], a.float().contiguous(), b.float().t().contiguous())
         parts.setdefault((li, linear), []).append((order, part))
     modules = tuple(sorted({m for _, m in pairs}))
-    return Adapter(name, path, max(ranks), scale,
-                   {k: [p for _, p in sorted(v, key=lambda t: t[0])] for k, v in parts.items()}, modules)
+    targets = {}
+    for k, v in parts.items():
+        ordered = [p for _, p in sorted(v, key=lambda t: t[0])]
+        ends = list(itertools.accumulate(p.a.shape[0] for p in ordered))
+        targets[k] = Target(torch.cat([p.a for p in ordered]).contiguous(), ordered,
+                            list(zip([0, *ends[:-1]], ends, strict=True)))
+    return Adapter(name, path, max(ranks), scale, targets, modules)
 
 
 _PEFT_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
