@@ -12,7 +12,7 @@ from stopline.engine.core import EngineCore
 from stopline.engine.role import Role
 from stopline.lifecycle import Holder, Lifecycle
 from stopline.model.loaders.loader import load_model
-from stopline.request import Family, FinishReason, Request, SamplingParams
+from stopline.request import Family, FinishReason, Request, SamplingParams, TokenLogprob
 from stopline.sched.plan import ScheduledChunk, StepPlan
 from stopline.worker.sampler import Sampled
 from stopline.worker.step import BROKEN, ChunkOutcome
@@ -77,6 +77,41 @@ def test_an_abort_during_the_step_voids_that_rows_token(tiny):
     assert res[("b", 0)].finish_reason is FinishReason.LENGTH
     assert res[("b", 0)].token_ids == [100, 101, 102, 103, 104, 105]
     assert eng.stats.tokens_after_abort == 1
+
+
+def test_an_abort_during_a_family_step_counts_its_tokens_as_undelivered(tiny):
+    """A family before its fork is one request: its leader's step samples for every sample.
+    Aborted while that step runs, the family gets none of those tokens, and the leader's
+    usage counts them as undelivered (the lifecycle's in-flight count)."""
+    eng = outcome_engine(tiny, counting)
+    fam = eng.add_request("fam", PROMPT, greedy(4, n=3))
+
+    def abort_mid_prefill(plan: StepPlan) -> None:
+        if any(ch.req.incarnation == fam and ch.sample for ch in plan.chunks):
+            eng.abort(fam)
+
+    eng.worker.before = abort_mid_prefill
+    res = drive(eng)
+    for i in (0, 1, 2):
+        assert res[("fam", i)].finish_reason is FinishReason.ABORT and res[("fam", i)].token_ids == []
+    assert res[("fam", 0)].usage.undelivered_tokens == 3  # one per sample, on the leader
+    assert eng.stats.tokens_after_abort == 3
+
+
+def test_scoring_only_family_forks_and_ends_with_the_prompt_scores(tiny):
+    """max_tokens 0 with prompt logprobs: the outcome's scores go to the leader, every sample
+    forks from it with the same scores and ends at once with no token."""
+    scores = [TokenLogprob(t, -1.0, []) for t in PROMPT[1:]]
+
+    def outcome(ch: ScheduledChunk) -> ChunkOutcome:
+        return ChunkOutcome(prompt_logprobs=list(scores))
+
+    eng = outcome_engine(tiny, outcome)
+    res = drive(eng, [("score", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=0, n=2))])
+    for i in (0, 1):
+        r = res[("score", i)]
+        assert r.finish_reason is FinishReason.LENGTH and r.token_ids == []
+        assert [lp.token_id for lp in r.deltas[-1].prompt_logprobs] == PROMPT[1:]
 
 
 def test_a_failed_row_ends_only_its_request(tiny):

@@ -26,6 +26,7 @@ from stopline.disagg.messages import Ack, RoleSpec
 from stopline.disagg.transfers import Side, Transfers
 from stopline.disagg.wire import pack
 from stopline.engine.core import EngineCore
+from stopline.engine.families import hold
 from stopline.engine.role import Role
 from stopline.kv.block_pool import LedgerError
 from stopline.lifecycle import Holder
@@ -115,7 +116,7 @@ class PrefillRole(Role):
         refs = self.epochs.refs(req.block_ids[:n])
         frames = pack(req.incarnation, self.core.kv, self.epochs, refs)
         self.sending.start(req, refs)
-        req.paused = True  # holds its blocks, takes no step
+        hold(req)  # holds its blocks, takes no step
         self.link.send_kv(req.incarnation, frames)
         self.shipped_bytes += sum(len(f) for f in frames)
         return True

@@ -29,7 +29,7 @@ import torch
 
 from stopline.config import EngineConfig, PreemptionMode
 from stopline.engine.apply import StepApplier
-from stopline.engine.families import FamilyTable, new_family
+from stopline.engine.families import FamilyTable, check_request, new_family
 from stopline.engine.grammars import GrammarHolder
 from stopline.engine.inbox import Inbox
 from stopline.engine.output import OutputProcessor, RequestOutput
@@ -157,23 +157,8 @@ class EngineCore:
         if it can't be served: empty or over-long prompt, bad parameters, an incarnation in
         use."""
         params = params or SamplingParams()
-        params.validate()
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequest(f"n: {params.n} samples; the engine runs at most "
-                                 f"{self.config.max_num_seqs} sequences at once (max_num_seqs)")
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise InvalidRequest("prompt: must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequest(f"logit_bias: token id {max(params.logit_bias)} is outside the "
-                                 f"vocabulary (0..{vocab - 1})")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequest(f"prompt: {len(prompt)} tokens; the model's context is "
-                                 f"{self.max_model_len} tokens (prompt plus at least one new token)")
+        prompt = check_request(prompt_token_ids, params, self.model_config.vocab_size,
+                               self.max_model_len, self.config.max_num_seqs)
         need = -(-(len(prompt) + 1) // self.pool.block_size) + (params.n - 1)
         if need > self.pool.num_blocks:
             raise InvalidRequest(f"prompt: needs {need} KV blocks; the pool has {self.pool.num_blocks}")
@@ -227,7 +212,7 @@ class EngineCore:
             self._apply_aborts()  # aborts that arrived during the forward win: their rows are void
             if outcome is not None:
                 self.applier.apply(outcome)
-                self._observe(plan, t0)
+                self.drafts.observe([(c.num_tokens, len(c.drafts)) for c in plan.chunks], t0)
             self.kv_manager.step_processed(plan.step_id)  # blocks fenced by the step go back
         else:
             self._text_phase()
@@ -298,14 +283,6 @@ class EngineCore:
             self._ms_per_prefill_token = per_tok if prev is None else 0.7 * prev + 0.3 * per_tok
             self.lifecycle.ms_per_recomputed_token = self._ms_per_prefill_token
 
-    def _observe(self, plan: StepPlan, t0: float) -> None:
-        """The auto mode's cost of a step of decode and verify rows only (a prefill's rows
-        cost otherwise), sampling included: a verify samples its rows one by one."""
-        if not self.drafts.enabled or any(c.num_tokens > 1 + len(c.drafts) for c in plan.chunks):
-            return
-        ms = (time.perf_counter() - t0) * 1000
-        self.drafts.observe(len(plan.chunks), sum(len(c.drafts) for c in plan.chunks), ms)
-
     @property
     def _text_pending(self) -> list[Request]:
         return self.applier.text_pending
@@ -356,9 +333,7 @@ class EngineCore:
 
     def _pause_all(self, pauses: list[tuple[str, bool]]) -> None:
         for inc, paused in pauses:
-            fam = self.families.get(inc)
-            for m in fam.members if fam is not None else ():
-                m.paused = paused
+            self.families.pause(inc, paused)
 
     def _abort_all(self, aborts: list[tuple[str, AbortSource]]) -> None:
         for inc, source in aborts:
