@@ -5,6 +5,8 @@ only the request whose row failed."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from stopline.config import EngineConfig
@@ -12,7 +14,14 @@ from stopline.engine.core import EngineCore
 from stopline.engine.role import Role
 from stopline.lifecycle import Holder, Lifecycle
 from stopline.model.loaders.loader import load_model
-from stopline.request import Family, FinishReason, Request, SamplingParams, TokenLogprob
+from stopline.request import (
+    AbortSource,
+    Family,
+    FinishReason,
+    Request,
+    SamplingParams,
+    TokenLogprob,
+)
 from stopline.sched.plan import ScheduledChunk, StepPlan
 from stopline.worker.sampler import Sampled
 from stopline.worker.step import BROKEN, ChunkOutcome
@@ -68,7 +77,7 @@ def test_an_abort_during_the_step_voids_that_rows_token(tiny):
     def abort_mid_step(plan: StepPlan) -> None:
         for ch in plan.chunks:
             if ch.req.incarnation == a and len(ch.req.output_token_ids) == 2:
-                eng.abort(a)  # lands while the worker runs: its row is in the outcome
+                eng.abort([a], AbortSource.CANCEL, time.monotonic())  # lands while the worker runs: its row is in the outcome
 
     eng.worker.before = abort_mid_step
     res = drive(eng)
@@ -88,7 +97,7 @@ def test_an_abort_during_a_family_step_counts_its_tokens_as_undelivered(tiny):
 
     def abort_mid_prefill(plan: StepPlan) -> None:
         if any(ch.req.incarnation == fam and ch.sample for ch in plan.chunks):
-            eng.abort(fam)
+            eng.abort([fam], AbortSource.CANCEL, time.monotonic())
 
     eng.worker.before = abort_mid_prefill
     res = drive(eng)
@@ -236,7 +245,7 @@ def test_a_role_is_called_at_fixed_points_and_its_holders_go_before_the_blocks(t
     collect(res, eng.step())
     assert set(role.held) == {taken, served, gone}  # kept back before admission
     assert eng.all_paused() and eng.has_unfinished() and eng.worker.steps == 0
-    eng.abort(gone)  # released through the role's holder, never admitted
+    eng.abort([gone], AbortSource.CANCEL, time.monotonic())  # released through the role's holder, never admitted
     collect(res, eng.step())
     assert gone not in role.held and res[("gone", 0)].finish_reason is FinishReason.ABORT
     role.release_all()

@@ -20,12 +20,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from stopline.config import EngineConfig
 from stopline.disagg.epochs import BlockEpochs
 from stopline.disagg.link import Link
 from stopline.disagg.messages import Ack, RoleSpec
 from stopline.disagg.transfers import Side, Transfers
 from stopline.disagg.wire import pack
-from stopline.engine.core import EngineCore
+from stopline.engine.core import EngineCore, ModelSource
 from stopline.engine.families import hold
 from stopline.engine.role import Role
 from stopline.kv.block_pool import LedgerError
@@ -142,7 +143,7 @@ class PrefillRole(Role):
             raise LedgerError(f"KV frames of ended requests wait on the link: {sorted(stray)}")
 
 
-def PrefillCore(model: Any = None, config: Any = None, *, spec: RoleSpec,  # noqa: N802
-                progress: bool = True, **kwargs: Any) -> EngineCore:
+def PrefillCore(model: ModelSource = None, config: EngineConfig | None = None, *,  # noqa: N802
+                spec: RoleSpec, progress: bool = True, **kwargs: Any) -> EngineCore:
     """An EngineCore serving the prefill side of a split (its role: `core.role`)."""
     return EngineCore(model, config, progress=progress, role=PrefillRole(spec), **kwargs)

@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from stopline.config import EngineConfig, PreemptionMode
+from stopline.config import AttentionBackend, EngineConfig, PreemptionMode
 from stopline.engine.apply import StepApplier
 from stopline.engine.families import FamilyTable, check_request, new_family
 from stopline.engine.grammars import GrammarHolder
@@ -60,10 +60,12 @@ from stopline.worker.step import Forward, StepOutcome, StepWorker, Worker
 log = logging.getLogger("stopline.engine")
 
 _incarnations = itertools.count()
+# What a core is built from: a loaded model, a GGUF file or HF directory, or None (the embedded model).
+ModelSource = LoadedModel | str | None
 
 
 class EngineCore:
-    def __init__(self, model: LoadedModel | str | None = None, config: EngineConfig | None = None,
+    def __init__(self, model: ModelSource = None, config: EngineConfig | None = None,
                  *, progress: bool = True, runner: Forward | None = None,
                  worker: Worker | None = None, role: Role | None = None) -> None:
         """runner: run forwards with this instead of the model (tests drive the stop path
@@ -92,7 +94,7 @@ class EngineCore:
         if runner is None and worker is None:
             runner = ModelRunner.for_model(loaded, self.kv, cfg)
             self.model = runner.model
-        if self.model is None or self.model.attention == "torch":
+        if self.model is None or self.model.attention is AttentionBackend.TORCH:
             # Torch attention multiplies whole blocks by masked weights: unwritten slots must
             # hold zeros, not a freed block's NaN. The C kernel reads written slots only.
             self.pool.on_allocate = self.kv.zero
@@ -169,11 +171,13 @@ class EngineCore:
             raise InvalidRequest(f"incarnation {inc!r} is already in use")
         return inc
 
-    def abort(self, incarnations: str | Iterable[str], source: AbortSource = AbortSource.CANCEL) -> None:
-        """Ask for requests to end with finish_reason 'abort'. An incarnation that ended is
-        ignored; one not added yet is aborted when it is; asking twice is the same as once."""
-        incs = [incarnations] if isinstance(incarnations, str) else list(incarnations)
-        self.inbox.abort(incs, source)
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
+        """Ask for requests to end with finish_reason 'abort' (t0: time.monotonic() when the
+        abort was asked). An incarnation that ended is ignored; one not added yet is aborted
+        when it is, unless the abort is EARLY_TTL older than t0 by then; asking twice is the
+        same as once."""
+        incs = list(incarnations)
+        self.inbox.abort(incs, source, t0)
         with self.inbox.lock:
             if self._inflight_ids and self._inflight_ids <= self.inbox.aborting:
                 self._interrupt.set()
@@ -335,11 +339,11 @@ class EngineCore:
         for inc, paused in pauses:
             self.families.pause(inc, paused)
 
-    def _abort_all(self, aborts: list[tuple[str, AbortSource]]) -> None:
-        for inc, source in aborts:
+    def _abort_all(self, aborts: list[tuple[str, AbortSource, float]]) -> None:
+        for inc, source, t0 in aborts:
             fam = self.families.get(inc)
             if fam is None:
-                self.inbox.keep_early(inc, source)
+                self.inbox.keep_early(inc, source, t0)
             else:
                 self._abort_family(fam, source)
 
