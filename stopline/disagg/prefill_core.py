@@ -62,7 +62,6 @@ class PrefillRole(Role):
 
     def __init__(self, spec: RoleSpec) -> None:
         self.spec = spec
-        self.shipped_bytes = 0
 
     def bind(self, core: EngineCore) -> list[Holder]:
         self.core = core
@@ -119,7 +118,6 @@ class PrefillRole(Role):
         self.sending.start(req, refs)
         hold(req)  # holds its blocks, takes no step
         self.link.send_kv(req.incarnation, frames)
-        self.shipped_bytes += sum(len(f) for f in frames)
         return True
 
     def _take_link(self) -> None:
