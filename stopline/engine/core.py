@@ -174,8 +174,7 @@ class EngineCore:
     def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
         """Ask for requests to end with finish_reason 'abort' (t0: time.monotonic() when the
         abort was asked). An incarnation that ended is ignored; one not added yet is aborted
-        when it is, unless the abort is EARLY_TTL older than t0 by then; asking twice is the
-        same as once."""
+        when it is, if that is within EARLY_TTL seconds of t0; asking twice is the same as once."""
         incs = list(incarnations)
         self.inbox.abort(incs, source, t0)
         with self.inbox.lock:

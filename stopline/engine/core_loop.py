@@ -81,8 +81,7 @@ class CoreLoop:
         with self._lock:
             for inc in incs:
                 if inc not in self._pending:
-                    self._pending[inc] = _AbortClock(source.value, t0, now,
-                                                     self._step_no)
+                    self._pending[inc] = _AbortClock(source.value, t0, now, self._step_no)
             self.core.abort(incs, source, t0)
         self._work.set()
 
