@@ -135,6 +135,26 @@ def test_an_early_abort_waits_for_its_own_add_only_and_expires_by_age(tiny, monk
     assert res[("Y", 0)]["terminal"][0].finish_reason is FinishReason.LENGTH
 
 
+def test_an_early_abort_ages_from_when_it_was_asked(tiny, monkeypatch):
+    """An abort kept for an incarnation not added yet ages from its t0 (when it was asked),
+    not from when the core took it; and kept aborts expire by age in any order of arrival."""
+    monkeypatch.setattr(inbox_mod, "EARLY_TTL", 5.0)
+    eng = scripted_engine(tiny)
+    now = time.monotonic()
+    eng.abort(["old#1"], AbortSource.CANCEL, now - 10.0)  # asked 10 s ago: past the TTL
+    eng.abort(["new#1"], AbortSource.CANCEL, now)
+    eng.abort(["older#1"], AbortSource.CANCEL, now - 20.0)  # arrives last, oldest of all
+    eng.step()
+    assert eng.inbox.num_early == 1  # only the fresh one is kept
+    for rid in ("old", "new", "older"):
+        eng.add_request(rid, PROMPT, SamplingParams(max_tokens=2, **GREEDY), incarnation=f"{rid}#1")
+    res = drain(eng)
+    assert res[("old", 0)]["terminal"][0].finish_reason is FinishReason.LENGTH
+    assert res[("older", 0)]["terminal"][0].finish_reason is FinishReason.LENGTH
+    assert res[("new", 0)]["terminal"][0].finish_reason is FinishReason.ABORT
+    assert eng.inbox.num_early == 0
+
+
 def test_async_preempted_while_its_text_is_pending_stops_where_it_would_have(tiny):
     """Bug 6: a request preempted while its text phase was pending got its stop-string check
     only after it resumed, and delivered one token an unpreempted run would not."""
