@@ -6,6 +6,7 @@ one release; the prefix cache keyed by adapter; the unload policies."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -195,7 +196,7 @@ def test_each_exit_drops_the_reference_once(tmp_path_factory, prompts) -> None:
         seen.append(want)
         if step == 2:
             engine.abort([inc for inc, fam in engine.families.by_incarnation.items()
-                          if fam.request_id in ("c0", "c1")])
+                          if fam.request_id in ("c0", "c1")], AbortSource.CANCEL, time.monotonic())
 
     reqs = [(f"c{i}", prompts[i % len(prompts)], greedy(24, lora=a))
             for i, a in enumerate(["qv", "all", "mlp", "qv", "all", "mlp", "qv"])]
@@ -249,7 +250,7 @@ def test_prefix_cache_never_crosses_adapters(tmp_path_factory) -> None:
     eng.add_request("cut", p2, greedy(30, lora="mlp"))
     for _ in range(4):
         eng.step()
-    eng.abort([next(iter(eng.families.by_incarnation))])
+    eng.abort([next(iter(eng.families.by_incarnation))], AbortSource.CANCEL, time.monotonic())
     while eng.has_unfinished():
         eng.step()
     assert_idle(eng)
