@@ -128,7 +128,7 @@ class HandDriven:
         self.swap = SwapSpace(num_blocks) if swap else None
         self.kv = KVManager(self.pool, cache, self.swap, self.stats)
         self.queues = Queues()
-        holders = [self.queues] + ([self.swap] if self.swap else []) + [self.kv]
+        holders = [self.queues, self.kv]
         self.lifecycle = Lifecycle(self.config, self.kv, holders, self.stats)
         self.sched = Scheduler(self.config, self.kv, self.queues, self.lifecycle)
         self.live: list[Request] = []
@@ -149,7 +149,8 @@ class HandDriven:
         """The step's result: every sampling chunk draws `token`; blocks fenced by it return."""
         for ch in plan.chunks:
             req = ch.req
-            req.inflight_samples = req.inflight_tokens = 0
+            req.inflight_samples = 0
+            self.kv.landed(req)
             if req.status.is_finished or req.epoch != ch.epoch:
                 continue
             self.kv.register(req)

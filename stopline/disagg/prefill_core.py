@@ -112,7 +112,7 @@ class PrefillRole(Role):
 
     def prefilled(self, req: Request) -> bool:
         n = len(req.prompt_token_ids) // self.core.pool.block_size
-        refs = self.epochs.refs(req.block_ids[:n])
+        refs = self.epochs.refs(list(self.core.kv_manager.table(req)[:n]))
         frames = pack(req.incarnation, self.core.kv, self.epochs, refs)
         self.sending.start(req, refs)
         req.paused = True  # holds its blocks, takes no step

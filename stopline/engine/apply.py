@@ -47,7 +47,8 @@ class StepApplier:
         samples: list[tuple[Request, Sampled | str]] = []
         for ch, out in zip(outcome.plan.chunks, outcome.chunks, strict=True):
             req = ch.req
-            req.inflight_samples = req.inflight_tokens = 0
+            req.inflight_samples = 0
+            self.kv.landed(req)
             if req.status is not RequestStatus.RUNNING or req.epoch != ch.epoch:
                 continue  # ended or preempted while the step ran: its result is void
             if ch.drafts:
@@ -99,7 +100,7 @@ class StepApplier:
         token goes through the one stop check before the next is looked at: nothing after a
         stop is delivered. The run ends at the first token that differs from its draft (that
         token is still the sampler's: delivered), at a stop, or after the last draft. Then
-        the rejected positions are rewound: num_computed back, and blocks only they opened
+        the rejected positions are rewound: the computed count back, and blocks only they opened
         released."""
         req, drafts = ch.req, ch.drafts
         first_out = len(req.output_token_ids)
@@ -121,8 +122,7 @@ class StepApplier:
             if out.bad:
                 failed = BROKEN
         # Valid K/V: the decode token's and the accepted drafts'.
-        req.num_computed = ch.start + 1 + accepted
-        self.kv.trim(req)
+        self.kv.accept(req, ch.start + 1 + accepted)
         self.kv.register(req)
         # Drafts after a failure, or after a stop on an accepted draft, were never compared
         # (discarded); drafts after a mismatch are rejected.
@@ -146,8 +146,6 @@ class StepApplier:
         leader = sample.fork_leader
         assert leader is not None  # only samples that wait for a leader fork
         self.kv.fork(sample, leader)
-        sample.num_computed = sample.prompt_len
-        sample.num_cached = leader.num_cached
         sample.last_scheduled_step = leader.last_scheduled_step
         sample.prompt_logprobs = list(leader.prompt_logprobs)  # the prompt is the same
         sample.fork_leader = None

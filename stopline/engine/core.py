@@ -102,7 +102,8 @@ class EngineCore:
                                     prefix_caching=cfg.enable_prefix_caching,
                                     keep_aborted_prefix=cfg.keep_aborted_prefix)
         self.queues = Queues()
-        self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len,
+                                       cached=self.kv_manager.cached)
         self.families = FamilyTable()
         self.grammar = GrammarHolder(self.tokenizer, mc.vocab_size, deadline_s=cfg.grammar_deadline,
                                      max_rows=cfg.max_num_seqs)
@@ -115,8 +116,6 @@ class EngineCore:
         if self.worker.rows is not None:
             holders.append(self.worker.rows)
         holders.append(self.families)
-        if swap is not None:
-            holders.append(swap)
         self.role = role or Role()
         holders += self.role.bind(self)  # the role's holders: after the core's, before the blocks
         holders.append(self.kv_manager)
@@ -174,8 +173,8 @@ class EngineCore:
         if len(prompt) >= self.max_model_len:
             raise InvalidRequest(f"prompt: {len(prompt)} tokens; the model's context is "
                                  f"{self.max_model_len} tokens (prompt plus at least one new token)")
-        need = -(-(len(prompt) + 1) // self.pool.block_size) + (params.n - 1)
-        if need > self.pool.num_blocks:
+        if not self.kv_manager.fits(len(prompt), params.n - 1):
+            need = self.kv_manager.admit_need(len(prompt), params.n - 1)
             raise InvalidRequest(f"prompt: needs {need} KV blocks; the pool has {self.pool.num_blocks}")
         inc = incarnation if incarnation is not None else f"{request_id}#{next(_incarnations)}"
         family = new_family(request_id, prompt, params, time.monotonic() if arrival is None else arrival,
