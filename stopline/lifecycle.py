@@ -125,7 +125,7 @@ class Lifecycle:
         if per_token is None or fixed is None or per_block is None:
             big = self.kv.computed(req) > 4 * self.kv.block_size
             return PreemptionMode.SWAP if big else PreemptionMode.RECOMPUTE
-        swap_ms = fixed + per_block * len(self.kv.table(req))
+        swap_ms = fixed + per_block * len(self.kv.live_blocks(req))
         return PreemptionMode.SWAP if swap_ms < per_token * self.kv.computed(req) else PreemptionMode.RECOMPUTE
 
     def calibrate_swap(self) -> None:

@@ -60,7 +60,10 @@ class StepApplier:
             if out.prompt_logprobs is not None and ch.score_from == len(req.prompt_logprobs):
                 req.prompt_logprobs += out.prompt_logprobs  # not already scored by an earlier run
             self.kv.register(req)
-            if not ch.sample or self.prefilled(req):
+            if ch.sample and self.prefilled(req):
+                continue  # shipped whole, as it stands (a split's prefill side)
+            self.kv.slide(req, ch.start + ch.num_tokens)  # blocks the window passed go back
+            if not ch.sample:
                 continue
             if req.params.max_tokens == 0:  # scored, nothing to generate
                 self._end_unsampled(req)
@@ -124,6 +127,7 @@ class StepApplier:
         # Valid K/V: the decode token's and the accepted drafts'.
         self.kv.accept(req, ch.start + 1 + accepted)
         self.kv.register(req)
+        self.kv.slide(req, ch.start + 1 + accepted)
         # Drafts after a failure, or after a stop on an accepted draft, were never compared
         # (discarded); drafts after a mismatch are rejected.
         stopped_on_draft = stop is not None and len(req.output_token_ids) - first_out == accepted

@@ -36,7 +36,7 @@ from stopline.engine.output import OutputProcessor, RequestOutput
 from stopline.engine.role import Role
 from stopline.kv.block_pool import BlockPool, LedgerError
 from stopline.kv.kv_cache import KVCache, SwapSpace
-from stopline.kv.manager import KVManager
+from stopline.kv.manager import KVManager, group_window
 from stopline.lifecycle import Holder, Lifecycle
 from stopline.model.decoder_native import StepInterrupt
 from stopline.model.llama import LlamaModel, StepInterrupted
@@ -100,7 +100,8 @@ class EngineCore:
         self.stats = StopStats()
         self.kv_manager = KVManager(self.pool, self.kv, swap, self.stats,
                                     prefix_caching=cfg.enable_prefix_caching,
-                                    keep_aborted_prefix=cfg.keep_aborted_prefix)
+                                    keep_aborted_prefix=cfg.keep_aborted_prefix,
+                                    window=group_window(mc.layer_windows))
         self.queues = Queues()
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len,
                                        cached=self.kv_manager.cached)

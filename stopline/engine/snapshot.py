@@ -87,7 +87,7 @@ def take_snapshot(core: EngineCore) -> Snapshot:
         if len(live) >= LIVE_ROWS:
             complete = False
             continue
-        blocks = core.kv_manager.table(req)
+        blocks = core.kv_manager.live_blocks(req)
         budget -= len(blocks)
         if budget < 0:
             complete = False
