@@ -223,7 +223,6 @@ class Request:
 
     # Bookkeeping for the stop path.
     first_scheduled: float | None = None
-    last_scheduled_step: int = -1  # fence: the newest step that may write this request's blocks
     inflight_samples: int = 0  # tokens the step in flight will sample for this request
     num_preemptions: int = 0
     epoch: int = 0  # bumped by every preemption: a step result for an older epoch is void

@@ -14,7 +14,7 @@ from stopline.request import Request
 PKG = Path(stopline.__file__).parent
 OWNER = PKG / "kv" / "manager.py"
 KV_FIELDS = {"block_ids", "num_computed", "num_cached", "num_hashed_blocks", "block_hashes",
-             "swap_slots", "inflight_tokens"}
+             "swap_slots", "inflight_tokens", "last_scheduled_step"}
 
 
 def test_request_carries_no_kv_state():

@@ -150,7 +150,6 @@ class StepApplier:
         leader = sample.fork_leader
         assert leader is not None  # only samples that wait for a leader fork
         self.kv.fork(sample, leader)
-        sample.last_scheduled_step = leader.last_scheduled_step
         sample.prompt_logprobs = list(leader.prompt_logprobs)  # the prompt is the same
         sample.fork_leader = None
         leader.forks_pending.remove(sample)

@@ -67,6 +67,7 @@ class SeqKV:
     hashes: list[int] = field(default_factory=list)
     swap_slots: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
     dropped: int = 0  # leading table entries the window passed (HOLE), kept while swapped
+    fence: int = -1  # the newest step that may write (or read) the blocks
 
     def live(self) -> list[int]:
         return self.block_ids[self.dropped:] if self.dropped else self.block_ids
@@ -168,7 +169,7 @@ class KVManager:
         s.dropped = dead
         if gone:
             self.stats.window_freed_blocks += len(gone)
-            self._free(req, gone, keep_cached=True, aborted_at=None)
+            self._free(s, gone, keep_cached=True, aborted_at=None)
         return len(gone)
 
     def _dead(self, upto: int) -> int:
@@ -192,7 +193,12 @@ class KVManager:
 
     def in_flight(self, req: Request) -> bool:
         """A step that may write req's blocks has not been processed yet."""
-        return req.last_scheduled_step > self.last_processed_step
+        return self.seq(req).fence > self.last_processed_step
+
+    def fence_at(self, req: Request, step_id: int) -> None:
+        """Step step_id, being planned, may write req's blocks: none goes back before it is
+        processed."""
+        self._seq(req).fence = step_id
 
     # ---- allocation ---------------------------------------------------------------------
     def _lookup(self, req: Request, n_blocks: int) -> list[int]:
@@ -311,7 +317,7 @@ class KVManager:
         keep = self.blocks_for(s.computed)
         if len(s.block_ids) > keep:
             extra, s.block_ids = s.block_ids[keep:], s.block_ids[:keep]
-            self._free(req, extra, keep_cached=False, aborted_at=None)
+            self._free(s, extra, keep_cached=False, aborted_at=None)
 
     def fork(self, sample: Request, leader: Request) -> None:
         """A family sample takes its own copy of the leader's last, partial prompt block;
@@ -323,6 +329,7 @@ class KVManager:
             self.cache.copy_block(lead.block_ids[last], s.block_ids[last])
         s.computed = sample.prompt_len
         s.cached = lead.cached
+        s.fence = lead.fence
         self.slide(sample, sample.prompt_len)
 
     def register(self, req: Request) -> None:
@@ -398,7 +405,7 @@ class KVManager:
             s.hashed = 0
             s.dropped = 0
         s.block_ids = []
-        self._free(req, blocks, keep_cached=True, aborted_at=None)
+        self._free(s, blocks, keep_cached=True, aborted_at=None)
 
     def release(self, req: Request) -> None:
         """req ended: its swap slots go back, and its blocks, behind the fence. A finished
@@ -413,16 +420,17 @@ class KVManager:
         keep = (reason in (FinishReason.STOP, FinishReason.LENGTH)
                 or (reason in (FinishReason.ABORT, FinishReason.TIMEOUT) and self.keep_aborted_prefix))
         if s.live():
-            self._free(req, list(s.live()), keep_cached=keep, aborted_at=req.aborted_at)
+            self._free(s, list(s.live()), keep_cached=keep, aborted_at=req.aborted_at)
 
     def holds(self, req: Request) -> bool:
         return req in self.seqs
 
-    def _free(self, req: Request, blocks: list[int], keep_cached: bool,
+    def _free(self, s: SeqKV, blocks: list[int], keep_cached: bool,
               aborted_at: float | None) -> None:
+        """Give back blocks of the request whose state is s, behind its fence."""
         keep = keep_cached and self.prefix_caching
-        if self.in_flight(req):
-            self.deferred.append(_Deferred(req.last_scheduled_step, blocks, keep, aborted_at))
+        if s.fence > self.last_processed_step:
+            self.deferred.append(_Deferred(s.fence, blocks, keep, aborted_at))
             return
         self.pool.release(blocks, keep_cached=keep)
         if aborted_at is not None:

@@ -159,7 +159,7 @@ class Scheduler:
         req.inflight_samples = (1 + len(req.forks_pending)) if sample else 0
         first = time.monotonic() if req.first_scheduled is None else None
         for r in (req, *req.forks_pending):  # samples waiting to fork share the leader's step
-            r.last_scheduled_step = plan.step_id
+            self.kv.fence_at(r, plan.step_id)
             if first is not None:
                 r.first_scheduled = first
         score_from = num_scored = 0

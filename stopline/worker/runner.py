@@ -146,7 +146,8 @@ class ModelRunner:
         for ch in chunks:
             table_at += [len(tables)] * ch.num_tokens
             tables += self._table(ch, (ch.start + ch.num_tokens + self.bs - 1) // self.bs)
-        if tables and not 0 <= min(tables) <= max(tables) <= self.kv.null_block:
+        # The zero block (num_blocks: holes a sliding window left) is inside the tensors.
+        if tables and not 0 <= min(tables) <= max(tables) <= self.kv.num_blocks:
             # The kernel reads where the tables point: a bad entry would read out of bounds.
             raise RuntimeError(f"a block table points outside the KV pool of {self.kv.num_blocks} blocks")
         return self._inputs(r, prefills=[], decode=None,
