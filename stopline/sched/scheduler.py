@@ -38,13 +38,6 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.queues.add(req)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.queues.waiting)
-
-    def has_work(self) -> bool:
-        return bool(self.queues.running) or bool(self.queues.waiting)
-
     # ---- the step -----------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         q = self.queues
@@ -217,10 +210,16 @@ class Scheduler:
             if not self.kv.admit(req, reserve):
                 return False
             if req.status is not RequestStatus.WAITING:
-                redo = req.num_tokens - self.kv.computed(req)
-                req.num_recomputed += redo
-                self.lifecycle.stats.recomputed_tokens += redo
+                self.lifecycle.stats.recomputed_tokens += req.num_tokens - self.kv.computed(req)
         q.start(req)
         for r in (req, *req.forks_pending):
             r.move_to(RequestStatus.RUNNING)
         return True
+
+
+# The scheduler's per-request mark (Request.inflight_samples) changes only here and in
+# _add_chunk: the applier calls this when a step's results arrive. (The tokens in flight
+# and the fence are the KV manager's: KVManager.landed, KVManager.fork.)
+def landed(req: Request) -> None:
+    """The step that scheduled req has come back: it samples nothing in flight any more."""
+    req.inflight_samples = 0
