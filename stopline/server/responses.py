@@ -330,7 +330,7 @@ class Writer:
                 c.id == item["call_id"] and c.complete for c in self.parser.calls)
             events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
                            "output_index": index, "name": item["name"], "arguments": item["arguments"]})
-            item["status"] = status if complete else "incomplete"
+            item["status"] = "completed" if complete else "incomplete"  # whatever came after
         else:
             part = item["content"][0]
             done = "response.output_text.done" if kind == "message" else "response.reasoning_text.done"
