@@ -391,3 +391,41 @@ def test_a_cancel_accepted_before_the_engines_end_is_never_reported_completed() 
     assert [k for k in kinds if k in TERMINAL] == ["response.cancelled"]
     run, group, accepted = asyncio.run(main(cancel_first=False))
     assert not accepted and run.status == "incomplete" and "cancel" not in group.ended
+
+
+def test_reasoning_then_answer_are_two_items() -> None:
+    """Thinking text (`new_reasoning` on an output) is a reasoning item streamed as
+    reasoning_text deltas, closed before the message opens."""
+    import asyncio
+
+    from stopline.engine.output import RequestOutput
+    from stopline.request import FinishReason, Usage
+
+    think = RequestOutput("resp_x", 0, new_token_ids=[1, 2])
+    think.new_reasoning = "hmm, "  # the reasoning phase's text (issue 45 item 1)
+    more = RequestOutput("resp_x", 0, new_token_ids=[3])
+    more.new_reasoning = "yes"
+    answer = RequestOutput("resp_x", 0, new_token_ids=[4], new_text="Yes.", finished=True,
+                           finish_reason=FinishReason.STOP, usage=Usage(5, 4))
+
+    async def main() -> Run:
+        run, _, pump = _pump([think, more, answer])
+        async for _ in pump.frames():
+            pass
+        return run
+
+    run = asyncio.run(main())
+    events = [json.loads(f.split(b"data: ", 1)[1]) for f in run.events]
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.queued", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added",
+                     "response.reasoning_text.delta", "response.reasoning_text.delta",
+                     "response.reasoning_text.done", "response.content_part.done",
+                     "response.output_item.done",
+                     "response.output_item.added", "response.content_part.added",
+                     "response.output_text.delta", "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done", "response.completed"]
+    out = run.response["output"]
+    assert [o["type"] for o in out] == ["reasoning", "message"]
+    assert out[0]["content"][0]["text"] == "hmm, yes" and out[1]["content"][0]["text"] == "Yes."
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))

@@ -522,7 +522,9 @@ async def _create(request: Request, srv: ServerState) -> Response:
         prompt = (await _prompt_ids(chat, engine.tokenizer, tools))[0]
     except ApiError as exc:
         raise _renamed(exc) from None
-    if req.background and (store.closed or store.full_of_runs()):
+    if req.background and store.closed:
+        raise _unavailable("the server is shutting down")
+    if req.background and store.full_of_runs():
         raise ApiError(429, f"{store.running} background responses are running (limit "
                        f"{store.max_stored}, --responses-max-stored)", code="too_many_background",
                        headers={"Retry-After": "1"})
