@@ -515,8 +515,6 @@ async def _create(request: Request, srv: ServerState) -> Response:
         if engine.info is not None:
             limits.check_vocab(chat.logit_bias, engine.info.vocab_size)
         params = sampling_params(chat, queue_timeout=srv.settings.queue_timeout, default_max_tokens=None)
-        if params.n != 1:
-            raise _bad("n", "the Responses API makes one output", code="unsupported")
         tools = tools_of(chat)
         params.grammar = grammar_of(chat, tools)
         prompt = (await _prompt_ids(chat, engine.tokenizer, tools))[0]
