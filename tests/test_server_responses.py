@@ -6,6 +6,7 @@ order; a background run outliving its creator's connection and ended by the shut
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -250,6 +251,13 @@ def test_foreground_disconnect_ends_the_request(client, server) -> None:
     assert r.status == "cancelled" and r.usage.output_tokens < 6000
 
 
+def test_a_deadline_ends_the_stream_with_one_failed_event(client) -> None:
+    events = list(client.responses.create(model=MODEL, input="Go on", max_output_tokens=6000, stream=True,
+                                          extra_body={"ignore_eos": True, "deadline": 0.2}))
+    check_sequence(events)
+    assert events[-1].type == "response.failed" and events[-1].response.error.code == "timeout"
+
+
 def test_delete(client) -> None:
     r = client.responses.create(model=MODEL, input="x", max_output_tokens=2)
     client.responses.delete(r.id)
@@ -319,6 +327,31 @@ def test_shutdown_fails_a_background_run(tiny_long_model_dir) -> None:
         assert last.type == "response.failed", last.type
         assert last.response.error.code == "server_shutdown" and "shut down" in last.response.error.message
         assert srv.proc.wait(20) == 0
+    finally:
+        srv.stop()
+
+
+def test_engine_death_ends_every_stream_with_one_failed_event(tiny_long_model_dir) -> None:
+    """vllm#55284: a stream whose engine dies still ends with its terminal event, foreground
+    and background."""
+    srv = ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", MODEL)
+    try:
+        srv.wait_ready()
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+        b = client.responses.create(model=MODEL, input="Go on", max_output_tokens=8000,
+                                    background=True, extra_body=LONG)
+        fore: list = []
+        with client.responses.retrieve(b.id, stream=True) as back, \
+                client.responses.create(model=MODEL, input="Go on", max_output_tokens=8000, stream=True,
+                                        extra_body=LONG) as s:
+            fore.append(next(iter(s)))
+            os.kill(srv.core_pid(), signal.SIGKILL)
+            fore += list(s)
+            behind = list(back)
+        for events in (fore, behind):
+            check_sequence(events)
+            assert events[-1].type == "response.failed", events[-1].type
+            assert events[-1].response.error.code == "engine_dead"
     finally:
         srv.stop()
 
