@@ -147,7 +147,7 @@ class Lifecycle:
         in_flight = self.kv.in_flight(req)
         if in_flight and req.inflight_samples:
             # The step in flight computes tokens this request will never deliver.
-            req.undelivered += req.inflight_samples
+            req.undelivered_in_flight += req.inflight_samples
             if req.aborted_at is not None:
                 self.stats.tokens_after_abort += req.inflight_samples
         if req.aborted_at is not None:

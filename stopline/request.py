@@ -235,8 +235,11 @@ class Request:
     epoch: int = 0  # bumped by every preemption: a step result for an older epoch is void
     aborted_at: float | None = None  # time.monotonic() of the accepted abort
     paused: bool = False  # its client's stream is full: it takes no step until read
-    num_recomputed: int = 0
+    # Tokens computed for it that the client never gets: those cut from its stream at an
+    # abort (the output side's count) and those of the step in flight when it ended (the
+    # lifecycle's): each field has one writer.
     undelivered: int = 0
+    undelivered_in_flight: int = 0
     # Speculative decoding's per-request counts (see Usage).
     spec_drafted: int = 0
     spec_accepted: int = 0
@@ -297,7 +300,7 @@ class Request:
             prompt_tokens=self.prompt_len,
             completion_tokens=self.sent_tokens,
             cached_tokens=self.num_cached,
-            undelivered_tokens=self.undelivered,
+            undelivered_tokens=self.undelivered + self.undelivered_in_flight,
             draft_tokens=self.spec_drafted,
             accepted_draft_tokens=self.spec_accepted,
             rejected_draft_tokens=self.spec_rejected,

@@ -21,6 +21,7 @@ import os
 import random
 import signal
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -195,9 +196,9 @@ def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int) -> Storm
             if hit or target == "any" and age[key] > patience or age[key] > 3 * patience + 30:
                 res.states_hit[state] += 1
                 res.aborted_at[key] = {i: len(res.got[key][i]) for i in range(4)}
-                eng.abort(inc_of[key], AbortSource.CANCEL)
+                eng.abort([inc_of[key]], AbortSource.CANCEL, time.monotonic())
                 if rng.random() < 0.2:
-                    eng.abort(inc_of[key], AbortSource.CANCEL)  # twice is the same as once
+                    eng.abort([inc_of[key]], AbortSource.CANCEL, time.monotonic())  # twice is the same as once
         for out in eng.step():
             key = job_of[out.incarnation].key
             res.got[key][out.index] += delivered(out)
@@ -213,11 +214,11 @@ def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int) -> Storm
                 if again is not None:
                     # The client's cancel raced the natural finish; it resubmits at once
                     # under the same caller id, and the late abort must not touch it.
-                    eng.abort(inc_of[key], AbortSource.CANCEL)
+                    eng.abort([inc_of[key]], AbortSource.CANCEL, time.monotonic())
                     send(again)
         steps += 1
         assert steps < 100_000, "the engine stopped making progress"
-    eng.abort("never-existed")  # unknown incarnation: a no-op
+    eng.abort(["never-existed"], AbortSource.CANCEL, time.monotonic())  # unknown incarnation: a no-op
     eng.step()
     eng.audit()
     assert eng.pool.num_used == 0, "blocks still owned after every request ended"
@@ -283,7 +284,7 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
             async def later() -> None:
                 await asyncio.sleep(delay)
                 res.aborted_at[job.key] = {i: len(res.got[job.key][i]) for i in range(4)}
-                engine.abort(inc, AbortSource.CANCEL)
+                engine.abort([inc], AbortSource.CANCEL, time.monotonic())
             cancel = asyncio.create_task(later())
         stream = await adding
         async for out in stream:
@@ -296,7 +297,7 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
         if cancel is not None:
             cancel.cancel()
         if job.race:  # cancel after the natural end, then the same caller id again
-            engine.abort(inc, AbortSource.CANCEL)
+            engine.abort([inc], AbortSource.CANCEL, time.monotonic())
 
     async def main() -> None:
         factory = make or (AsyncEngine.in_subprocess if subprocess else AsyncEngine.in_process)

@@ -25,7 +25,7 @@ from stopline.lifecycle import Lifecycle
 from stopline.request import Request
 from stopline.sched.plan import ScheduledChunk, StepPlan
 from stopline.sched.queues import Queues
-from stopline.sched.scheduler import Scheduler
+from stopline.sched.scheduler import Scheduler, landed
 from stopline.stats import StopStats
 from stopline.worker.runner import StepResult
 from stopline.worker.sampler import Sampled
@@ -149,7 +149,7 @@ class HandDriven:
         """The step's result: every sampling chunk draws `token`; blocks fenced by it return."""
         for ch in plan.chunks:
             req = ch.req
-            req.inflight_samples = req.inflight_tokens = 0
+            landed(req)
             if req.status.is_finished or req.epoch != ch.epoch:
                 continue
             self.kv.register(req)

@@ -3,6 +3,8 @@ path inside an accepted run, rewinds, and counters that stay true under cancel a
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from stopline.config import EngineConfig
@@ -11,7 +13,7 @@ from stopline.kv.block_pool import BlockPool
 from stopline.kv.manager import KVManager
 from stopline.lifecycle import Lifecycle
 from stopline.model.loaders.loader import load_model
-from stopline.request import FinishReason, Request, RequestStatus, SamplingParams
+from stopline.request import AbortSource, FinishReason, Request, RequestStatus, SamplingParams
 from stopline.sched.queues import Queues
 from stopline.sched.scheduler import Scheduler
 from stopline.server.format import UsageSum
@@ -222,7 +224,7 @@ def test_cancel_during_a_verify_step_delivers_none_of_it(tiny):
         if drafts and "drafts" not in seen:
             seen["drafts"] = len(drafts[0].drafts)
             seen["delivered"] = len(drafts[0].req.output_token_ids)
-            eng.abort(inc)  # lands while the step is in flight
+            eng.abort([inc], AbortSource.CANCEL, time.monotonic())  # lands while the step is in flight
         return result
 
     eng.runner.execute = cancelling  # type: ignore[method-assign]

@@ -23,7 +23,7 @@ from tests.scripted import HandDriven
 
 def run_until_idle(h: HandDriven, max_steps: int = 500) -> None:
     for _ in range(max_steps):
-        if not h.sched.has_work():
+        if not (h.queues.running or h.queues.waiting):
             return
         plan = h.plan()
         h.complete(plan)
@@ -144,7 +144,7 @@ def test_a_family_waiting_to_fork_is_waited_for_not_declared_infeasible():
             if len(q.output_token_ids) >= q.max_tokens:
                 h.lifecycle.finish(q, FinishReason.LENGTH)
         h.audit()
-        if not h.sched.has_work():
+        if not (h.queues.running or h.queues.waiting):
             break
     assert r.finish_reason is FinishReason.LENGTH, (r.finish_reason, r.stop_detail)
     assert len(r.output_token_ids) == 8, r.stop_detail  # not failed as "cannot hold" midway

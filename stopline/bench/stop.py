@@ -112,7 +112,7 @@ def run_jobs(loaded: LoadedModel, cfg: EngineConfig, jobs: list[Job], desc: str)
                    or j.abort_kind == "decode" and delivered[rid] >= j.abort_after)
             if due:
                 res.delivered_at_abort[rid] = delivered[rid]
-                eng.abort(inc[rid], AbortSource.CANCEL)
+                eng.abort([inc[rid]], AbortSource.CANCEL, time.monotonic())
                 del pending_abort[rid]
         for out in eng.step():
             delivered[out.request_id] += len(out.new_token_ids)

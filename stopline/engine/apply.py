@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from stopline.engine.families import detach_fork
 from stopline.engine.grammars import GrammarHolder
 from stopline.engine.output import OutputProcessor, Stop
 from stopline.kv.manager import KVManager
 from stopline.lifecycle import Lifecycle
 from stopline.request import FinishReason, Request, RequestStatus
+from stopline.sched import scheduler
 from stopline.sched.plan import ScheduledChunk
 from stopline.spec.drafts import Drafts
 from stopline.worker.sampler import Sampled
@@ -47,7 +49,7 @@ class StepApplier:
         samples: list[tuple[Request, Sampled | str]] = []
         for ch, out in zip(outcome.plan.chunks, outcome.chunks, strict=True):
             req = ch.req
-            req.inflight_samples = req.inflight_tokens = 0
+            scheduler.landed(req)
             if req.status is not RequestStatus.RUNNING or req.epoch != ch.epoch:
                 continue  # ended or preempted while the step ran: its result is void
             if ch.drafts:
@@ -148,10 +150,9 @@ class StepApplier:
         self.kv.fork(sample, leader)
         sample.num_computed = sample.prompt_len
         sample.num_cached = leader.num_cached
-        sample.last_scheduled_step = leader.last_scheduled_step
+        scheduler.forked(sample, leader)
         sample.prompt_logprobs = list(leader.prompt_logprobs)  # the prompt is the same
-        sample.fork_leader = None
-        leader.forks_pending.remove(sample)
+        detach_fork(sample)
 
     # ---- the text phase ---------------------------------------------------------------------
     def _to_text(self, req: Request, stop: Stop | None) -> None:

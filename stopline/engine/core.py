@@ -27,9 +27,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from stopline.config import EngineConfig, PreemptionMode
+from stopline.config import AttentionBackend, EngineConfig, PreemptionMode
 from stopline.engine.apply import StepApplier
-from stopline.engine.families import FamilyTable, new_family
+from stopline.engine.families import FamilyTable, check_request, new_family
 from stopline.engine.grammars import GrammarHolder
 from stopline.engine.inbox import Inbox
 from stopline.engine.output import OutputProcessor, RequestOutput
@@ -60,10 +60,12 @@ from stopline.worker.step import Forward, StepOutcome, StepWorker, Worker
 log = logging.getLogger("stopline.engine")
 
 _incarnations = itertools.count()
+# What a core is built from: a loaded model, a GGUF file or HF directory, or None (the embedded model).
+ModelSource = LoadedModel | str | None
 
 
 class EngineCore:
-    def __init__(self, model: LoadedModel | str | None = None, config: EngineConfig | None = None,
+    def __init__(self, model: ModelSource = None, config: EngineConfig | None = None,
                  *, progress: bool = True, runner: Forward | None = None,
                  worker: Worker | None = None, role: Role | None = None) -> None:
         """runner: run forwards with this instead of the model (tests drive the stop path
@@ -92,7 +94,7 @@ class EngineCore:
         if runner is None and worker is None:
             runner = ModelRunner.for_model(loaded, self.kv, cfg)
             self.model = runner.model
-        if self.model is None or self.model.attention == "torch":
+        if self.model is None or self.model.attention is AttentionBackend.TORCH:
             # Torch attention multiplies whole blocks by masked weights: unwritten slots must
             # hold zeros, not a freed block's NaN. The C kernel reads written slots only.
             self.pool.on_allocate = self.kv.zero
@@ -157,23 +159,8 @@ class EngineCore:
         if it can't be served: empty or over-long prompt, bad parameters, an incarnation in
         use."""
         params = params or SamplingParams()
-        params.validate()
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequest(f"n: {params.n} samples; the engine runs at most "
-                                 f"{self.config.max_num_seqs} sequences at once (max_num_seqs)")
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise InvalidRequest("prompt: must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequest(f"logit_bias: token id {max(params.logit_bias)} is outside the "
-                                 f"vocabulary (0..{vocab - 1})")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequest(f"prompt: {len(prompt)} tokens; the model's context is "
-                                 f"{self.max_model_len} tokens (prompt plus at least one new token)")
+        prompt = check_request(prompt_token_ids, params, self.model_config.vocab_size,
+                               self.max_model_len, self.config.max_num_seqs)
         need = -(-(len(prompt) + 1) // self.pool.block_size) + (params.n - 1)
         if need > self.pool.num_blocks:
             raise InvalidRequest(f"prompt: needs {need} KV blocks; the pool has {self.pool.num_blocks}")
@@ -184,11 +171,12 @@ class EngineCore:
             raise InvalidRequest(f"incarnation {inc!r} is already in use")
         return inc
 
-    def abort(self, incarnations: str | Iterable[str], source: AbortSource = AbortSource.CANCEL) -> None:
-        """Ask for requests to end with finish_reason 'abort'. An incarnation that ended is
-        ignored; one not added yet is aborted when it is; asking twice is the same as once."""
-        incs = [incarnations] if isinstance(incarnations, str) else list(incarnations)
-        self.inbox.abort(incs, source)
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
+        """Ask for requests to end with finish_reason 'abort' (t0: time.monotonic() when the
+        abort was asked). An incarnation that ended is ignored; one not added yet is aborted
+        when it is, if that is within EARLY_TTL seconds of t0; asking twice is the same as once."""
+        incs = list(incarnations)
+        self.inbox.abort(incs, source, t0)
         with self.inbox.lock:
             if self._inflight_ids and self._inflight_ids <= self.inbox.aborting:
                 self._interrupt.set()
@@ -227,7 +215,7 @@ class EngineCore:
             self._apply_aborts()  # aborts that arrived during the forward win: their rows are void
             if outcome is not None:
                 self.applier.apply(outcome)
-                self._observe(plan, t0)
+                self.drafts.observe([(c.num_tokens, len(c.drafts)) for c in plan.chunks], t0)
             self.kv_manager.step_processed(plan.step_id)  # blocks fenced by the step go back
         else:
             self._text_phase()
@@ -298,14 +286,6 @@ class EngineCore:
             self._ms_per_prefill_token = per_tok if prev is None else 0.7 * prev + 0.3 * per_tok
             self.lifecycle.ms_per_recomputed_token = self._ms_per_prefill_token
 
-    def _observe(self, plan: StepPlan, t0: float) -> None:
-        """The auto mode's cost of a step of decode and verify rows only (a prefill's rows
-        cost otherwise), sampling included: a verify samples its rows one by one."""
-        if not self.drafts.enabled or any(c.num_tokens > 1 + len(c.drafts) for c in plan.chunks):
-            return
-        ms = (time.perf_counter() - t0) * 1000
-        self.drafts.observe(len(plan.chunks), sum(len(c.drafts) for c in plan.chunks), ms)
-
     @property
     def _text_pending(self) -> list[Request]:
         return self.applier.text_pending
@@ -356,15 +336,13 @@ class EngineCore:
 
     def _pause_all(self, pauses: list[tuple[str, bool]]) -> None:
         for inc, paused in pauses:
-            fam = self.families.get(inc)
-            for m in fam.members if fam is not None else ():
-                m.paused = paused
+            self.families.pause(inc, paused)
 
-    def _abort_all(self, aborts: list[tuple[str, AbortSource]]) -> None:
-        for inc, source in aborts:
+    def _abort_all(self, aborts: list[tuple[str, AbortSource, float]]) -> None:
+        for inc, source, t0 in aborts:
             fam = self.families.get(inc)
             if fam is None:
-                self.inbox.keep_early(inc, source)
+                self.inbox.keep_early(inc, source, t0)
             else:
                 self._abort_family(fam, source)
 

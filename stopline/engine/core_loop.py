@@ -75,15 +75,14 @@ class CoreLoop:
         self._work.set()
         return inc
 
-    def abort(self, incarnations: Iterable[str], source: AbortSource, t0: float | None = None) -> None:
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
         incs = list(incarnations)
         now = time.monotonic()
         with self._lock:
             for inc in incs:
                 if inc not in self._pending:
-                    self._pending[inc] = _AbortClock(source.value, now if t0 is None else t0, now,
-                                                     self._step_no)
-            self.core.abort(incs, source)
+                    self._pending[inc] = _AbortClock(source.value, t0, now, self._step_no)
+            self.core.abort(incs, source, t0)
         self._work.set()
 
     def pause(self, incarnations: Iterable[str], paused: bool) -> None:

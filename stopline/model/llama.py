@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from stopline.config import AttentionBackend, Numerics
 from stopline.kv.decode_rows import DecodeRows, RowPlan
 from stopline.kv.kv_cache import KVCache, gather_blocks
 from stopline.model.attention import attend, attend_rows
@@ -79,8 +80,9 @@ def fast_weight(full: torch.Tensor, raw: dict[str, torch.Tensor]) -> BF16Weight 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, max_rows: int,
                  max_logit_rows: int, device: str = "cpu", linear_backend: str = "auto",
-                 blocks: Blocks | None = None, quant_max_rows: int = 0, attention: str = "torch",
-                 numerics: str = "exact") -> None:
+                 blocks: Blocks | None = None, quant_max_rows: int = 0,
+                 attention: AttentionBackend = AttentionBackend.TORCH,
+                 numerics: Numerics = Numerics.EXACT) -> None:
         """max_rows: most rows a step carries; max_logit_rows: most rows that need logits;
         linear_backend: see `batch_invariant.pick_backend`; attention: see
         `paged_attention.pick` (the chosen one is `self.attention`); blocks: the GGML blocks of
@@ -110,7 +112,7 @@ class LlamaModel:
 
         def linear(*names: str, rows: int = max_rows) -> InvariantLinear:
             full = torch.cat([w(n) for n in names])
-            if self.numerics == "fast":
+            if self.numerics is Numerics.FAST:
                 found = [blocks.get(n) for n in names]
                 raw = {}
                 for fmt in ("q4_1", "q8_0"):
@@ -182,10 +184,10 @@ class LlamaModel:
                 lin.heights()
                 lin.kc()  # each weight checks its own packing against the library once
         self.one_row_ok = all(lin.kc() is not None or lin.fast is not None for lin in linears)
-        if self.attention == "native" and self.config.plain_llama and DecoderLoop.supports(self):
+        if self.attention is AttentionBackend.NATIVE and self.config.plain_llama and DecoderLoop.supports(self):
             self.decoder = DecoderLoop(self)
         rms_norm(self.embed[:2], self.final_norm, self.config.rms_norm_eps)
-        if self.attention == "torch":
+        if self.attention is AttentionBackend.TORCH:
             attention_probe(self.embed.device.type)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

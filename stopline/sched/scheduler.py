@@ -38,13 +38,6 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.queues.add(req)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.queues.waiting)
-
-    def has_work(self) -> bool:
-        return bool(self.queues.running) or bool(self.queues.waiting)
-
     # ---- the step -----------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         q = self.queues
@@ -217,10 +210,20 @@ class Scheduler:
             if req.status is RequestStatus.WAITING:
                 req.num_cached = req.num_computed
             else:
-                redo = req.num_tokens - req.num_computed
-                req.num_recomputed += redo
-                self.lifecycle.stats.recomputed_tokens += redo
+                self.lifecycle.stats.recomputed_tokens += req.num_tokens - req.num_computed
         q.start(req)
         for r in (req, *req.forks_pending):
             r.move_to(RequestStatus.RUNNING)
         return True
+
+
+# The scheduler's per-request marks (Request.inflight_*, last_scheduled_step) change only
+# here: the applier calls these when a step's results arrive and when a sample forks.
+def landed(req: Request) -> None:
+    """The step that scheduled req has come back: nothing of req is in flight any more."""
+    req.inflight_samples = req.inflight_tokens = 0
+
+
+def forked(sample: Request, leader: Request) -> None:
+    """sample leaves its leader: from now on it is fenced by its own steps, from the leader's last."""
+    sample.last_scheduled_step = leader.last_scheduled_step

@@ -123,7 +123,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
                     logprobs=params.logprobs is not None)
     fmt.prompt_tokens = prompt_len
 
-    def abort(t0: float) -> None:
+    def disconnected(t0: float) -> None:
         log.info("%s: client disconnected (request id %s)", rid, trace)
         group.end(AbortSource.DISCONNECT, t0)
         group.detach()
@@ -134,7 +134,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
             # A grammar compiles in the engine; one that can't be (invalid, too big, too slow)
             # is a 400 before the stream's first byte, as without streaming, not a 200 stream
             # that ends in an error. So the response starts with the first output.
-            peeked = await _first_output(request, group, abort)
+            peeked = await _first_output(request, group, disconnected)
             if peeked is None:
                 return Response(status_code=499)  # client closed the request
             first = peeked.first
@@ -145,9 +145,9 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
                 group.detach()
                 raise refused
             outputs = peeked
-        return SSEResponse(_events(outputs, fmt, srv, trace), on_disconnect=abort, wake=group.detach,
+        return SSEResponse(_events(outputs, fmt, srv, trace), on_disconnect=disconnected, wake=group.detach,
                            headers=_headers(rid, trace))
-    return await _whole(request, group, fmt, abort, _headers(rid, trace))
+    return await _whole(request, group, fmt, disconnected, _headers(rid, trace))
 
 
 _TRACE_CHARS = 128

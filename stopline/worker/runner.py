@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stopline.config import EngineConfig
+from stopline.config import AttentionBackend, EngineConfig
 from stopline.kv.decode_rows import DecodeRows
 from stopline.kv.kv_cache import KVCache
 from stopline.model.attention import KEY_TILE
@@ -54,7 +54,7 @@ class ModelRunner:
         # attention never pads the gathered keys and values with another copy.
         self.tile_blocks = KEY_TILE // self.bs if KEY_TILE % self.bs == 0 else 1
         self.rows: DecodeRows | None = None
-        self.paged = model.attention == "native"  # reads the cache in place: no rows to keep
+        self.paged = model.attention is AttentionBackend.NATIVE  # reads the cache in place: no rows to keep
         share = CpuShare() if config.adapt_threads and self.device == "cpu" else None
         self.threads = ThreadPolicy(torch.get_num_threads(), share)
         if config.decode_rows and not self.paged:
