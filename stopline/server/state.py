@@ -15,6 +15,7 @@ from stopline.engine.async_engine import AsyncEngine
 from stopline.server.errors import ApiError
 from stopline.server.format import TokenText
 from stopline.server.metrics import ServerMetrics
+from stopline.server.store import ResponseStore
 
 log = logging.getLogger("stopline.server")
 
@@ -32,6 +33,10 @@ class ServerSettings:
     # After the engine core dies: keep answering (503, /health unhealthy) this long so that
     # open streams get their error event and probes see why, then exit EXIT_CORE_DIED.
     dead_exit_delay: float = 2.0
+    # /v1/responses: stored responses kept at most (oldest ended first; also the most
+    # background runs at once), and seconds one is kept after it ended.
+    responses_max_stored: int = 1000
+    responses_ttl_s: float = 3600.0
 
 
 class ServerState:
@@ -47,6 +52,7 @@ class ServerState:
         self.request_exit: Callable[[int], None] = lambda code: None  # set by the runner
         self.created = int(time.time())
         self._token_text: TokenText | None = None
+        self.responses = ResponseStore(settings.responses_max_stored, settings.responses_ttl_s)
 
     @property
     def model_name(self) -> str:
