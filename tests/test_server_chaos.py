@@ -2,7 +2,8 @@
 batched prompts with n > 1, cancels by the response id on both endpoints (single and bulk)
 and by disconnect, tool-call streams cancelled or dropped mid-call, all at once on a pool
 small enough that requests are preempted, with async scheduling and the audit after every
-step (STOPLINE_DEBUG=1).
+step (STOPLINE_DEBUG=1). Half the jobs run under one of two LoRA adapters (`model: NAME`), so
+rows of different adapters and the base share the storm's steps.
 
 Checked: every choice of every stream gets exactly one finish_reason and nothing after it,
 never `error`; a survivor's text (or tool call) equals the same prompt served alone; a
@@ -40,6 +41,7 @@ WEATHER = {"type": "function", "function": {
 ACTIONS = ("none", "none", "disconnect", "cancel", "bulk_cancel")
 RESPONSE_ACTIONS = ("none", "disconnect", "cancel", "cancel")
 TERMINAL = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+ADAPTERS = ("fr", "de")  # random LoRA adapters the server loads with --lora
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Job:
 
 def make_jobs(seed: int, count: int) -> list[Job]:
     rng = random.Random(seed)
+    models = random.Random(seed + 1)  # its own draws: the jobs' stay as they were
     jobs = []
     for _ in range(count):
         action, after = rng.choice(ACTIONS), rng.randrange(1, 6)
@@ -75,6 +78,7 @@ def make_jobs(seed: int, count: int) -> list[Job]:
                     "tools": [WEATHER], "tool_choice": "required",
                     "messages": [{"role": "user", "content": f"What is the weather in {city}?"}]}
             jobs.append(Job("tool", body, action, after))
+        jobs[-1].body["model"] = models.choice([MODEL, MODEL, *ADAPTERS])
     return jobs
 
 
@@ -191,11 +195,15 @@ async def solo(http: httpx.AsyncClient, job: Job) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf, stopline_cache_dir):
+def server(smollm2_gguf, smollm2, stopline_cache_dir, tmp_path_factory):
+    from stopline.bench.lora import write_adapter
+
+    root = tmp_path_factory.mktemp("storm_loras")
+    loras = [f"{n}={write_adapter(root / n, smollm2.config, rank=8, seed=i)}" for i, n in enumerate(ADAPTERS)]
     # 24 blocks of 16 tokens, admitting into any free room: a few jobs' worth, so the storm
     # preempts (and the largest job, 2 samples of 128 tokens, still fits alone).
     srv = ServerProcess("--num-blocks", "24", "--admission-lookahead", "0", "--async-scheduling",
-                        "--preemption-mode", "auto",
+                        "--preemption-mode", "auto", "--max-lora-rank", "8", "--lora", *loras,
                         env={"STOPLINE_CACHE_DIR": str(stopline_cache_dir), "STOPLINE_DEBUG": "1"})
     try:
         srv.wait_ready(timeout=240)
@@ -239,9 +247,13 @@ def test_server_storm(server):
                     f"{where}[{i}]: ended {reasons[0]} after its request was cancelled"
                 assert got == full, f"{where}[{i}]: {got!r} != alone {full!r}"
     assert aborted > 0
+    assert {j.body["model"] for j in jobs} == {MODEL, *ADAPTERS}
     m = server.metrics()
     assert m["stopline_responses_background_running"] == 0
     assert m['stopline_responses_ended_total{status="cancelled"}'] > 0
+    for name in ADAPTERS:
+        assert m[f'stopline_lora_references{{adapter="{name}"}}'] == 0
+        assert m[f'stopline_lora_requests_total{{adapter="{name}"}}'] > 0
     assert total(m, "stopline_preemptions_total") > 0, {k: v for k, v in m.items() if "preempt" in k}
 
 

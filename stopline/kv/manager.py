@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from stopline.kv.block_pool import BlockPool, LedgerError, extend_hashes
@@ -183,6 +183,10 @@ class KVManager:
         self._seq(req).computed = computed
         self.trim(req)
 
+        # What a request's K/V depends on besides its tokens (its LoRA adapter's load): blocks
+        # are shared only within one salt. The engine sets it; None for every request here.
+        self.salt: Callable[[Request], Hashable] = lambda req: None
+
     # ---- counts -------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
@@ -221,7 +225,7 @@ class KVManager:
         every step until it fits."""
         hashes = self._seq(req).hashes
         if len(hashes) < n_blocks:
-            extend_hashes(hashes, req.all_token_ids, self.block_size, n_blocks)
+            extend_hashes(hashes, req.all_token_ids, self.block_size, n_blocks, self.salt(req))
         return hashes[:n_blocks]
 
     def admit(self, req: Request, reserve: int) -> bool:
