@@ -96,6 +96,9 @@ class KVManager:
         self.last_processed_step = -1
         # Every request with KV state, from its first lookup or admission to its release.
         self.seqs: dict[Request, SeqKV] = {}
+        # What a request's K/V depends on besides its tokens (its LoRA adapter's load): blocks
+        # are shared only within one salt. The engine sets it; None for every request here.
+        self.salt: Callable[[Request], Hashable] = lambda req: None
 
     # ---- a request's state, read through the manager ------------------------------------
     def _seq(self, req: Request) -> SeqKV:
@@ -183,9 +186,6 @@ class KVManager:
         self._seq(req).computed = computed
         self.trim(req)
 
-        # What a request's K/V depends on besides its tokens (its LoRA adapter's load): blocks
-        # are shared only within one salt. The engine sets it; None for every request here.
-        self.salt: Callable[[Request], Hashable] = lambda req: None
 
     # ---- counts -------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
