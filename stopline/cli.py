@@ -128,6 +128,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds open requests may run before they are aborted")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    g.add_argument("--responses-max-stored", type=int, default=1000,
+                   help="/v1/responses: stored responses kept at most, oldest ended first (also "
+                        "the most background responses running at once)")
+    g.add_argument("--responses-ttl-s", type=float, default=3600.0,
+                   help="/v1/responses: seconds a stored response is kept after it ended")
     g.add_argument("--core-threads", type=int, default=None,
                    help="torch threads in the engine-core process (default: all CPUs but one "
                         "when there are more than two, so aborts are taken in at once)")
@@ -166,8 +171,11 @@ def serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, queue_timeout=args.queue_timeout,
-        drain_timeout=args.drain_timeout, loras=_loras(args.lora),
+        drain_timeout=args.drain_timeout, responses_max_stored=args.responses_max_stored,
+        responses_ttl_s=args.responses_ttl_s, loras=_loras(args.lora),
         lora_unload_policy=args.lora_unload_policy)
+    if args.responses_max_stored < 1 or args.responses_ttl_s <= 0:
+        raise SystemExit("--responses-max-stored must be at least 1 and --responses-ttl-s above 0")
     engine = None
     if args.disagg and (args.replicas is not None or args.in_process):
         raise SystemExit("--disagg runs its own two engine processes: it does not combine with "

@@ -239,7 +239,7 @@ def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int,
             if job.abort is None or key in res.aborted_at:
                 continue
             fam = eng.families.get(inc_of[key])
-            state = state_name(fam.members[0]) if fam is not None else "waiting"
+            state = state_name(fam.members[0], eng.kv_manager) if fam is not None else "waiting"
             target, patience = job.abort
             if state != "waiting" or target == "waiting":
                 age[key] += 1  # patience runs from admission, or the backlog would decide

@@ -242,3 +242,31 @@ def test_a_refusing_ack_errors_the_prefill_copy(pair):
     pair.settle()
     pair.assert_idle()
     assert any(o.finish_reason is FinishReason.ERROR and "test refusal" in o.stop_detail for o in pair.p_out)
+
+
+def test_a_sliding_window_split_ships_only_live_blocks(tmp_path_factory):
+    """Tiny Mistral (window 16, blocks of 4): the prefill side slides past a long prompt's
+    first blocks as its chunks land and ships the rest; the decode side imports them at their
+    offset, finds them as a window hit, and decodes what one engine does."""
+    from tests.tiny_families import make_family_dir
+
+    windowed = load_model(str(make_family_dir(tmp_path_factory.mktemp("split_window"), "mistral_window")),
+                          progress=False)
+    prompts = random_prompts(3, [30, 45, 61], seed=4)
+    reqs = [(f"g{i}", p, greedy(8)) for i, p in enumerate(prompts)]
+    want = _single(windowed, reqs)
+    pair = make_pair(windowed)
+    try:
+        for rid, prompt, params in reqs:
+            pair.add(rid, prompt, params)
+        pair.settle()
+        pair.assert_idle()
+        assert pair.p.kv_manager.window == 16 and pair.p.lifecycle.stats.window_freed_blocks > 0
+        full = sum((len(p) - 1) // 4 for p in prompts)
+        assert 0 < pair.d.role.imported_blocks < full  # live blocks only
+        for key, r in want.items():
+            assert pair.out[key].token_ids == r.token_ids, key
+            # The decode side computed only the tail: the shipped blocks were a window hit.
+            assert pair.out[key].usage.cached_tokens == (len(prompts[int(key[0][1:])]) - 1) // 4 * 4, key
+    finally:
+        pair.close()

@@ -22,9 +22,9 @@ REQUEST_NAMES = frozenset({"req", "request", "sample", "leader", "m", "r", "memb
 MUTATORS = frozenset({"append", "extend", "clear", "pop", "insert", "remove", "sort", "reverse",
                       "update", "add", "discard"})
 
-# PENDING, not exceptions: the KV manager takes the block tables and KV counters (issue 42,
-# item 3, branch h-kv). Its merge empties this; nothing else may be listed here.
-PENDING_KV = frozenset({"num_computed", "num_cached", "swap_slots"})
+# The block tables and KV counters are not Request's: the KV manager owns them
+# (kv/manager.py SeqKV; tests/test_kv_owner.py). Nothing may be listed here.
+PENDING_KV: frozenset[str] = frozenset()
 
 Writers = dict[str, dict[str, list[int]]]
 

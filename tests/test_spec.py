@@ -47,8 +47,9 @@ def check_rewound(engine: EngineCore, _step: int) -> None:
     """After every step a decoding request's table covers exactly its computed tokens: the
     blocks only rejected drafts opened went back in the step that rejected them."""
     for r in engine.live_requests():
-        if r.status is RequestStatus.RUNNING and not r.is_prefilling and r.fork_leader is None:
-            assert len(r.block_ids) == engine.kv_manager.blocks_for(r.num_computed), r.incarnation
+        kv = engine.kv_manager
+        if r.status is RequestStatus.RUNNING and not kv.prefilling(r) and r.fork_leader is None:
+            assert len(kv.table(r)) == kv.blocks_for(kv.computed(r)), r.incarnation
 
 
 # ---- units ----------------------------------------------------------------------------------
@@ -136,7 +137,8 @@ def test_preemption_drops_the_drafts_in_flight():
     req = Request("a", LOOP[:12], SamplingParams(max_tokens=20, temperature=0.0), incarnation="a")
     sched.add(req)
     plan = sched.schedule()  # the prefill
-    req.inflight_samples = req.inflight_tokens = 0
+    req.inflight_samples = 0
+    kv.landed(req)
     req.output_token_ids.append(LOOP[12])  # its first token continues the loop
     kv.step_processed(plan.step_id)
     plan = sched.schedule()

@@ -41,6 +41,7 @@ from tests.chaos_support import (
     storm_config,
     untimed,
 )
+from tests.tiny_families import make_family_dir
 from tests.tiny_model import make_tiny_gguf, make_tiny_llama_dir
 
 COUNT = 400
@@ -417,3 +418,31 @@ def test_grammar_that_cannot_advance_ends_error_in_that_step(tiny):
     assert outs[other][-1].finish_reason is FinishReason.LENGTH
     eng.audit()
     eng.grammar.close()
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A sliding-window model (tiny Mistral, window 16: four blocks of 4)."""
+    d = make_family_dir(tmp_path_factory.mktemp("chaos_window"), "mistral_window")
+    return load_model(str(d), progress=False)
+
+
+@pytest.mark.parametrize("mode,async_scheduling", [("swap", True), ("recompute", False), ("auto", True)])
+def test_storm_on_a_sliding_window_model(windowed, mode, async_scheduling):
+    """The storm on a model whose blocks go back as its window slides past them, while
+    cancels (mid-prefill too), n > 1 families and preemption by swap and recompute run; the
+    engine audits the ledger and its per-request tables after every step (debug)."""
+    work = make_workload(seed=23, count=160, vocab=windowed.config.vocab_size)
+    ref = run_reference(windowed, work)
+    # A pool of 20 blocks: the window gives blocks back, so that 40 would rarely run dry.
+    config = dataclasses.replace(storm_config(mode, async_scheduling), num_blocks=20)
+    res = run_storm(windowed, work, config, seed=9)
+    stats = res.engine.lifecycle.stats
+    assert res.engine.kv_manager.window == 16 and stats.window_freed_blocks > 50, stats.window_freed_blocks
+    assert sum(stats.preemptions.values()) > 10, stats.preemptions
+    if mode != "recompute":
+        assert stats.preemptions["swap"] > 0
+    assert res.states_hit["prefilling"] > 0 and res.states_hit["running"] > 0, dict(res.states_hit)
+    assert any(j.params.n > 1 for j in work)
+    assert check_storm(work, ref, res) > 30
+    assert stats.finished.get("error", 0) == 0

@@ -9,6 +9,8 @@ import torch
 
 from stopline.config import EngineConfig, VictimPolicy
 from stopline.engine.core import EngineCore
+from stopline.kv.block_pool import BlockPool
+from stopline.kv.manager import KVManager, SeqKV
 from stopline.model.loaders.loader import load_model
 from stopline.request import (
     AbortSource,
@@ -19,6 +21,7 @@ from stopline.request import (
     SamplingParams,
 )
 from stopline.sched.victims import pick_victim
+from stopline.stats import StopStats
 from tests.tiny_model import make_tiny_llama_dir
 
 GREEDY = dict(temperature=0.0)
@@ -137,12 +140,16 @@ def test_abort_mid_chunked_prefill_stops_at_chunk_boundary(tiny):
     inc = eng.add_request("long", long_prompt, SamplingParams(max_tokens=4, **GREEDY))
     eng.step()
     req = eng.families.get(inc).members[0]
-    assert 0 < req.num_computed < len(long_prompt)  # mid-prefill
+    assert 0 < eng.kv_manager.computed(req) < len(long_prompt)  # mid-prefill
+    assert eng.kv_manager.computed(req) == 8
     eng.abort([inc], AbortSource.CANCEL, time.monotonic())
     outs = eng.step()
     assert outs[0].finish_reason is FinishReason.ABORT
     assert eng.lifecycle.stats.aborts[("cancel", "prefilling")] == 1
-    assert req.num_computed == 8, "the aborted request took part in another chunk"
+    # Its KV state went with it; quiet at once: it took part in no other chunk.
+    assert not eng.kv_manager.holds(req)
+    assert eng.lifecycle.stats.abort_to_quiet_steps.counts[:2] == [1, 0], \
+        "the aborted request took part in another chunk"
     assert eng.pool.num_used == 0
     assert eng.pool.num_cached == 2  # its computed full blocks stay in the prefix cache
 
@@ -198,8 +205,9 @@ def test_family_abort_and_id_reuse(tiny):
     for _ in range(4):
         collect(eng.step(), res)
     members = eng.families.get(fam).members
-    shared = set(members[0].block_ids[: len(PROMPT) // 4])
-    assert all(shared <= set(m.block_ids) for m in members)  # prompt blocks shared
+    kv = eng.kv_manager
+    shared = set(kv.table(members[0])[: len(PROMPT) // 4])
+    assert all(shared <= set(kv.table(m)) for m in members)  # prompt blocks shared
     assert all(eng.pool.refcount[b] == 3 for b in shared)
     eng.abort([fam], AbortSource.CANCEL, time.monotonic())
     collect(eng.step(), res)
@@ -358,19 +366,19 @@ def test_stop_check_exception_fails_only_its_request(tiny):
     assert res[("good", 0)]["terminal"][0].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
 
 
-def _req(arrival, computed, out, prompt=8, priority=0, blocks=()):
+def _req(kv, arrival, computed, out, prompt=8, priority=0, blocks=()):
     r = Request("x", list(range(prompt)), SamplingParams(priority=priority), arrival=arrival)
-    r.num_computed = computed
     r.output_token_ids = list(range(out))
-    r.block_ids = list(blocks)
+    kv.seqs[r] = SeqKV(block_ids=list(blocks), computed=computed)  # as if admitted so
+    kv.pool.touch(blocks)
     return r
 
 
 def test_victim_policies():
-    a = _req(1.0, computed=40, out=30, prompt=10, blocks=range(0, 10))
-    b = _req(2.0, computed=12, out=2, prompt=10, blocks=range(10, 13), priority=5)
-    c = _req(3.0, computed=20, out=2, prompt=18, blocks=range(13, 18))
-    refc = [1] * 32
+    refc = KVManager(BlockPool(32, 4), None, None, StopStats())
+    a = _req(refc, 1.0, computed=40, out=30, prompt=10, blocks=range(0, 10))
+    b = _req(refc, 2.0, computed=12, out=2, prompt=10, blocks=range(10, 13), priority=5)
+    c = _req(refc, 3.0, computed=20, out=2, prompt=18, blocks=range(13, 18))
     assert pick_victim(VictimPolicy.NEWEST, [a, b, c], 1, refc) is c
     assert pick_victim(VictimPolicy.FEWEST_OUTPUT, [a, b, c], 1, refc) is c  # tie on outputs: longest prompt
     assert pick_victim(VictimPolicy.LONGEST_OUTPUT, [a, b, c], 1, refc) is a
@@ -400,10 +408,10 @@ def test_prefill_budget_shrinks_beside_decodes(tiny):
     eng.add_request("long", list(range(3, 63)), SamplingParams(max_tokens=2, **GREEDY))
     eng.step()
     long_req = eng.families.find("long").members[0]
-    assert long_req.num_computed == 8
+    assert eng.kv_manager.computed(long_req) == 8
     eng.abort([short], AbortSource.CANCEL, time.monotonic())
     eng.step()  # the abort frees the step of decodes: the cap no longer applies
-    assert long_req.num_computed == 8 + 52
+    assert eng.kv_manager.computed(long_req) == 8 + 52
     drain(eng)
 
 

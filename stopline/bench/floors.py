@@ -234,7 +234,7 @@ def linears_in_step(engine, n: int, warm: int, steps: int) -> dict:
     for _ in range(warm):
         engine.step()
     for _ in range(1000):  # every step timed below is n decode rows
-        if not any(r.is_prefilling for r in engine.live_requests()):
+        if not any(engine.kv_manager.prefilling(r) for r in engine.live_requests()):
             break
         engine.step()
     head, head_s = model.lm_head, [0.0]

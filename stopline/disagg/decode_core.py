@@ -127,11 +127,12 @@ class DecodeRole(Role):
             return
         n = split_blocks(req.prompt_len, core.pool.block_size)
         try:
-            if len(head.refs) != n:
-                raise ValueError(f"{len(head.refs)} blocks sent, {n} expected")
+            if not 0 <= head.first <= n or len(head.refs) != n - head.first:
+                raise ValueError(f"{len(head.refs)} blocks sent from block {head.first}, {n} expected")
             got = core.kv_manager.import_prefix(
                 req.prompt_token_ids, n,
-                lambda blocks: write(core.kv, self.epochs, self.epochs.refs(blocks), head, data))
+                lambda blocks: write(core.kv, self.epochs, self.epochs.refs(blocks), head, data),
+                first=head.first)
         except Exception as exc:  # StaleBlock, BadTransfer, a shape mismatch: never decode it
             core.lifecycle.fail(req, FinishReason.ERROR, f"KV transfer failed: {exc}")
             self.link.send(Ack(inc, f"KV transfer failed: {exc}"))

@@ -30,6 +30,7 @@ from stopline.engine.core import EngineCore, ModelSource
 from stopline.engine.families import hold
 from stopline.engine.role import Role
 from stopline.kv.block_pool import LedgerError
+from stopline.kv.manager import HOLE
 from stopline.lifecycle import Holder
 from stopline.request import FinishReason, Request
 
@@ -113,8 +114,10 @@ class PrefillRole(Role):
 
     def prefilled(self, req: Request) -> bool:
         n = len(req.prompt_token_ids) // self.core.pool.block_size
-        refs = self.epochs.refs(req.block_ids[:n])
-        frames = pack(req.incarnation, self.core.kv, self.epochs, refs)
+        table = self.core.kv_manager.table(req)[:n]
+        first = sum(1 for b in table if b == HOLE)  # a sliding window's passed blocks: not sent
+        refs = self.epochs.refs(list(table[first:]))
+        frames = pack(req.incarnation, self.core.kv, self.epochs, refs, first)
         self.sending.start(req, refs)
         hold(req)  # holds its blocks, takes no step
         self.link.send_kv(req.incarnation, frames)

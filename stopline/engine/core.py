@@ -37,7 +37,7 @@ from stopline.engine.output import OutputProcessor, RequestOutput
 from stopline.engine.role import Role
 from stopline.kv.block_pool import BlockPool, LedgerError
 from stopline.kv.kv_cache import KVCache, SwapSpace
-from stopline.kv.manager import KVManager
+from stopline.kv.manager import KVManager, group_window
 from stopline.lifecycle import Holder, Lifecycle
 from stopline.model.decoder_native import StepInterrupt
 from stopline.model.llama import LlamaModel, StepInterrupted
@@ -104,9 +104,11 @@ class EngineCore:
         self.stats = StopStats()
         self.kv_manager = KVManager(self.pool, self.kv, swap, self.stats,
                                     prefix_caching=cfg.enable_prefix_caching,
-                                    keep_aborted_prefix=cfg.keep_aborted_prefix)
+                                    keep_aborted_prefix=cfg.keep_aborted_prefix,
+                                    window=group_window(mc.layer_windows))
         self.queues = Queues()
-        self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len,
+                                       cached=self.kv_manager.cached)
         self.families = FamilyTable()
         self.grammar = GrammarHolder(self.tokenizer, mc.vocab_size, deadline_s=cfg.grammar_deadline,
                                      max_rows=cfg.max_num_seqs)
@@ -123,8 +125,6 @@ class EngineCore:
         if self.worker.rows is not None:
             holders.append(self.worker.rows)
         holders.append(self.families)
-        if swap is not None:
-            holders.append(swap)
         self.role = role or Role()
         holders += self.role.bind(self)  # the role's holders: after the core's, before the blocks
         holders.append(self.kv_manager)
@@ -169,8 +169,8 @@ class EngineCore:
                                self.max_model_len, self.config.max_num_seqs)
         if params.lora is not None and not self.adapters.serves(params.lora):
             raise UnknownAdapter(f"model: {params.lora!r} is neither the base model nor a loaded adapter")
-        need = -(-(len(prompt) + 1) // self.pool.block_size) + (params.n - 1)
-        if need > self.pool.num_blocks:
+        if not self.kv_manager.fits(len(prompt), params.n - 1):
+            need = self.kv_manager.admit_need(len(prompt), params.n - 1)
             raise InvalidRequest(f"prompt: needs {need} KV blocks; the pool has {self.pool.num_blocks}")
         inc = incarnation if incarnation is not None else f"{request_id}#{next(_incarnations)}"
         family = new_family(request_id, prompt, params, time.monotonic() if arrival is None else arrival,

@@ -86,12 +86,12 @@ def take_snapshot(core: EngineCore) -> Snapshot:
     complete = budget >= 0
     live = []
     for req in core.live_requests():
-        state = state_name(req)
+        state = state_name(req, core.kv_manager)
         gauges[_GAUGE.get(state, "running")] += 1
         if len(live) >= LIVE_ROWS:
             complete = False
             continue
-        blocks = req.block_ids
+        blocks = core.kv_manager.live_blocks(req)
         budget -= len(blocks)
         if budget < 0:
             complete = False

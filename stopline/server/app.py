@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from stopline import __version__
 from stopline.request import AbortSource
-from stopline.server import batch, console, errors, memtrace, tokenize
+from stopline.server import batch, console, errors, memtrace, responses, tokenize
 from stopline.server.errors import ApiError
 from stopline.server.protocol import CancelRequest, LoadLoraRequest, UnloadLoraRequest, parse
 from stopline.server.serving import create, read_body
@@ -28,6 +28,8 @@ def build_app(state: ServerState) -> FastAPI:
         loading = asyncio.create_task(state.start_engine(), name="stopline-start")
         yield
         loading.cancel()
+        # Background responses still going end as failed (shutdown), before the engine goes.
+        await state.responses.close("the server shut down")
         await state.engine.close()
 
     app = FastAPI(title="stopline", version=__version__, lifespan=lifespan,
@@ -36,6 +38,7 @@ def build_app(state: ServerState) -> FastAPI:
     errors.install(app)
     console.install(app, state)
     memtrace.install(app)  # STOPLINE_TRACEMALLOC only
+    responses.install(app, state)  # /v1/responses (responses.py)
     engine = state.engine
 
     @app.get("/health")

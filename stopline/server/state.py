@@ -17,6 +17,7 @@ from stopline.engine.messages import Utility
 from stopline.server.errors import ApiError
 from stopline.server.format import TokenText
 from stopline.server.metrics import ServerMetrics
+from stopline.server.store import ResponseStore
 
 log = logging.getLogger("stopline.server")
 
@@ -34,6 +35,10 @@ class ServerSettings:
     # After the engine core dies: keep answering (503, /health unhealthy) this long so that
     # open streams get their error event and probes see why, then exit EXIT_CORE_DIED.
     dead_exit_delay: float = 2.0
+    # /v1/responses: stored responses kept at most (oldest ended first; also the most
+    # background runs at once), and seconds one is kept after it ended.
+    responses_max_stored: int = 1000
+    responses_ttl_s: float = 3600.0
     loras: dict[str, str] | None = None  # adapters to load at start: name -> path
     lora_unload_policy: str = "wait"  # an unload's policy when its body names none
 
@@ -51,6 +56,7 @@ class ServerState:
         self.request_exit: Callable[[int], None] = lambda code: None  # set by the runner
         self.created = int(time.time())
         self._token_text: TokenText | None = None
+        self.responses = ResponseStore(settings.responses_max_stored, settings.responses_ttl_s)
         # The adapters served as models: name -> path. The core's set is the truth (it refuses
         # a request whose adapter went meanwhile); this is the front end's copy for /v1/models
         # and the 404 before anything is queued.

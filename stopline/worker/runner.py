@@ -63,7 +63,8 @@ class ModelRunner:
             pool_bytes = sum(t.numel() * t.element_size() for t in kv.k + kv.v)
             self.rows = DecodeRows(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.bs, KEY_TILE,
                                    max_rows=config.max_num_seqs, max_bytes=2 * pool_bytes,
-                                   verify=config.debug, device=self.device)
+                                   verify=config.debug, device=self.device,
+                                   null_block=kv.null_block)
 
     @classmethod
     def for_model(cls, loaded: LoadedModel, kv: KVCache, config: EngineConfig) -> ModelRunner:
@@ -76,6 +77,11 @@ class ModelRunner:
                            numerics=cfg.numerics)
         model.calibrate()
         return cls(model, kv, config)
+
+    def _table(self, ch: ScheduledChunk, nb: int) -> list[int]:
+        """ch's first nb table entries; those a sliding window passed (HOLE, given back) point
+        at the zero block: the window masks them, and a given-back block may be anyone's."""
+        return [b if b >= 0 else self.kv.null_block for b in ch.block_ids[:nb]]
 
     def _width(self, nb: int) -> int:
         return -(-nb // self.tile_blocks) * self.tile_blocks
@@ -152,8 +158,9 @@ class ModelRunner:
         table_at: list[int] = []
         for ch in chunks:
             table_at += [len(tables)] * ch.num_tokens
-            tables += ch.block_ids[: (ch.start + ch.num_tokens + self.bs - 1) // self.bs]
-        if tables and not 0 <= min(tables) <= max(tables) < self.kv.num_blocks:
+            tables += self._table(ch, (ch.start + ch.num_tokens + self.bs - 1) // self.bs)
+        # The zero block (num_blocks: holes a sliding window left) is inside the tensors.
+        if tables and not 0 <= min(tables) <= max(tables) <= self.kv.num_blocks:
             # The kernel reads where the tables point: a bad entry would read out of bounds.
             raise RuntimeError(f"a block table points outside the KV pool of {self.kv.num_blocks} blocks")
         return self._inputs(r, prefills=[], decode=None,
@@ -172,13 +179,13 @@ class ModelRunner:
             end = ch.start + ch.num_tokens
             if ch.num_tokens == 1:
                 dec_rows.append(row0)
-                dec_tables.append(ch.block_ids[: (end + bs - 1) // bs])
+                dec_tables.append(self._table(ch, (end + bs - 1) // bs))
                 dec_lens.append(end)
                 dec_keys.append(ch.req.internal_id)
             else:
                 nb = (end + bs - 1) // bs
                 width = self._width(nb)
-                table = torch.tensor(ch.block_ids[:nb] + [self.kv.null_block] * (width - nb), dtype=torch.long)
+                table = torch.tensor(self._table(ch, nb) + [self.kv.null_block] * (width - nb), dtype=torch.long)
                 row_pos = torch.arange(ch.start, end)
                 masked = torch.arange(width * bs)[None, :] > row_pos[:, None]  # causal
                 prefills.append(PrefillSeq(row0, row0 + ch.num_tokens, table.to(self.device),
