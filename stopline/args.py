@@ -60,6 +60,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-max-rows", type=int, default=EngineConfig.quant_max_rows,
                    help="batches of up to this many rows read a GGUF's Q4_1/Q8_0 weights in their "
                         "blocks through stopline's C kernel (same bits as float32; 0: never)")
+    g.add_argument("--max-loras", type=int, default=EngineConfig.max_loras,
+                   help="most LoRA adapters loaded at once (docs/lora.md)")
+    g.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank,
+                   help="highest rank a LoRA adapter may have; a higher one is refused")
     g.add_argument("--numerics", default=EngineConfig.numerics.value, choices=[m.value for m in Numerics],
                    help="linear layers in float32 bits (exact) or bf16 inputs with fp32 sums on "
                         "AVX512-BF16 (fast); both batch-invariant (docs/numerics.md)")
@@ -78,4 +82,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         linear_backend=args.linear_backend,
         quant_max_rows=args.quant_max_rows, numerics=getattr(args, "numerics", Numerics.EXACT),
         speculative=args.speculative, speculative_tokens=args.speculative_tokens,
+        max_loras=getattr(args, "max_loras", EngineConfig.max_loras),
+        max_lora_rank=getattr(args, "max_lora_rank", EngineConfig.max_lora_rank),
     )

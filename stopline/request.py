@@ -64,10 +64,15 @@ class AbortSource(str, enum.Enum):
     DEADLINE = "deadline"  # queue timeout or total deadline passed
     STALLED = "stalled"  # the client read nothing for the stall timeout
     SIBLING = "sibling"  # another engine request of the same HTTP request failed
+    UNLOAD = "unload"  # its LoRA adapter was unloaded with the abort policy
 
 
 class InvalidRequest(ValueError):
     """The request cannot be served as given; nothing was allocated for it."""
+
+
+class UnknownAdapter(InvalidRequest):
+    """The request names a model that is neither the base model nor a loaded LoRA adapter."""
 
 
 @dataclass
@@ -102,6 +107,8 @@ class SamplingParams:
     grammar: str | None = None
     # token id -> added to its logit before sampling (OpenAI's logit_bias: <= 300, [-100, 100])
     logit_bias: Mapping[int, float] | None = None
+    # The LoRA adapter (its served model name) this request runs under; None: the base model.
+    lora: str | None = None
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> InvalidRequest:
@@ -146,6 +153,8 @@ class SamplingParams:
             for tok, v in self.logit_bias.items():
                 if not isinstance(tok, int) or tok < 0 or not (-100 <= v <= 100):
                     raise bad("logit_bias", f"token ids >= 0 with values in [-100, 100], got {tok!r}: {v!r}")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise bad("lora", f"must be an adapter's name, got {self.lora!r}")
         for name in ("queue_timeout", "deadline"):
             v = getattr(self, name)
             if v is not None and not v > 0:

@@ -77,7 +77,7 @@ class CoreBackend(Protocol):
 
     def pause(self, incarnations: list[str], paused: bool) -> None: ...
 
-    async def utility(self, method: Utility) -> Any: ...
+    async def utility(self, method: Utility, *args: Any) -> Any: ...
 
     async def close(self) -> None: ...
 
@@ -286,12 +286,13 @@ class AsyncEngine:
             self._fail(s, EngineDead(reason))
         return len(streams)
 
-    async def utility(self, method: Utility | str) -> Any:
-        """Run a core utility (snapshot, audit, reset_prefix_cache) between steps."""
+    async def utility(self, method: Utility | str, *args: Any) -> Any:
+        """Run a core utility (snapshot, audit, reset_prefix_cache, LoRA load/unload) between
+        steps."""
         method = Utility(method)
         if self.state in (EngineState.STARTING, EngineState.DEAD, EngineState.CLOSED):
             raise EngineUnavailable(self.unavailable_why())
-        return await self.backend.utility(method)
+        return await self.backend.utility(method, *args)
 
     # ---- stopping -------------------------------------------------------------------------
     async def drain(self, timeout: float) -> int:
@@ -460,9 +461,9 @@ class LocalCore:
         assert self.loop is not None
         self.loop.pause(incarnations, paused)
 
-    async def utility(self, method: Utility) -> Any:
+    async def utility(self, method: Utility, *args: Any) -> Any:
         assert self.loop is not None
-        return await asyncio.wrap_future(self.loop.call(method))
+        return await asyncio.wrap_future(self.loop.call(method, *args))
 
     async def close(self) -> None:
         if self.loop is not None:

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from stopline.config import AttentionBackend, EngineConfig, PreemptionMode
+from stopline.engine.adapters import Adapters
 from stopline.engine.apply import StepApplier
 from stopline.engine.families import FamilyTable, check_request, new_family
 from stopline.engine.grammars import GrammarHolder
@@ -48,6 +49,7 @@ from stopline.request import (
     InvalidRequest,
     Request,
     SamplingParams,
+    UnknownAdapter,
 )
 from stopline.sched.plan import StepPlan
 from stopline.sched.queues import Queues
@@ -115,7 +117,11 @@ class EngineCore:
         # the terminal output's usage counts the drafts of a step in flight as discarded.
         self.drafts = Drafts(cfg, self.stats, self.max_model_len)
         self.worker: Worker = worker or StepWorker(runner, mc.eos_token_ids, self.grammar)
-        holders: list[Holder] = [self.grammar, self.queues, self.drafts, self.outputs]
+        # LoRA references: auxiliary state, released before the outputs count the tokens.
+        self.adapters = Adapters(mc, self.model.adapters if self.model is not None else {},
+                                 max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank)
+        self.kv_manager.salt = self.adapters.salt  # no prefix reuse across adapters
+        holders: list[Holder] = [self.grammar, self.queues, self.drafts, self.adapters, self.outputs]
         if self.worker.rows is not None:
             holders.append(self.worker.rows)
         holders.append(self.families)
@@ -161,6 +167,8 @@ class EngineCore:
         params = params or SamplingParams()
         prompt = check_request(prompt_token_ids, params, self.model_config.vocab_size,
                                self.max_model_len, self.config.max_num_seqs)
+        if params.lora is not None and not self.adapters.serves(params.lora):
+            raise UnknownAdapter(f"model: {params.lora!r} is neither the base model nor a loaded adapter")
         if not self.kv_manager.fits(len(prompt), params.n - 1):
             need = self.kv_manager.admit_need(len(prompt), params.n - 1)
             raise InvalidRequest(f"prompt: needs {need} KV blocks; the pool has {self.pool.num_blocks}")
@@ -180,6 +188,19 @@ class EngineCore:
         with self.inbox.lock:
             if self._inflight_ids and self._inflight_ids <= self.inbox.aborting:
                 self._interrupt.set()
+
+    # ---- LoRA adapters (between steps: the core loop's utility calls) ------------------------
+    def load_lora(self, name: str, path: str) -> dict:
+        """Load an adapter; {'status': 200 | 400, 'message': ...}."""
+        return self.adapters.load(name, path)
+
+    def unload_lora(self, name: str, policy: str = "wait") -> dict:
+        """Unload an adapter with a policy (engine/adapters.py); requests aborted for it end
+        at the next step boundary with source `unload`."""
+        got, users = self.adapters.unload(name, policy)
+        if users:
+            self.abort(sorted({r.incarnation for r in users}), AbortSource.UNLOAD, time.monotonic())
+        return got
 
     def pause(self, incarnations: str | Iterable[str], paused: bool = True) -> None:
         """A paused request keeps its place but takes no step (its client's stream is full)."""
@@ -225,6 +246,7 @@ class EngineCore:
                 self.grammar.idle_wait(0.005)
         if not self.families and self.worker.rows is not None:
             self.worker.rows.reset()  # an idle engine keeps no copies of K/V
+        self.adapters.reap()  # adapters unloading with `wait` go with their last request
         if self.config.debug:
             self.audit()
         self.steps += 1
@@ -304,6 +326,8 @@ class EngineCore:
             for m in fam.members:
                 self.outputs.start(m)
             self._to_schedule.append(fam)
+            if not all([self.adapters.hold(m) for m in fam.members]):
+                self._abort_family(fam, AbortSource.UNLOAD)  # its adapter went since add_request
         self._abort_all(taken.aborts)
         self.inbox.expire()
         for fam in taken.adds:
@@ -385,6 +409,7 @@ class EngineCore:
             if not fam.live() or self.families.get(fam.incarnation) is not fam:
                 raise LedgerError(f"family {fam.incarnation!r} is in the table with no live sample")
         self.grammar.audit(self.live_requests())
+        self.adapters.audit(self.live_requests())
         if not self.families and self.pool.num_used != 0:
             raise LedgerError(f"idle engine holds {self.pool.num_used} blocks")
         # Decode rows are dropped by the forward's thread at its next step (with async

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from stopline.kv.block_pool import BlockPool, LedgerError, extend_hashes
@@ -97,6 +97,9 @@ class KVManager:
         self.last_processed_step = -1
         # Every request with KV state, from its first lookup or admission to its release.
         self.seqs: dict[Request, SeqKV] = {}
+        # What a request's K/V depends on besides its tokens (its LoRA adapter's load): blocks
+        # are shared only within one salt. The engine sets it; None for every request here.
+        self.salt: Callable[[Request], Hashable] = lambda req: None
 
     # ---- a request's state, read through the manager ------------------------------------
     def _seq(self, req: Request) -> SeqKV:
@@ -184,6 +187,7 @@ class KVManager:
         self._seq(req).computed = computed
         self.trim(req)
 
+
     # ---- counts -------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
@@ -222,7 +226,7 @@ class KVManager:
         every step until it fits."""
         hashes = self._seq(req).hashes
         if len(hashes) < n_blocks:
-            extend_hashes(hashes, req.all_token_ids, self.block_size, n_blocks)
+            extend_hashes(hashes, req.all_token_ids, self.block_size, n_blocks, self.salt(req))
         return hashes[:n_blocks]
 
     def admit(self, req: Request, reserve: int) -> bool:

@@ -74,7 +74,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
     srv.authorize(request)
     body = await read_body(request, srv.settings.max_body_bytes)
     req = parse(ChatRequest if chat else CompletionRequest, body)
-    srv.check_model(req.model)
+    lora = srv.check_model(req.model)
     engine = srv.engine
     if not engine.ready or engine.tokenizer is None:
         raise _unavailable(str(EngineUnavailable(engine.unavailable_why())))
@@ -85,6 +85,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
                              default_max_tokens=None if chat else COMPLETION_DEFAULT_MAX_TOKENS)
     tools = tools_of(req)
     params.grammar = grammar_of(req, tools)
+    params.lora = lora
     prompts = await _prompt_ids(req, engine.tokenizer, tools)
     if len(prompts) > 1 and engine.info is not None:
         _precheck(prompts, engine.info.vocab_size, engine.info.max_model_len)
@@ -101,6 +102,8 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
         if isinstance(exc, InvalidRequest):
             msg = str(exc)
             param = param_of(msg)
+            if param == "model":  # its adapter was unloaded meanwhile
+                raise ApiError(404, msg, param="model", code="model_not_found") from None
             if chat and param == "prompt":
                 param, msg = "messages", "messages" + msg.removeprefix("prompt")
             raise ApiError(400, msg, param=param, code="invalid_value") from None
@@ -115,7 +118,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
              len(prompts), prompt_len, params.n)
     opts = req.stream_options if req.stream else None
     include_usage = bool(opts and opts.include_usage)
-    fmt = Formatter(chat=chat, request_id=rid, created=int(time.time()), model=srv.model_name,
+    fmt = Formatter(chat=chat, request_id=rid, created=int(time.time()), model=lora or srv.model_name,
                     n=params.n * len(prompts), token_text=srv.token_text, include_usage=include_usage,
                     tool_calls=tools.parses_calls,
                     continuous_usage=bool(opts and opts.continuous_usage_stats),

@@ -15,6 +15,7 @@ from stopline.model.batch_invariant import threads_pinned
 from stopline.model.kernels.paged_attention import PagedRows
 from stopline.model.llama import DecodeBatch, LlamaModel, PrefillSeq, StepInputs
 from stopline.model.loaders.loader import LoadedModel
+from stopline.model.lora import Groups
 from stopline.sched.plan import ScheduledChunk, StepPlan
 from stopline.worker.cpu_share import CpuShare, ThreadPolicy
 
@@ -134,9 +135,21 @@ class ModelRunner:
             r.tokens, r.positions, r.slots, r.logit_rows = r.tokens * 2, r.positions * 2, r.slots * 2, r.logit_rows * 2
             r.starts = [0, 1]
         chunks = plan.chunks * 2 if twice else plan.chunks
-        if self.paged:
-            return self._prepare_paged(r, chunks), r
-        return self._prepare_torch(r, chunks), r
+        inputs = self._prepare_paged(r, chunks) if self.paged else self._prepare_torch(r, chunks)
+        inputs.lora = self._adapters(chunks, r.starts)
+        return inputs, r
+
+    def _adapters(self, chunks: list[ScheduledChunk], starts: list[int]) -> Groups | None:
+        """The step's rows by LoRA adapter, adapters in name order; None: all rows are base."""
+        rows: dict[str, list[int]] = {}
+        for ch, row0 in zip(chunks, starts, strict=True):
+            if ch.req.params.lora is not None:
+                rows.setdefault(ch.req.params.lora, []).extend(range(row0, row0 + ch.num_tokens))
+        if not rows:
+            return None
+        # The engine holds every adapter a live request names (engine/adapters.py).
+        return [(torch.tensor(rows[n], dtype=torch.long, device=self.device), self.model.adapters[n])
+                for n in sorted(rows)]
 
     def _prepare_paged(self, r: _Rows, chunks: list[ScheduledChunk]) -> StepInputs:
         """Inputs for the native attention: each row attends its sequence's keys up to its own
