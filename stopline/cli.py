@@ -122,6 +122,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds open requests may run before they are aborted")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    g.add_argument("--reasoning-parser", default="auto",
+                   help="the markers of the model's thinking: 'auto' (the pair its chat template "
+                        "writes, <think>...</think>), 'none' (no thinking), or 'START,END'")
     g.add_argument("--core-threads", type=int, default=None,
                    help="torch threads in the engine-core process (default: all CPUs but one "
                         "when there are more than two, so aborts are taken in at once)")
@@ -141,13 +144,18 @@ def served_model_name(model: str | None) -> str:
 
 @command("serve", "OpenAI-compatible HTTP server (engine core in its own process)", _serve_args)
 def serve(args: argparse.Namespace) -> int:
+    from stopline.server.reasoning import markers
     from stopline.server.run import serve as run_server
     from stopline.server.state import ServerSettings
 
+    try:
+        markers(args.reasoning_parser, None)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     settings = ServerSettings(
         model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, queue_timeout=args.queue_timeout,
-        drain_timeout=args.drain_timeout)
+        drain_timeout=args.drain_timeout, reasoning_parser=args.reasoning_parser)
     engine = None
     if args.disagg and (args.replicas is not None or args.in_process):
         raise SystemExit("--disagg runs its own two engine processes: it does not combine with "
