@@ -163,10 +163,6 @@ class SamplingParams:
                     raise bad("logit_bias", f"token ids >= 0 with values in [-100, 100], got {tok!r}: {v!r}")
         r = self.reasoning
         if r is not None:
-            if self.grammar is not None:
-                # A grammar holds the whole output; the thinking would have to obey it too.
-                raise bad("reasoning", "a thinking request can't also have a grammar "
-                          "(response_format or required tools)")
             if not r.end_ids or (not r.opened and not r.start_ids):
                 raise bad("reasoning", "the thinking markers must be non-empty")
             if r.max_thinking_tokens is not None and (not isinstance(r.max_thinking_tokens, int)

@@ -185,3 +185,15 @@ def test_a_verify_run_stops_where_the_budget_writes_the_marker(think):
     assert eng.stats.spec_accepted > 0
     assert res.token_ids == [A[0]] * 5 + [END] + [A[0]] * 6
     assert reasoning(res) == " a" * 5 and res.text == " a" * 6
+
+
+def test_a_grammar_holds_the_answer_only(think):
+    """The thinking is free; the grammar (response_format, tools) starts with the answer."""
+    from stopline.grammar.formats import regex_grammar
+
+    out = [*THE, *WORLD, END, *A, *A]
+    eng = outcome_engine(think, script(out))
+    p = params(max_tokens=20, grammar=regex_grammar(" a a"))
+    res = drive(eng, [("r", PROMPT, p)])[("r", 0)]
+    assert res.finish_reason is FinishReason.STOP and res.stop_detail == "grammar complete"
+    assert reasoning(res) == text(think, [*THE, *WORLD]) and res.text == " a a"

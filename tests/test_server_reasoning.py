@@ -116,3 +116,20 @@ def test_requests_are_counted_by_api(server, client) -> None:
     after = server.metrics()
     assert after['stopline_api_requests_total{api="chat"}'] == before + 1
     assert 'stopline_api_requests_total{api="messages"}' in after
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_a_tool_call_follows_the_thinking(client) -> None:
+    """The tool grammar holds the answer only: the thinking before it is free."""
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=80, temperature=0,
+                                       tools=[WEATHER], tool_choice="required",
+                                       extra_body={**ONLY_A, "max_thinking_tokens": 2})
+    msg = r.choices[0].message
+    assert msg.reasoning_content == " a a"
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.tool_calls[0].function.name == "get_weather"

@@ -81,12 +81,13 @@ class StepApplier:
         if isinstance(s, str):  # its grammar can't advance: end it now, never hang
             self.lifecycle.fail(req, FinishReason.ERROR, f"grammar: {s}")
             return
+        before = len(req.output_token_ids)
         try:
             stop = self.outputs.append(req, s.token_id, s.logprob)
         except Exception as exc:  # a stop check that fails ends only its own request
             self.lifecycle.fail(req, FinishReason.ERROR, f"output processing failed: {exc!r}")
             return
-        why = self.grammar.commit(req, s.token_id)
+        why = self.grammar.commit(req, before)
         if why is not None:
             self.lifecycle.fail(req, FinishReason.ERROR, f"grammar: {why}")
             return

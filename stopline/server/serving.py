@@ -88,10 +88,9 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
     if isinstance(req, ChatRequest):
         limit = reasoning.budget(req.reasoning_effort, req.max_thinking_tokens)
         text = chat_text(engine.tokenizer, chat_messages(req, tools),
-                         template_kwargs(req.chat_template_kwargs, params.grammar is not None))
+                         template_kwargs(req.chat_template_kwargs))
         prompts = [await _encode(engine.tokenizer, text, add_special_tokens=False)]
-        if params.grammar is None:  # a grammar holds the whole output: no thinking then
-            params.reasoning = reasoning.spec(srv.reasoning_markers, engine.tokenizer, text, limit)
+        params.reasoning = reasoning.spec(srv.reasoning_markers, engine.tokenizer, text, limit)
     else:
         prompts = await _prompt_ids(req, engine.tokenizer, tools)
     if len(prompts) > 1 and engine.info is not None:
@@ -192,14 +191,11 @@ def _precheck(prompts: list[list[int]], vocab: int, max_model_len: int) -> None:
             raise ApiError(400, f"prompt: prompt {i} is {why}", param="prompt", code="invalid_value")
 
 
-def template_kwargs(given: dict[str, Any] | None, grammar: bool) -> dict[str, Any]:
-    """What the chat template is rendered with beyond the messages: the client's switches;
-    with a grammar, thinking off (a template that honours enable_thinking closes it)."""
-    kwargs = {k: v for k, v in (given or {}).items()
-              if k not in ("messages", "add_generation_prompt", "tools")}
-    if grammar:
-        kwargs["enable_thinking"] = False
-    return kwargs
+def template_kwargs(given: dict[str, Any] | None) -> dict[str, Any]:
+    """What the chat template is rendered with beyond the messages: the client's switches
+    (enable_thinking, ...), less the names the server sets itself."""
+    return {k: v for k, v in (given or {}).items()
+            if k not in ("messages", "add_generation_prompt", "tools")}
 
 
 def chat_text(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None = None,
