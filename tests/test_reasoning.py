@@ -197,3 +197,14 @@ def test_a_grammar_holds_the_answer_only(think):
     res = drive(eng, [("r", PROMPT, p)])[("r", 0)]
     assert res.finish_reason is FinishReason.STOP and res.stop_detail == "grammar complete"
     assert reasoning(res) == text(think, [*THE, *WORLD]) and res.text == " a a"
+
+
+def test_a_grammar_keeps_an_unopened_thinking_closed(think):
+    """The prompt did not open the thinking and a grammar holds the output from its first
+    token: the output is all answer, each token the grammar's."""
+    from stopline.grammar.formats import regex_grammar
+
+    eng = outcome_engine(think, script([*A, *A]))
+    p = params(max_tokens=20, opened=False, grammar=regex_grammar(" a a"))
+    res = drive(eng, [("r", PROMPT[:-1], p)])[("r", 0)]
+    assert res.stop_detail == "grammar complete" and res.text == " a a" and reasoning(res) == ""

@@ -62,7 +62,9 @@ class OutputProcessor:
             self.tokenizer, skip_special_tokens=req.params.skip_special_tokens,
             prompt_token_ids=req.prompt_token_ids)
         r = req.params.reasoning
-        if r is not None and not req.output_token_ids:  # admitted, not resumed
+        # A grammar masks from the first token the output may open the thinking with: such
+        # an output can't open it, and is all answer.
+        if r is not None and not req.output_token_ids and (r.opened or req.params.grammar is None):
             req.think_begin = 0 if r.opened else NOT_YET
             req.think_end = req.answer_begin = NOT_YET
 
