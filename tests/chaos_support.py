@@ -106,7 +106,7 @@ def _reasoning(rng: random.Random) -> ReasoningSpec:
 
 def make_workload(seed: int, count: int, vocab: int) -> list[Job]:
     # Thinking requests are drawn apart, so that the rest stays as it was drawn before.
-    think = random.Random(seed + 45)
+    think = random.Random(seed * 45 + 1)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 20))] for _ in range(8)]
     jobs: list[Job] = []
