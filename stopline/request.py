@@ -278,7 +278,6 @@ class Request:
     think_begin: int = 0
     think_end: int = 0
     answer_begin: int = 0
-    thinking_cut: bool = False  # the budget ended the thinking (the engine wrote the end marker)
     reasoning_text: str = ""  # detokenized thinking
     sent_reasoning_len: int = 0
     swap_slots: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED

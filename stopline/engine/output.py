@@ -105,16 +105,13 @@ class OutputProcessor:
                 or n - req.think_begin < r.max_thinking_tokens:
             return False
         end = list(r.end_ids)
-        # A tail that already begins the marker is its start: finish it, don't repeat it.
-        have = next((j for j in range(min(len(end) - 1, n - req.think_begin), 0, -1)
-                     if out[n - j:] == end[:j]), 0)
+        have = _marker_begun(req, end)  # finish a marker the model began, don't repeat it
         forced = end[have:][:max(0, req.max_tokens - n)]
         out += forced
         if logprobs:
             req.logprobs += [TokenLogprob(t, 0.0, []) for t in forced]
         req.think_end = n - have
         req.answer_begin = req.think_end + len(end)
-        req.thinking_cut = True
         return True
 
     def _phase(self, req: Request) -> None:
@@ -146,12 +143,9 @@ class OutputProcessor:
         r = req.params.reasoning
         if r is None or not req.thinking:
             return 0
-        out = req.output_token_ids
         if req.think_begin == NOT_YET:
-            return len(out)
-        end = list(r.end_ids)
-        return next((j for j in range(min(len(end) - 1, len(out) - req.think_begin), 0, -1)
-                     if out[len(out) - j:] == end[:j]), 0)
+            return len(req.output_token_ids)
+        return _marker_begun(req, list(r.end_ids))
 
     def catch_up(self, req: Request, check: bool = True) -> Stop | None:
         """Text phase: detokenize the tokens not yet turned into text; a stop string that
@@ -261,3 +255,11 @@ class OutputProcessor:
         outs = list(self.pending.values())
         self.pending.clear()
         return outs
+
+
+def _marker_begun(req: Request, end: list[int]) -> int:
+    """How many of the end marker's first tokens the thinking's tail already is."""
+    out = req.output_token_ids
+    n = len(out)
+    return next((j for j in range(min(len(end) - 1, n - req.think_begin), 0, -1)
+                 if out[n - j:] == end[:j]), 0)
