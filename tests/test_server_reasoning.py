@@ -133,3 +133,15 @@ def test_a_tool_call_follows_the_thinking(client) -> None:
     assert msg.reasoning_content == " a a"
     assert r.choices[0].finish_reason == "tool_calls"
     assert msg.tool_calls[0].function.name == "get_weather"
+
+
+def test_responses_carry_the_thinking_as_a_reasoning_item(client) -> None:
+    r = client.responses.create(model=MODEL, input="Think, then answer.", max_output_tokens=5,
+                                reasoning={"effort": "none"}, extra_body=ONLY_A)
+    kinds = [o.type for o in r.output]
+    assert "message" in kinds and r.output_text == " a a a a"  # budget 0: the marker, then the answer
+    assert r.usage.output_tokens_details.reasoning_tokens == 1
+    r = client.responses.create(model=MODEL, input="Think, then answer.", max_output_tokens=4,
+                                extra_body=ONLY_A)
+    assert r.output[0].type == "reasoning" and r.output[0].content[0].text == " a a a a"
+    assert r.usage.output_tokens_details.reasoning_tokens == 4

@@ -300,7 +300,7 @@ async def _messages(request: Request, srv: ServerState) -> Response:
     arrival = time.monotonic()
     _authorize(request, srv)
     req = parse(MessagesRequest, await read_body(request, srv.settings.max_body_bytes))
-    srv.check_model(req.model)
+    lora = srv.check_model(req.model)
     engine = srv.engine
     tok = engine.tokenizer
     if not engine.ready or tok is None:
@@ -308,6 +308,7 @@ async def _messages(request: Request, srv: ServerState) -> Response:
     params = _params(req, srv)
     text, plan, params.reasoning = _prompt(req, srv, tok)
     params.grammar = plan.grammar
+    params.lora = lora
     prompt = await _encode(tok, text, add_special_tokens=False)
     rid = f"msg_{uuid.uuid4().hex}"
     trace = _client_id(request) or rid
@@ -320,6 +321,8 @@ async def _messages(request: Request, srv: ServerState) -> Response:
         if isinstance(exc, InvalidRequest):
             msg = str(exc)
             param = param_of(msg)
+            if param == "model":  # its adapter was unloaded meanwhile
+                raise ApiError(404, msg, param="model", code="model_not_found") from None
             if param == "prompt":
                 param, msg = "messages", "messages" + msg.removeprefix("prompt")
             raise ApiError(400, msg, param=param, code="invalid_value") from None
@@ -331,7 +334,7 @@ async def _messages(request: Request, srv: ServerState) -> Response:
         raise
     srv.metrics.requests.labels("messages").inc()
     log.info("%s: admitted (request id %s), %d prompt tokens", rid, trace, len(prompt))
-    msg = Message(rid, srv.model_name, len(prompt), list(params.stop), plan.parses_calls)
+    msg = Message(rid, lora or srv.model_name, len(prompt), list(params.stop), plan.parses_calls)
     headers = _headers(rid, trace)
 
     def abort(t0: float) -> None:
