@@ -7,10 +7,12 @@ scheduling and verify runs keep the phase exactly."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from stopline.model.loaders.loader import load_model
-from stopline.request import FinishReason, ReasoningSpec, SamplingParams
+from stopline.request import AbortSource, FinishReason, ReasoningSpec, SamplingParams
 from stopline.sched.plan import ScheduledChunk
 from stopline.worker.sampler import Sampled
 from stopline.worker.step import ChunkOutcome
@@ -128,7 +130,7 @@ def test_a_cancel_while_thinking_ends_it_with_the_thinking_so_far(think):
     res: dict = {}
     for _ in range(4):
         collect(res, eng.step())
-    eng.abort(rid)
+    eng.abort([rid], AbortSource.CANCEL, time.monotonic())
     while eng.has_unfinished():
         collect(res, eng.step())
     eng.audit()
