@@ -128,6 +128,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds open requests may run before they are aborted")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    g.add_argument("--reasoning-parser", default="auto",
+                   help="the markers of the model's thinking: 'auto' (the pair its chat template "
+                        "writes, <think>...</think>), 'none' (no thinking), or 'START,END'")
     g.add_argument("--responses-max-stored", type=int, default=1000,
                    help="/v1/responses: stored responses kept at most, oldest ended first (also "
                         "the most background responses running at once)")
@@ -165,13 +168,19 @@ def _loras(specs: list[str]) -> dict[str, str]:
 
 @command("serve", "OpenAI-compatible HTTP server (engine core in its own process)", _serve_args)
 def serve(args: argparse.Namespace) -> int:
+    from stopline.server.reasoning import markers
     from stopline.server.run import serve as run_server
     from stopline.server.state import ServerSettings
 
+    try:
+        markers(args.reasoning_parser, None)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     settings = ServerSettings(
         model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, queue_timeout=args.queue_timeout,
-        drain_timeout=args.drain_timeout, responses_max_stored=args.responses_max_stored,
+        drain_timeout=args.drain_timeout, reasoning_parser=args.reasoning_parser,
+        responses_max_stored=args.responses_max_stored,
         responses_ttl_s=args.responses_ttl_s, loras=_loras(args.lora),
         lora_unload_policy=args.lora_unload_policy)
     if args.responses_max_stored < 1 or args.responses_ttl_s <= 0:
