@@ -135,7 +135,7 @@ def _load() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(_build(_compiler(), default_cache_dir() / "native")))
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"could not build or load the kernels: {e}") from e
-    for fn in (lib.stopline_q4_1_gemm, lib.stopline_q8_0_gemm):
+    for fn in (lib.stopline_q4_1_gemm, lib.stopline_q8_0_gemm, lib.stopline_q4_k_gemm, lib.stopline_q6_k_gemm):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         fn.restype = None
