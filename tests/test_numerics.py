@@ -188,6 +188,27 @@ def test_int8_kernel_equals_reference(fmt: str, m: int, n: int, k: int) -> None:
 
 
 @needs_int8
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_fast_kquant_weight_follows_what_the_cpu_grants(fmt: str, monkeypatch) -> None:
+    """A K-quant linear in fast mode: the int8 kernel where VNNI runs; with it refused
+    (STOPLINE_INT8=0, as on a CPU without VNNI) the bf16 kernel on the bf16 copy. Either way
+    a row's bits do not depend on the batch."""
+    from stopline.model.llama import fast_weight
+
+    raw, deq = _blocks(fmt, 64, 512, seed=5)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(2))
+    int8 = fast_weight(deq, {fmt: torch.from_numpy(raw)})
+    assert isinstance(int8, Int8Weight) and int8.fmt == fmt
+    assert torch.equal(int8(x), int8_reference(x, fmt, raw))
+    monkeypatch.setenv("STOPLINE_INT8", "0")
+    bf16 = fast_weight(deq, {fmt: torch.from_numpy(raw)})
+    assert not isinstance(bf16, Int8Weight)
+    y = bf16(x)
+    assert torch.equal(torch.cat([bf16(x[i:i + 1]) for i in range(9)]), y)
+    assert torch.equal(torch.cat([bf16(x[:4]), bf16(x[4:])]), y)
+
+
+@needs_int8
 def test_int8_nonfinite_input_spoils_only_its_row() -> None:
     """A NaN or an infinity in a row's input makes that row's outputs NaN (so the engine's
     bad-row check sees it), as float arithmetic would; the other rows keep their bits."""

@@ -155,7 +155,10 @@ def test_shapes_the_kernel_does_not_take():
         qw(torch.zeros(2, 32), kc=48)
 
 
-def test_turned_off_the_library_runs_everything(monkeypatch):
+@pytest.mark.parametrize(("fmt", "k"), [("q4_1", 64), ("q4_k", 256), ("q6_k", 256)])
+def test_turned_off_the_library_runs_everything(monkeypatch, fmt, k):
+    """The fallback where the CPU grants no AVX-512 (or STOPLINE_NATIVE=0): every row on the
+    library with the dequantized weights, K-quants too."""
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     native.reset()
     try:
@@ -163,11 +166,12 @@ def test_turned_off_the_library_runs_everything(monkeypatch):
             native.kernels()
         with pytest.warns(UserWarning, match="kernels are off"):
             assert native.try_kernels() is None
-        raw, deq = _quantized("q4_1", 64, 64)
-        lin = InvariantLinear(deq, max_rows=8, quant=QuantWeight.from_raw("q4_1", raw, 64))
+        raw, deq = _quantized(fmt, 64, k)
+        lin = InvariantLinear(deq, max_rows=8, quant=QuantWeight.from_raw(fmt, raw, k))
         assert lin.kc() is None
-        x = torch.randn(3, 64)
+        x = torch.randn(3, k)
         assert torch.equal(lin(x), lin._library(x))
+        assert torch.equal(lin(x[1:2]), lin._library(x)[1:2])
     finally:
         monkeypatch.delenv(native.ENV_SWITCH)
         native.reset()
