@@ -281,3 +281,19 @@ def test_the_gemm_timer_runs_and_compares_two_builds(kernel: str) -> None:
     assert done.returncode == 0, done.stderr
     lines = [ln for ln in done.stdout.splitlines() if " rows: " in ln]
     assert len(lines) == 2 and all("same bits" in ln for ln in lines), done.stdout
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0"])
+def test_the_gguf_loader_keeps_the_gemma_formats_blocks(fmt):
+    """A GGUF tensor of each format the Gemma 3 Q4_K_M file holds besides Q8_0 comes out of the
+    loader as blocks a kernel reads (Q5_0 as Q8_0), giving the loader's float32 weights."""
+    from stopline.model.loaders.gguf import GGUFTensorInfo, dequantize, raw_blocks
+
+    n, k = 64, 512
+    raw, _ = _quantized(fmt, n, k, seed=4)
+    qtype = gguf.GGMLQuantizationType[fmt.upper()]
+    t = GGUFTensorInfo("blk.0.ffn_down.weight", int(qtype), (n, k), np.ascontiguousarray(raw).reshape(-1))
+    got_fmt, blocks = raw_blocks(t)
+    assert got_fmt == ("q8_0" if fmt == "q5_0" else fmt)
+    w = torch.from_numpy(dequantize(t))
+    assert torch.equal(QuantWeight.from_raw(got_fmt, blocks, k)(torch.eye(k), kc=k).t(), w)
