@@ -277,3 +277,19 @@ def add_shape(w: Any, cfg: dict, name: str, head_dim: int) -> None:
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+
+
+def kquant_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_K or Q6_K blocks [n, k / 256 * bytes] with finite f16 scales (gguf cannot
+    quantize to the K-quants): every bit pattern of their quants and 6/8-bit scales is valid."""
+    from stopline.model.kernels.quant_linear import SUPER
+
+    rng = np.random.default_rng(seed)
+    per, size = SUPER[fmt]
+    raw = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
+    scales = (rng.standard_normal((n, k // per, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    if fmt == "q4_k":  # d and dmin lead the block
+        raw[..., 0:4] = scales.reshape(n, k // per, 4)
+    else:  # d ends it
+        raw[..., size - 2:] = scales[..., :2]
+    return raw.reshape(n, -1)
