@@ -223,6 +223,11 @@ class _EngineCollector(Collector):
             ("stopline_tokens_after_abort", "Tokens computed for a request in the step in flight "
              "when its abort was accepted (never delivered).", "tokens_after_abort"),
             ("stopline_engine_steps", "Engine steps run.", "steps"),
+            ("stopline_audits", "Ownership audits run on sampled busy steps (--audit-every).",
+             "audits"),
+            ("stopline_audit_failures", "Sampled ownership audits that found a leak, a double "
+             "count or a holder still holding a finished request.", "audit_failures"),
+            ("stopline_audit_seconds", "Seconds the sampled ownership audits took.", "audit_seconds"),
             ("stopline_spec_draft_tokens", "Draft tokens scheduled for verification (speculative "
              "decoding).", "spec_drafted"),
             ("stopline_spec_accepted_tokens", "Verified drafts that equal the sampled token, "
