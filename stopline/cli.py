@@ -110,6 +110,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stuck-kill-s", type=float, default=60.0,
                    help="seconds of the same before a stuck engine process is killed (a replica "
                         "is then restarted)")
+    g.add_argument("--restart-core", type=int, default=0, metavar="N",
+                   help="restart the engine-core process when it dies (or is killed for being "
+                        "stuck): its open requests end with an error, new ones are served once "
+                        "it is back; after N deaths within 300 s it stays dead and the server "
+                        "exits (0: never restart, the server exits at the first death)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="answer 429 while this many requests wait for their first step (default: no limit)")
     g.add_argument("--queue-timeout", type=float, default=None,
@@ -160,6 +165,11 @@ def serve(args: argparse.Namespace) -> int:
         liveness = Bounds(args.stuck_s, args.stuck_kill_s)
     except ValueError as exc:
         raise SystemExit(f"--stuck-s and --stuck-kill-s: {exc}") from None
+    if args.restart_core and (args.replicas is not None or args.disagg or args.in_process):
+        raise SystemExit("--restart-core is for the one engine-core process: replicas and the "
+                         "split's roles restart their own, and --in-process has no process")
+    if args.restart_core < 0:
+        raise SystemExit(f"--restart-core must be >= 0, got {args.restart_core}")
     if args.replicas is not None:
         require("ray", what="--replicas")  # before anything starts, so nothing needs undoing
         from stopline.cluster.frontend import ray_engine
@@ -181,6 +191,14 @@ def serve(args: argparse.Namespace) -> int:
                                listen=args.disagg_listen, liveness=liveness, restarts=restarts,
                                max_waiting=args.max_waiting,
                                stall_timeout=args.stall_timeout, max_buffered=args.max_buffered)
+    elif args.restart_core:
+        from stopline.engine.liveness import Restarts
+        from stopline.engine.proc.restart import restarting_engine
+
+        engine = restarting_engine(args.model, engine_config(args), core_threads=args.core_threads,
+                                   liveness=liveness, restarts=Restarts(limit=args.restart_core),
+                                   max_waiting=args.max_waiting, stall_timeout=args.stall_timeout,
+                                   max_buffered=args.max_buffered)
     return run_server(args.model, engine_config(args), settings, host=args.host, port=args.port,
                       engine=engine, liveness=liveness,
                       in_process=args.in_process, max_waiting=args.max_waiting,
