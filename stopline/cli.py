@@ -260,6 +260,9 @@ _BENCHES: list[tuple[str, str, str]] = [
     ("spec", "speculative decoding off / on / auto: one repetitive stream, one free, N streams",
      "stopline.bench.spec"),
     ("offline", "offline tokens/s, 1 and N streams, next to HF transformers generate", "stopline.bench.offline"),
+    ("marathon", "the server under steady and burst load with client cancels while its engine "
+     "processes are paused and killed: canaries exact, recovery time, pool and RSS over time, "
+     "log scan", "stopline.bench.marathon"),
     ("soak", "server memory over many requests, half closed early: RSS bytes per request", "stopline.bench.soak"),
     ("neighbours", "decode step time quiet and beside a process taking a slice of our CPUs "
      "(phases alternate; --no-adapt-threads for the A/B)", "stopline.bench.neighbours"),
