@@ -632,6 +632,7 @@ def run(args: argparse.Namespace, log_path: Path, command: str = "") -> dict[str
     extra = serve_args(args)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.write_text("")
+    stamp = machine.stamp()  # the commit the server runs, before anything can change it
     eng = RunningEngine(stopline_spec(args.model, extra=extra), log_path)
     try:
         startup = eng.wait_ready()
@@ -642,7 +643,7 @@ def run(args: argparse.Namespace, log_path: Path, command: str = "") -> dict[str
         eng.stop()
     mode = (f"{args.replicas} Ray replicas" if args.replicas else "prefill/decode split"
             if args.disagg else "one engine core, restarted when it dies")
-    res.update(**machine.stamp(), command=command,
+    res.update(**stamp, command=command,
                model=args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
                startup_s=round(startup, 2), serve_args=extra, criteria_bounds=CRITERIA,
                config={k: v for k, v in vars(args).items() if k not in ("bench_func", "func")}
