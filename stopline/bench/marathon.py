@@ -193,7 +193,10 @@ class Marathon:
         from prometheus_client.parser import text_string_to_metric_families
 
         out: dict[str, float] = {}
-        text = (await self.http.get("/metrics")).text
+        try:
+            text = (await self.http.get("/metrics")).text
+        except Exception:  # noqa: BLE001 - a server that does not answer has no figures
+            return out
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 if s.name == name and s.value:
@@ -466,8 +469,12 @@ class Marathon:
         except TimeoutError:
             pass
         try:
-            await asyncio.wait_for(injector, self.args.recovery_limit_s + 60)
-            final = self.final
+            try:
+                await asyncio.wait_for(injector, self.args.recovery_limit_s + 60)
+            except TimeoutError:  # faults left unrun (recoveries ran long): judged as failed
+                print("marathon: the injector did not finish its faults in time", file=sys.stderr)
+            final = self.final or {"last_fault_end_s": None, "exact": 0, "of": _CANARIES,
+                                   "last_exact_after_s": None}
         finally:
             for pid in list(self.paused_pids):
                 with contextlib.suppress(OSError):
