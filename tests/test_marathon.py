@@ -103,6 +103,6 @@ def test_short_marathon_one_pause_one_kill(tiny_long_model_dir: Path, tmp_path: 
     served = {k for k, per in res["outcomes"].items() if any(o.startswith("served") for o in per)}
     assert served == set(marathon.KINDS), report
     assert sum(per.get("cancelled by the client", 0) for per in res["outcomes"].values()) > 0
-    assert srv["aborts_by_source"].get("disconnect", 0) > 0, report
+    assert srv["aborts"] > 0 and srv["aborts_by_source_last_process"].get("disconnect", 0) > 0, report
     assert {"server", "core"} <= set(res["rss"]), report
     assert len(res["samples"]) > 30 and all(s["kv_total"] for s in res["samples"][:5])

@@ -70,6 +70,11 @@ _SAMPLE_S = 2.0
 _SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                              "age": {"type": "integer"}},
            "required": ["name", "age"], "additionalProperties": False}
+# Counted by the engine processes (a restart starts them again): summed over the run by the samples.
+_ENGINE_COUNTERS = ("stopline_audits_total", "stopline_audit_failures_total",
+                    "stopline_audit_seconds_total", "stopline_engine_steps_total",
+                    "stopline_spec_draft_tokens_total", "stopline_spec_accepted_tokens_total",
+                    "stopline_aborts_total")
 KINDS = ("completion", "completion-stream", "chat", "chat-stream", "n2", "grammar", "repeat")
 
 
@@ -169,6 +174,7 @@ class Marathon:
         self.paused_pids: set[int] = set()
         self.issued = 0
         self.final: dict[str, Any] = {}
+        self.counters: dict[str, tuple[float, float]] = {}  # name -> (dead processes', current)
 
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 3)
@@ -350,11 +356,25 @@ class Marathon:
             states[name] = p.get("state")
             if p.get("pid"):
                 rss[name] = vm_rss(p["pid"])
+        self._accumulate(m)
         s = {"t": self.now(), "health": code, "states": states,
              "kv_used": m.get("stopline_kv_blocks_used"), "kv_total": m.get("stopline_kv_blocks_total"),
              "open": m.get("stopline_requests_open"), "rss": rss}
         self.samples.append(s)
         return s
+
+    def _accumulate(self, m: dict[str, float]) -> None:
+        """The engine's counters over the whole run: a restarted process starts them from 0."""
+        for name in _ENGINE_COUNTERS:
+            if name not in m:
+                continue
+            base, last = self.counters.get(name, (0.0, 0.0))
+            if m[name] < last:  # a fresh process: what the dead one counted stays counted
+                base += last
+            self.counters[name] = (base, m[name])
+
+    def counter(self, name: str) -> float | None:
+        return sum(self.counters[name]) if name in self.counters else None
 
     async def sample_loop(self) -> None:
         last = 0.0
@@ -487,15 +507,19 @@ class Marathon:
         idle_s = await probe.wait_idle(timeout=60.0)
         await asyncio.sleep(1.0)
         after = await self.sample()
-        m = await self.metrics()
+        c = self.counter
+        # finished: the front end's count over the run; aborts by source: the engine process
+        # serving at the end (since its last restart); the rest summed over every process.
         server = {"finished": await self.metric_labels("stopline_request_finished_total", "reason"),
-                  "aborts_by_source": await self.metric_labels("stopline_aborts_total", "source"),
-                  "audits": m.get("stopline_audits_total"),
-                  "audit_failures": m.get("stopline_audit_failures_total"),
-                  "audit_seconds": m.get("stopline_audit_seconds_total"),
-                  "steps": m.get("stopline_engine_steps_total"),
-                  "spec_draft_tokens": m.get("stopline_spec_draft_tokens_total"),
-                  "spec_accepted_tokens": m.get("stopline_spec_accepted_tokens_total")}
+                  "aborts_by_source_last_process": await self.metric_labels("stopline_aborts_total",
+                                                                            "source"),
+                  "aborts": c("stopline_aborts_total"),
+                  "audits": c("stopline_audits_total"),
+                  "audit_failures": c("stopline_audit_failures_total"),
+                  "audit_seconds": c("stopline_audit_seconds_total"),
+                  "steps": c("stopline_engine_steps_total"),
+                  "spec_draft_tokens": c("stopline_spec_draft_tokens_total"),
+                  "spec_accepted_tokens": c("stopline_spec_accepted_tokens_total")}
         await probe.close()
         await self.http.aclose()
         await self.client.close()
@@ -571,7 +595,8 @@ def summary(res: dict[str, Any]) -> str:
     for kind, per in sorted(res["outcomes"].items()):
         lines.append(f"  {kind:<18} " + ", ".join(f"{o} {n}" for o, n in sorted(per.items())))
     srv = res["server"]
-    lines.append(f"server: finished {srv['finished']}; aborts by source {srv['aborts_by_source']}; "
+    lines.append(f"server: finished {srv['finished']}; aborts {srv['aborts']} (by source, last "
+                 f"process: {srv['aborts_by_source_last_process']}); "
                  f"audits {srv['audits']} ({srv['audit_failures']} failed, {srv['audit_seconds']} s); "
                  f"spec drafts {srv['spec_draft_tokens']}")
     for f in res["faults"]:

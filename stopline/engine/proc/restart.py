@@ -98,7 +98,7 @@ class RestartingCore:
         log.error("the engine core died: %s; ending its open requests with an error and "
                   "restarting it in %g s (death %d within %g s; it stays dead at %d)", why, delay,
                   len(self._deaths), self.restarts.window_s, self.restarts.limit)
-        self.on_lost(f"the engine core died: {why}")
+        self.on_lost(why)  # the server says "the engine core died: " before it
         self._restart = asyncio.ensure_future(self._again(delay))
 
     async def _again(self, delay: float) -> None:
