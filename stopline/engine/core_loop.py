@@ -58,7 +58,7 @@ class CoreLoop:
         self._busy_since: float | None = None
         self._pending: dict[str, _AbortClock] = {}  # accepted, not yet seen to end
         self._reclaiming: dict[str, _AbortClock] = {}  # ended, blocks maybe behind the fence
-        self._calls: list[tuple[str, Future]] = []
+        self._calls: list[tuple[str, tuple, Future]] = []
         self._ended: dict[str, float] = {}  # aborted incarnation -> when its terminal came out
         # Called before each step on the stepping thread (the core process lets its input
         # thread in here: see core_proc.Doorbell).
@@ -79,22 +79,21 @@ class CoreLoop:
         self._work.set()
         return inc
 
-    def abort(self, incarnations: Iterable[str], source: AbortSource, t0: float | None = None) -> None:
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
         incs = list(incarnations)
         now = time.monotonic()
         with self._lock:
             for inc in incs:
                 if inc not in self._pending:
-                    self._pending[inc] = _AbortClock(source.value, now if t0 is None else t0, now,
-                                                     self._step_no)
-            self.core.abort(incs, source)
+                    self._pending[inc] = _AbortClock(source.value, t0, now, self._step_no)
+            self.core.abort(incs, source, t0)
         self._work.set()
 
     def pause(self, incarnations: Iterable[str], paused: bool) -> None:
         self.core.pause(list(incarnations), paused)
         self._work.set()
 
-    def call(self, method: Utility | str) -> Future:
+    def call(self, method: Utility | str, *args: Any) -> Future:
         """Run a utility method between steps; the future gets its result."""
         fut: Future = Future()
         try:
@@ -103,7 +102,7 @@ class CoreLoop:
             fut.set_exception(ValueError(f"unknown utility method {method!r}"))
             return fut
         with self._lock:
-            self._calls.append((method, fut))
+            self._calls.append((method, args, fut))
         self._work.set()
         return fut
 
@@ -172,13 +171,13 @@ class CoreLoop:
     def _run_calls(self) -> None:
         with self._lock:
             calls, self._calls = self._calls, []
-        for method, fut in calls:
+        for method, args, fut in calls:
             try:
-                fut.set_result(self._utility(method))
+                fut.set_result(self._utility(method, args))
             except Exception as exc:  # a failing utility call fails only its caller
                 fut.set_exception(exc)
 
-    def _utility(self, method: Utility) -> Any:
+    def _utility(self, method: Utility, args: tuple) -> Any:
         if method is Utility.SNAPSHOT:
             return take_snapshot(self.core)
         if method is Utility.AUDIT:
@@ -186,6 +185,13 @@ class CoreLoop:
             return None
         if method is Utility.TRANSFERS:
             return self.core.transfers()
+        if method is Utility.LOAD_LORA:
+            return self.core.load_lora(*args)
+        if method is Utility.UNLOAD_LORA:
+            return self.core.unload_lora(*args)
+        if method is Utility.LORAS:
+            return {n: [a.path, len(self.core.adapters.refs.get(n, ()))]
+                    for n, a in self.core.adapters.loaded.items()}
         return self.core.pool.reset_prefix_cache()  # Utility.RESET_PREFIX_CACHE
 
     def _sink(self, outputs: list[RequestOutput]) -> None:

@@ -70,11 +70,15 @@ class Utility(Choice):
     AUDIT = "audit"
     RESET_PREFIX_CACHE = "reset_prefix_cache"
     TRANSFERS = "transfers"  # the KV transfers a disaggregated role timed (None elsewhere)
+    LOAD_LORA = "load_lora"  # args: name, path -> {'status', 'message'} (engine/adapters.py)
+    UNLOAD_LORA = "unload_lora"  # args: name, policy -> {'status', 'message'}
+    LORAS = "loras"  # the adapters loaded: name -> (path, references)
 
 
 class UtilityMsg(msgspec.Struct, tag="utility"):
     call_id: int
     method: Utility
+    args: list[Any] = []
 
 
 class ShutdownMsg(msgspec.Struct, tag="shutdown"):

@@ -36,6 +36,7 @@ class LiveSeq(msgspec.Struct, frozen=True, array_like=True):
     tokens: int  # prompt plus output so far
     num_blocks: int
     block_ids: list[int]  # empty when the pool map is cut (see pool_map)
+    lora: str = ""  # its LoRA adapter; "": the base model
 
 
 class Snapshot(msgspec.Struct, frozen=True):
@@ -73,6 +74,9 @@ class Snapshot(msgspec.Struct, frozen=True):
     audits: int = 0
     audit_failures: int = 0
     audit_seconds: float = 0.0
+    # LoRA adapters (docs/lora.md), every one ever loaded: name -> [references now (0 once
+    # unloaded), requests admitted, tokens of ended requests, loads, unloads].
+    loras: dict[str, list[int]] = msgspec.field(default_factory=dict)
     taken_at: float = 0.0  # time.monotonic()
 
 
@@ -86,17 +90,17 @@ def take_snapshot(core: EngineCore) -> Snapshot:
     complete = budget >= 0
     live = []
     for req in core.live_requests():
-        state = state_name(req)
+        state = state_name(req, core.kv_manager)
         gauges[_GAUGE.get(state, "running")] += 1
         if len(live) >= LIVE_ROWS:
             complete = False
             continue
-        blocks = req.block_ids
+        blocks = core.kv_manager.live_blocks(req)
         budget -= len(blocks)
         if budget < 0:
             complete = False
         live.append(LiveSeq(req.incarnation, req.index, state, req.num_tokens, len(blocks),
-                            list(blocks) if budget >= 0 else []))
+                            list(blocks) if budget >= 0 else [], req.params.lora or ""))
     cached = ([b for b in pool.hash_to_block.values() if pool.refcount[b] == 0]
               if pool.num_used + pool.num_cached <= MAP_BLOCKS else [])
     stats = core.lifecycle.stats
@@ -128,5 +132,13 @@ def take_snapshot(core: EngineCore) -> Snapshot:
         audits=stats.audits,
         audit_failures=stats.audit_failures,
         audit_seconds=stats.audit_seconds,
+        loras=_loras(core),
         taken_at=time.monotonic(),
     )
+
+
+def _loras(core: EngineCore) -> dict[str, list[int]]:
+    a = core.adapters
+    names = set(a.loaded) | set(a.loads)
+    return {n: [len(a.refs.get(n, ())), a.requests[n], a.tokens[n], a.loads[n], a.unloads[n]]
+            for n in sorted(names)}
