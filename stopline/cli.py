@@ -116,6 +116,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stuck-kill-s", type=float, default=60.0,
                    help="seconds of the same before a stuck engine process is killed (a replica "
                         "is then restarted)")
+    g.add_argument("--restart-core", type=int, default=0, metavar="N",
+                   help="restart the engine-core process when it dies (or is killed for being "
+                        "stuck): its open requests end with an error, new ones are served once "
+                        "it is back; after N deaths within 300 s it stays dead and the server "
+                        "exits (0: never restart, the server exits at the first death)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="answer 429 while this many requests wait for their first step (default: no limit)")
     g.add_argument("--queue-timeout", type=float, default=None,
@@ -197,6 +202,11 @@ def serve(args: argparse.Namespace) -> int:
         liveness = Bounds(args.stuck_s, args.stuck_kill_s)
     except ValueError as exc:
         raise SystemExit(f"--stuck-s and --stuck-kill-s: {exc}") from None
+    if args.restart_core and (args.replicas is not None or args.disagg or args.in_process):
+        raise SystemExit("--restart-core is for the one engine-core process: replicas and the "
+                         "split's roles restart their own, and --in-process has no process")
+    if args.restart_core < 0:
+        raise SystemExit(f"--restart-core must be >= 0, got {args.restart_core}")
     if args.replicas is not None:
         require("ray", what="--replicas")  # before anything starts, so nothing needs undoing
         from stopline.cluster.frontend import ray_engine
@@ -218,6 +228,14 @@ def serve(args: argparse.Namespace) -> int:
                                listen=args.disagg_listen, liveness=liveness, restarts=restarts,
                                max_waiting=args.max_waiting,
                                stall_timeout=args.stall_timeout, max_buffered=args.max_buffered)
+    elif args.restart_core:
+        from stopline.engine.liveness import Restarts
+        from stopline.engine.proc.restart import restarting_engine
+
+        engine = restarting_engine(args.model, engine_config(args), core_threads=args.core_threads,
+                                   liveness=liveness, restarts=Restarts(limit=args.restart_core),
+                                   max_waiting=args.max_waiting, stall_timeout=args.stall_timeout,
+                                   max_buffered=args.max_buffered)
     return run_server(args.model, engine_config(args), settings, host=args.host, port=args.port,
                       engine=engine, liveness=liveness,
                       in_process=args.in_process, max_waiting=args.max_waiting,
@@ -281,6 +299,9 @@ _BENCHES: list[tuple[str, str, str]] = [
     ("spec", "speculative decoding off / on / auto: one repetitive stream, one free, N streams",
      "stopline.bench.spec"),
     ("offline", "offline tokens/s, 1 and N streams, next to HF transformers generate", "stopline.bench.offline"),
+    ("marathon", "the server under steady and burst load with client cancels while its engine "
+     "processes are paused and killed: canaries exact, recovery time, pool and RSS over time, "
+     "log scan", "stopline.bench.marathon"),
     ("soak", "server memory over many requests, half closed early: RSS bytes per request", "stopline.bench.soak"),
     ("neighbours", "decode step time quiet and beside a process taking a slice of our CPUs "
      "(phases alternate; --no-adapt-threads for the A/B)", "stopline.bench.neighbours"),
