@@ -244,10 +244,10 @@ class DisaggCores:
         if self._reachable("decode"):  # only the decode role streams to clients
             self.cores["decode"].pause(incarnations, paused)
 
-    async def utility(self, method: Utility) -> list[Any]:
+    async def utility(self, method: Utility, args: dict[str, Any] | None = None) -> list[Any]:
         """Runs on every live role (an audit checks both); their results, prefill first."""
         live = [r for r in ROLES if self.state[r] == "healthy"]
-        return list(await asyncio.gather(*(self.cores[r].utility(method) for r in live)))
+        return list(await asyncio.gather(*(self.cores[r].utility(method, args) for r in live)))
 
     def _forget(self, inc: str) -> None:
         self.samples.pop(inc, None)

@@ -54,7 +54,7 @@ class CoreLoop:
         self._step_started: float | None = None  # monotonic start of the step running now
         self._pending: dict[str, _AbortClock] = {}  # accepted, not yet seen to end
         self._reclaiming: dict[str, _AbortClock] = {}  # ended, blocks maybe behind the fence
-        self._calls: list[tuple[str, Future]] = []
+        self._calls: list[tuple[Utility, dict[str, Any], Future]] = []
         self._ended: dict[str, float] = {}  # aborted incarnation -> when its terminal came out
         # Called before each step on the stepping thread (the core process lets its input
         # thread in here: see core_proc.Doorbell).
@@ -64,6 +64,8 @@ class CoreLoop:
         core.output_sink = self._sink
         core.taken_sink = self._taken
         core.wake = self._work.set
+        # Engine-wide pause, mode keep (Utility.HALT): no step runs, aborts still apply.
+        self.halted = False
 
     # ---- any thread -----------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -90,7 +92,7 @@ class CoreLoop:
         self.core.pause(list(incarnations), paused)
         self._work.set()
 
-    def call(self, method: Utility | str) -> Future:
+    def call(self, method: Utility | str, args: dict[str, Any] | None = None) -> Future:
         """Run a utility method between steps; the future gets its result."""
         fut: Future = Future()
         try:
@@ -99,7 +101,7 @@ class CoreLoop:
             fut.set_exception(ValueError(f"unknown utility method {method!r}"))
             return fut
         with self._lock:
-            self._calls.append((method, fut))
+            self._calls.append((method, args or {}, fut))
         self._work.set()
         return fut
 
@@ -129,6 +131,16 @@ class CoreLoop:
         self.emit(Batch(snapshot=take_snapshot(core)))
         while not self._stopping:
             self._run_calls()
+            if self.halted or core.asleep:
+                # Paused (keep) or asleep: no step; an abort that came in still ends its
+                # request now (nothing is in flight, so its blocks go back at once).
+                outputs = core.halted_tick()
+                if outputs:
+                    self._note_ended(outputs)
+                    self._send(Batch(outputs, self._timings(), take_snapshot(core)))
+                self._work.wait()
+                self._work.clear()
+                continue
             if not core.has_unfinished():
                 self._work.wait()
                 self._work.clear()
@@ -150,8 +162,15 @@ class CoreLoop:
             outputs = core.step()
             self._step_started = None
             self._note_ended(outputs)
-            self.emit(Batch(outputs, self._timings(), take_snapshot(core)))
+            self._send(Batch(outputs, self._timings(), take_snapshot(core)))
         self._run_calls()
+
+    def _send(self, batch: Batch) -> None:
+        # Stamped as they leave: a weight update runs between steps, after the outputs
+        # computed before it were flushed (Utility.COMMIT_WEIGHTS).
+        for o in batch.outputs:
+            o.weight_version = self.core.weight_version
+        self.emit(batch)
 
     def _deadline_passed(self) -> bool:
         now = time.monotonic()
@@ -161,13 +180,32 @@ class CoreLoop:
     def _run_calls(self) -> None:
         with self._lock:
             calls, self._calls = self._calls, []
-        for method, fut in calls:
+        for method, args, fut in calls:
             try:
-                fut.set_result(self._utility(method))
+                fut.set_result(self._utility(method, args))
             except Exception as exc:  # a failing utility call fails only its caller
                 fut.set_exception(exc)
 
-    def _utility(self, method: Utility) -> Any:
+    def _utility(self, method: Utility, args: dict[str, Any]) -> Any:
+        core = self.core
+        if method is Utility.HALT:
+            core.flush_text()
+            self.halted = core.halted = bool(args.get("on", True))
+            return self.halted
+        if method is Utility.SLEEP:
+            return core.sleep(int(args.get("level", 1)))
+        if method is Utility.WAKE:
+            return core.wake_up()
+        if method is Utility.STAGE_WEIGHTS:
+            try:
+                return core.stage_weights(str(args["path"]))
+            except (ValueError, OSError) as exc:  # the caller's 400, across every transport
+                return {"error": str(exc)}
+        if method is Utility.COMMIT_WEIGHTS:
+            core.flush_text()  # what the old weights computed leaves stamped with their version
+            return core.commit_weights()
+        if method is Utility.DROP_STAGED:
+            return core.drop_staged()
         if method is Utility.SNAPSHOT:
             return take_snapshot(self.core)
         if method is Utility.AUDIT:
@@ -180,7 +218,7 @@ class CoreLoop:
     def _sink(self, outputs: list[RequestOutput]) -> None:
         if outputs:
             self._note_ended(outputs)
-            self.emit(Batch(outputs))
+            self._send(Batch(outputs))
 
     def _taken(self, incarnations: list[str]) -> None:
         self.emit(Batch(taken=incarnations))

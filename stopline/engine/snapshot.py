@@ -70,6 +70,11 @@ class Snapshot(msgspec.Struct, frozen=True):
     grammar_mask_sum: float = 0.0
     grammar_compiles_pending: int = 0
     taken_at: float = 0.0  # time.monotonic()
+    # Engine-wide stops (docs/engine-stops.md): the weights served, halted (pause mode keep),
+    # the sleep level.
+    weight_version: int = 0
+    halted: bool = False
+    asleep: int = 0
 
 
 def take_snapshot(core: EngineCore) -> Snapshot:
@@ -122,4 +127,5 @@ def take_snapshot(core: EngineCore) -> Snapshot:
         grammar_mask_sum=core.grammar.mask_seconds.total,
         grammar_compiles_pending=core.grammar.pending_compiles(),
         taken_at=time.monotonic(),
+        weight_version=core.weight_version, halted=core.halted, asleep=core.asleep,
     )

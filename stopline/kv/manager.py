@@ -46,6 +46,9 @@ class KVManager:
         self.block_size = pool.block_size
         self.deferred: list[_Deferred] = []
         self.last_processed_step = -1
+        # Requests (internal ids) whose KV was computed, at least in part, under weights the
+        # engine no longer serves: their blocks never enter the prefix cache.
+        self.stale: set[int] = set()
 
     # ---- counts -------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -155,7 +158,7 @@ class KVManager:
         """Make req's fully computed blocks findable in the prefix cache. Generated blocks
         too: a preempted request finds them again when it resumes, as does any request that
         shares the whole prefix."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or req.internal_id in self.stale:
             return
         n_full = req.num_computed // self.block_size
         if n_full <= req.num_hashed_blocks:
@@ -228,10 +231,20 @@ class KVManager:
         keep = (reason in (FinishReason.STOP, FinishReason.LENGTH)
                 or (reason in (FinishReason.ABORT, FinishReason.TIMEOUT) and self.keep_aborted_prefix))
         blocks, req.block_ids = req.block_ids, []
+        self.stale.discard(req.internal_id)
         self._free(req, blocks, keep_cached=keep, aborted_at=req.aborted_at)
 
     def holds(self, req: Request) -> bool:
-        return bool(req.block_ids)
+        return bool(req.block_ids) or req.internal_id in self.stale
+
+    def new_weights(self, live: Sequence[Request]) -> int:
+        """The weights changed between steps: forget every hash (cached and owned blocks),
+        and keep the live requests, whose KV is from the old weights, out of the cache for
+        good. Returns how many hashes were dropped."""
+        for d in self.deferred:
+            d.keep_cached = False
+        self.stale.update(r.internal_id for r in live)
+        return self.pool.forget_hashes()
 
     def _free(self, req: Request, blocks: list[int], keep_cached: bool,
               aborted_at: float | None) -> None:

@@ -281,14 +281,14 @@ class ProcCore:
     def pause(self, incarnations: list[str], paused: bool) -> None:
         self._send(self._in, PauseMsg(list(incarnations), paused))
 
-    async def utility(self, method: Utility) -> Any:
+    async def utility(self, method: Utility, args: dict[str, Any] | None = None) -> Any:
         if self.stuck is not None:
             raise EngineUnavailable(self.stuck)
         call_id = next(self._call_ids)
         fut = self._aloop.create_future()
         self._calls[call_id] = fut
         try:
-            self._send(self._in, UtilityMsg(call_id, method))
+            self._send(self._in, UtilityMsg(call_id, method, args))
             result = await fut
         finally:
             self._calls.pop(call_id, None)
