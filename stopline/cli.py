@@ -121,6 +121,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="outputs a stream holds unread before its request is paused")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds open requests may run before they are aborted")
+    g.add_argument("--paused-admission", choices=["queue", "reject"], default="queue",
+                   help="while paused or asleep (POST /pause, /sleep), new requests wait for the "
+                        "resume (at most --queue-timeout) or get 503 with Retry-After")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     g.add_argument("--core-threads", type=int, default=None,
                    help="torch threads in the engine-core process (default: all CPUs but one "
@@ -147,7 +150,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, queue_timeout=args.queue_timeout,
-        drain_timeout=args.drain_timeout)
+        drain_timeout=args.drain_timeout, paused_admission=args.paused_admission)
     engine = None
     if args.disagg and (args.replicas is not None or args.in_process):
         raise SystemExit("--disagg runs its own two engine processes: it does not combine with "

@@ -119,7 +119,7 @@ def test_in_process_disconnect_and_queue_full(inproc):
     inproc.wait_idle(timeout=1.0)
 
 
-def test_sigterm_drains_then_aborts_with_shutdown(inproc):
+def test_sigterm_drains_then_ends_the_rest_with_a_shutdown_error(inproc):
     short: list = []
     long: list = []
     started = [threading.Event(), threading.Event()]
@@ -142,6 +142,9 @@ def test_sigterm_drains_then_aborts_with_shutdown(inproc):
         t.join(15)
     assert short[-1] == "[DONE]" and short[-2]["choices"][0]["finish_reason"] == "length"
     assert long[-1] == "[DONE]"
-    final = long[-2]["choices"][0]
-    assert final["finish_reason"] == "abort" and final["stop_detail"] == "shutdown"
+    # Ended by the engine, not by its client: an error event naming the reason (issue 46),
+    # not finish_reason "abort" + [DONE] that a client would count as a success.
+    final = long[-2]["error"]
+    assert final["code"] == "engine_shutdown" and final["type"] == "service_unavailable_error", final
+    assert all("choices" in c and c["choices"][0]["finish_reason"] is None for c in long[:-2])
     assert inproc.proc.wait(15) == 0

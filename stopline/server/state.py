@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from stopline.engine.async_engine import AsyncEngine
+from stopline.engine.async_engine import Admission, AsyncEngine
 from stopline.server.errors import ApiError
 from stopline.server.format import TokenText
 from stopline.server.metrics import ServerMetrics
@@ -32,6 +32,9 @@ class ServerSettings:
     # After the engine core dies: keep answering (503, /health unhealthy) this long so that
     # open streams get their error event and probes see why, then exit EXIT_CORE_DIED.
     dead_exit_delay: float = 2.0
+    # What a request arriving while the engine is paused or asleep gets: "queue" (it waits
+    # for the resume, at most its queue timeout) or "reject" (503 with Retry-After).
+    paused_admission: str = "queue"
 
 
 class ServerState:
@@ -43,6 +46,7 @@ class ServerState:
         self.metrics.bind(engine)
         engine.observer = self.metrics
         engine.on_dead.append(self._core_died)
+        engine.admission = Admission(settings.paused_admission)
         self.exit_code: int | None = None
         self.request_exit: Callable[[int], None] = lambda code: None  # set by the runner
         self.created = int(time.time())
