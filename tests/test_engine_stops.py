@@ -161,14 +161,14 @@ def _rss(pid: int) -> int:
 
 
 def test_sleep_frees_the_pool_and_wake_up_restores_it(tiny_long_model_dir):
-    # A pool of 16,384 blocks: 2 layers x K,V x 16 tokens x 2 heads x 32 x 4 bytes = 16 KiB a
-    # block, 256 MiB in all, far above the core's other memory.
+    # A pool of 16,384 blocks (+ the null block): 2 layers x K,V x 16 tokens x 2 heads x 16
+    # x 4 bytes = 8 KiB a block, 128 MiB in all, far above what the core's RSS moves by else.
     srv = ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", "tiny",
                         "--num-blocks", "16384", "--max-num-seqs", "8", "--queue-timeout", "60")
     try:
         srv.wait_ready()
         pid = srv.core_pid()
-        pool = 16385 * 16 * 2 * 32 * 4 * 2 * 2
+        pool = 16385 * 16 * 2 * 16 * 4 * 2 * 2
         r = _Reader(srv)
         r.start()
         assert r.started.wait(30)
