@@ -233,6 +233,8 @@ def role(args: argparse.Namespace) -> int:
 # imports can't break another's parser (the base install builds every one: test_dependencies).
 _BENCHES: list[tuple[str, str, str]] = [
     ("stop", "cost of stopping: cancel storm and preemption storm (in-process)", "stopline.bench.stop"),
+    ("pause", "engine-wide pause with N streams in flight: time to pause and to resume, tokens "
+     "discarded, per mode (abort, keep, wait)", "stopline.bench.pause"),
     ("replicas", "Ray replicas: abort latency through the router, routing overhead, prefix hit rate, "
      "head-of-line, replica kill (run it in a network namespace)", "stopline.bench.replicas"),
     ("disagg", "prefill/decode split: head-of-line after cancelled long prompts, cancel-to-reclaim on "

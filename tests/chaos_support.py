@@ -22,7 +22,7 @@ import random
 import signal
 import threading
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
@@ -158,6 +158,13 @@ class StormResult:
     engine: EngineCore | None = None
     pauses: int = 0  # streams that filled while their reader slept (run_async_storm's slow ones)
     freezes: int = 0  # SIGSTOP/SIGCONT of an engine process during the storm
+    # Engine-wide stops (run_async_storm's `stops`): what was drawn, the jobs an engine-
+    # initiated end reached (their stream raised EngineStopped), those a pause kept out past
+    # their queue timeout (never admitted), and the weight versions their outputs carried.
+    stops: dict = field(default_factory=lambda: defaultdict(int))
+    stopped: set = field(default_factory=set)
+    refused: set = field(default_factory=set)
+    versions: set = field(default_factory=set)
 
 
 def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int) -> StormResult:
@@ -230,6 +237,15 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
     longer than what it had at the abort). Returns the number of aborted samples."""
     n_abort = 0
     for job in work:
+        if job.key in res.refused:  # a pause held it past its queue timeout: never admitted
+            assert not res.got[job.key] and not any(res.terminals[(job.key, i)] for i in range(4))
+            continue
+        if job.key in res.stopped:  # ended by the engine: an error, with a prefix of its tokens
+            for i in range(job.params.n):
+                assert len(res.terminals[(job.key, i)]) <= 1, f"{job.key}[{i}]: two terminals"
+                tokens = res.got[job.key][i]
+                assert tokens == ref[job.key][i][: len(tokens)], f"{job.key}[{i}]: stopped, not a prefix"
+            continue
         for i in range(job.params.n):
             outs = res.terminals[(job.key, i)]
             assert len(outs) == 1, f"{job.key}[{i}]: {len(outs)} terminal outputs"
@@ -256,7 +272,8 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
 
 def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed: int,
                     *, subprocess: bool = True, make=None, max_delay: float = 0.4,
-                    slow: float = 0.0, max_buffered: int = 64, freeze: float = 0.0) -> StormResult:
+                    slow: float = 0.0, max_buffered: int = 64, freeze: float = 0.0,
+                    stops: float = 0.0) -> StormResult:
     """The storm through the async engine (the core in its own process, over ZMQ): each job
     streams in its own task; an aborted job's cancel goes out after a random wall-clock
     delay, so it lands between steps, mid-forward or mid-prefill as it happens. `make`:
@@ -267,8 +284,12 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
     then read on: slowness alone must never change or end a request. freeze: the longest
     SIGSTOP (s) of one of the engine's local processes (a replica, a role, the core) at random
     moments of the storm, each followed by SIGCONT; kept under the stuck bound, a stopped
-    process only delays its requests."""
+    process only delays its requests. stops: the longest gap (s) between engine-wide stops
+    drawn during the storm (docs/engine-stops.md): pause in every mode then resume, sleep and
+    wake, and weight updates in every mode to the same weights (new versions, the same
+    tokens: every request still equals its solo run)."""
     from stopline.engine.async_engine import AsyncEngine
+    from stopline.engine.streams import EngineStopped, EngineUnavailable
 
     rng = random.Random(seed)
     res = StormResult(defaultdict(lambda: defaultdict(list)), defaultdict(list), {},
@@ -285,14 +306,24 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                 res.aborted_at[job.key] = {i: len(res.got[job.key][i]) for i in range(4)}
                 engine.abort(inc, AbortSource.CANCEL)
             cancel = asyncio.create_task(later())
-        stream = await adding
-        async for out in stream:
-            res.got[job.key][out.index] += delivered(out)
-            if out.finished:
-                res.terminals[(job.key, out.index)].append(out)
-            if nap and sum(map(len, res.got[job.key].values())) >= 2:
-                await asyncio.sleep(nap)  # the reader stops; the engine runs on until it pauses
-                nap = 0.0
+        try:
+            stream = await adding
+        except EngineUnavailable:  # held by a pause past its queue timeout
+            res.refused.add(job.key)
+            if cancel is not None:
+                cancel.cancel()
+            return
+        try:
+            async for out in stream:
+                res.got[job.key][out.index] += delivered(out)
+                res.versions.add(out.weight_version)
+                if out.finished:
+                    res.terminals[(job.key, out.index)].append(out)
+                if nap and sum(map(len, res.got[job.key].values())) >= 2:
+                    await asyncio.sleep(nap)  # the reader stops; the engine runs on until it pauses
+                    nap = 0.0
+        except EngineStopped:
+            res.stopped.add(job.key)
         if cancel is not None:
             cancel.cancel()
         if job.race:  # cancel after the natural end, then the same caller id again
@@ -335,7 +366,31 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                 res.freezes += 1
                 await asyncio.sleep(stop_s)
 
+        srng = random.Random(seed + 2)
+
+        async def stopper() -> None:
+            while True:
+                await asyncio.sleep(srng.uniform(0.02, stops))
+                kind = srng.choice(["pause", "sleep", "update"])
+                mode = srng.choice(["abort", "keep", "wait"])
+                if kind == "pause":
+                    await engine.pause(mode, timeout=0.5)
+                    await asyncio.sleep(srng.uniform(0, 0.1))
+                    await engine.resume()
+                elif kind == "sleep":
+                    mode = "wait" if mode == "wait" else "abort"
+                    try:
+                        await engine.sleep(1, mode, timeout=0.5)
+                        await asyncio.sleep(srng.uniform(0, 0.1))
+                        await engine.wake_up()
+                    except TimeoutError:  # still running after the wait: paused, not asleep
+                        await engine.resume()
+                else:
+                    await engine.update_weights(model_dir, mode, timeout=0.5)
+                res.stops[f"{kind}:{mode}"] += 1
+
         thawing = asyncio.create_task(freezer()) if freeze else None
+        stopping = asyncio.create_task(stopper()) if stops else None
         try:
             tasks = []
             for n, job in enumerate(work):
@@ -348,6 +403,12 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                 if n % 4 == 3:
                     await asyncio.sleep(rng.uniform(0, 0.02))
             await asyncio.gather(*tasks)
+            if stopping is not None:
+                if stopping.done():
+                    stopping.result()  # a stop that failed fails the storm
+                stopping.cancel()
+                await asyncio.gather(stopping, return_exceptions=True)
+                await engine.wake_up()  # whatever it was cut in, the engine admits again
             if thawing is not None:
                 thawing.cancel()
                 await asyncio.gather(thawing, return_exceptions=True)
@@ -360,6 +421,8 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
             for snap in snaps if isinstance(snaps, list) else [snaps]:
                 assert snap.kv_blocks_used == 0 and snap.running == snap.waiting == 0, snap
         finally:
+            if stopping is not None:
+                stopping.cancel()
             if thawing is not None:
                 thawing.cancel()
             for t in timers:

@@ -138,6 +138,33 @@ def test_async_storm_over_zmq(tiny_dir, tiny, storm_work):
     assert res.freezes > 0  # the core process stopped and continued mid-storm
 
 
+@pytest.mark.parametrize("subprocess", [True, False])
+def test_async_storm_with_engine_stops(tiny_dir, tiny, storm_work, subprocess):
+    """The async storm (cancels, preemption, async scheduling, slow readers) with engine-wide
+    stops drawn all along (issue 46): pause and resume in every mode, sleep and wake, weight
+    updates in every mode (to the same weights: new versions, the same tokens). Every request
+    ends once, equal to its solo run (or a prefix of it when a cancel or an engine stop ended
+    it); the audit and the pool come back clean."""
+    from stopline.engine.async_engine import AsyncEngine
+    from stopline.engine.liveness import Bounds
+
+    work, ref = storm_work
+    work = [j for j in work[:60] if not (j.race or j.resubmit)]
+    config = dataclasses.replace(storm_config("auto", True), num_blocks=60)
+    # A weight update loads and calibrates the model on the core's stepping thread; on a
+    # loaded 2-core host that can starve the heartbeat past the default 5 s stuck bound.
+    make = (lambda d, c, progress, **kw: AsyncEngine.in_subprocess(
+        d, c, progress=progress, liveness=Bounds(30.0, 120.0), **kw)) if subprocess else None
+    res = run_async_storm(str(tiny_dir), work, config, seed=31, max_delay=0.1, slow=0.25,
+                          max_buffered=2, stops=0.15, subprocess=subprocess, make=make)
+    check_storm(work, ref, res)
+    assert sum(res.stops.values()) >= 6, dict(res.stops)
+    kinds = {k.partition(":")[0] for k in res.stops}
+    assert kinds == {"pause", "sleep", "update"}, dict(res.stops)
+    if any(k.startswith("update") for k in res.stops):
+        assert max(res.versions) > 0  # outputs carried a later weight version
+
+
 def test_async_storm_through_the_split(tiny_dir, tiny, storm_work):
     """The same storm through `serve --disagg`'s engine (a prefill and a decode process):
     cancels land before, during and after the KV transfer; outputs equal the reference and
