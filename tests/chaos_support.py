@@ -238,7 +238,7 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
     n_abort = 0
     for job in work:
         if job.key in res.refused:  # a pause held it past its queue timeout: never admitted
-            assert not res.got[job.key] and not any(res.terminals[(job.key, i)] for i in range(4))
+            assert not any(res.got[job.key][i] or res.terminals[(job.key, i)] for i in range(4)), job.key
             continue
         if job.key in res.stopped:  # ended by the engine: an error, with a prefix of its tokens
             for i in range(job.params.n):
