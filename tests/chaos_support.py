@@ -266,7 +266,10 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
                 assert tokens == want[: len(tokens)], f"{job.key}[{i}]: timed-out output is not a prefix"
             else:
                 assert reason in (FinishReason.STOP, FinishReason.LENGTH), (job.key, i, term)
-                assert tokens == want, f"{job.key}[{i}]: survivor differs from its undisturbed run"
+                first = next((k for k, (a, b) in enumerate(zip(tokens, want, strict=False)) if a != b), min(len(tokens), len(want)))
+                assert tokens == want, (f"{job.key}[{i}]: survivor differs from its undisturbed run at "
+                                        f"token {first} of {len(tokens)} (want {len(want)}); {term}; "
+                                        f"stops {dict(res.stops)}")
     return n_abort
 
 

@@ -150,6 +150,8 @@ class KVManager:
     def fork(self, sample: Request, leader: Request) -> None:
         """A family sample takes its own copy of the leader's last, partial prompt block."""
         bs = self.block_size
+        if leader.internal_id in self.stale:  # it shares the leader's old-weights prompt KV
+            self.stale.add(sample.internal_id)
         if sample.prompt_len % bs and self.cache is not None:
             last = sample.prompt_len // bs
             self.cache.copy_block(leader.block_ids[last], sample.block_ids[last])
