@@ -372,6 +372,13 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
         srng = random.Random(seed + 2)
 
         async def stopper() -> None:
+            try:
+                await stops_drawn()
+            except Exception:
+                await engine.wake_up()  # the jobs held by the failed stop end; the storm fails
+                raise
+
+        async def stops_drawn() -> None:
             while True:
                 await asyncio.sleep(srng.uniform(0.02, stops))
                 kind = srng.choice(["pause", "sleep", "update"])

@@ -332,11 +332,16 @@ class AsyncEngine:
     async def _held(self, params: SamplingParams) -> None:
         if self.admission is Admission.REJECT:
             raise EngineUnavailable(self.unavailable_why())
-        try:  # never a hang: at most the queue timeout, and a drain or death wakes it
-            await asyncio.wait_for(self._resumed.wait(), params.queue_timeout)
-        except TimeoutError:
-            raise EngineUnavailable(f"{self.unavailable_why()}; the request waited its queue "
-                                    f"timeout ({params.queue_timeout} s)") from None
+        end = None if params.queue_timeout is None else time.monotonic() + params.queue_timeout
+        # Never a hang: at most the queue timeout, and a drain or death wakes it. A loop: a
+        # pause that came right after the resume holds it again.
+        while self.held and self.state is EngineState.READY:
+            try:
+                await asyncio.wait_for(self._resumed.wait(),
+                                       None if end is None else max(0.0, end - time.monotonic()))
+            except TimeoutError:
+                raise EngineUnavailable(f"{self.unavailable_why()}; the request waited its queue "
+                                        f"timeout ({params.queue_timeout} s)") from None
         if self.state is not EngineState.READY:
             raise EngineUnavailable(self.unavailable_why())
 

@@ -415,7 +415,9 @@ class EngineCore:
         live: the front end pauses with mode abort or wait first. Returns the bytes freed."""
         if level not in (1, 2):
             raise ValueError(f"level: must be 1 or 2, got {level}")
-        self._apply_aborts()  # late aborts of requests already over: nothing to keep for
+        # Late aborts of requests already over, and adds whose abort overtook them (the front
+        # end aborted every open request before this): they end here, nothing is kept for them.
+        self._apply_inbox()
         if self.families or self.inbox.has_any():
             raise RuntimeError(f"sleep: {len(self.families)} requests are live; pause with mode "
                                "abort or wait first")
