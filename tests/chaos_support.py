@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import os
 import random
 import signal
@@ -378,11 +379,15 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                 await engine.wake_up()  # the jobs held by the failed stop end; the storm fails
                 raise
 
+        # Every kind and mode in turn, those that keep the requests first (an abort ends many
+        # jobs, and the storm ends with its last job), at random moments.
+        drawn = ["pause:keep", "update:keep", "pause:wait", "update:wait", "sleep:wait",
+                 "pause:abort", "update:abort", "sleep:abort"]
+
         async def stops_drawn() -> None:
-            while True:
+            for k in itertools.count():
                 await asyncio.sleep(srng.uniform(0.02, stops))
-                kind = srng.choice(["pause", "sleep", "update"])
-                mode = srng.choice(["abort", "keep", "wait"])
+                kind, _, mode = drawn[k % len(drawn)].partition(":")
                 if kind == "pause":
                     await engine.pause(mode, timeout=0.5)
                     await asyncio.sleep(srng.uniform(0, 0.1))

@@ -158,11 +158,9 @@ def test_async_storm_with_engine_stops(tiny_dir, tiny, storm_work, subprocess):
     res = run_async_storm(str(tiny_dir), work, config, seed=31, max_delay=0.1, slow=0.25,
                           max_buffered=2, stops=0.15, subprocess=subprocess, make=make)
     check_storm(work, ref, res)
-    assert sum(res.stops.values()) >= 6, dict(res.stops)
-    kinds = {k.partition(":")[0] for k in res.stops}
-    assert kinds == {"pause", "sleep", "update"}, dict(res.stops)
-    if any(k.startswith("update") for k in res.stops):
-        assert max(res.versions) > 0  # outputs carried a later weight version
+    # In turn: pause keep, update keep, pause wait, update wait, sleep wait, then the aborts.
+    assert {"pause:keep", "update:keep", "pause:wait"} <= set(res.stops), dict(res.stops)
+    assert max(res.versions) > 0  # outputs carried a later weight version
 
 
 def test_async_storm_through_the_split(tiny_dir, tiny, storm_work):

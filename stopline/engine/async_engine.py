@@ -361,9 +361,11 @@ class AsyncEngine:
         return got if isinstance(got, list) else [got]
 
     async def _halt(self, on: bool) -> None:
-        if self._halted != on:
-            await self._all(Utility.HALT, {"on": on})
+        # Off is always sent (idempotent in the core): a halt whose caller was cancelled
+        # may have reached the core without this flag knowing it.
+        if self._halted != on or not on:
             self._halted = on
+            await self._all(Utility.HALT, {"on": on})
 
     async def _pause(self, mode: PauseMode, source: AbortSource, timeout: float | None) -> int:
         """Stop admitting, then apply `mode` to the open requests; returns how many ended

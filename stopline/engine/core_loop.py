@@ -181,6 +181,8 @@ class CoreLoop:
         with self._lock:
             calls, self._calls = self._calls, []
         for method, args, fut in calls:
+            if not fut.set_running_or_notify_cancel():
+                continue  # its caller gave up (a cancelled await): nobody wants the result
             try:
                 fut.set_result(self._utility(method, args))
             except Exception as exc:  # a failing utility call fails only its caller
