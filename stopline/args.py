@@ -10,6 +10,7 @@ from stopline.config import (
     ATTENTION_BACKENDS,
     LINEAR_BACKENDS,
     EngineConfig,
+    Numerics,
     PreemptionMode,
     VictimPolicy,
 )
@@ -59,7 +60,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-max-rows", type=int, default=EngineConfig.quant_max_rows,
                    help="batches of up to this many rows read a GGUF's Q4_1/Q8_0 weights in their "
                         "blocks through stopline's C kernel (same bits as float32; 0: never)")
-    g.add_argument("--numerics", default=EngineConfig.numerics.value, choices=["exact", "fast"],
+    g.add_argument("--max-loras", type=int, default=EngineConfig.max_loras,
+                   help="most LoRA adapters loaded at once (docs/lora.md)")
+    g.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank,
+                   help="highest rank a LoRA adapter may have; a higher one is refused")
+    g.add_argument("--numerics", default=EngineConfig.numerics.value, choices=[m.value for m in Numerics],
                    help="linear layers in float32 bits (exact) or bf16 inputs with fp32 sums on "
                         "AVX512-BF16 (fast); both batch-invariant (docs/numerics.md)")
 
@@ -75,6 +80,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend, decode_rows=args.decode_rows,
         adapt_threads=args.adapt_threads,
         linear_backend=args.linear_backend,
-        quant_max_rows=args.quant_max_rows, numerics=getattr(args, "numerics", "exact"),
+        quant_max_rows=args.quant_max_rows, numerics=getattr(args, "numerics", Numerics.EXACT),
         speculative=args.speculative, speculative_tokens=args.speculative_tokens,
+        max_loras=getattr(args, "max_loras", EngineConfig.max_loras),
+        max_lora_rank=getattr(args, "max_lora_rank", EngineConfig.max_lora_rank),
     )

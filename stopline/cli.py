@@ -79,6 +79,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    g.add_argument("--lora", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters to serve as models NAME (PEFT directories or llama.cpp GGUF "
+                        "LoRA files); more load at run time with POST /v1/load_lora_adapter")
+    g.add_argument("--lora-unload-policy", default="wait", choices=["wait", "abort", "refuse"],
+                   help="what an unload does to requests using the adapter when the body names no "
+                        "policy: let them finish (wait), end them (abort), or refuse with 409")
     g.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the model file or directory name)")
     g.add_argument("--in-process", action="store_true",
@@ -125,6 +131,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="while paused or asleep (POST /pause, /sleep), new requests wait for the "
                         "resume (at most --queue-timeout) or get 503 with Retry-After")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    g.add_argument("--responses-max-stored", type=int, default=1000,
+                   help="/v1/responses: stored responses kept at most, oldest ended first (also "
+                        "the most background responses running at once)")
+    g.add_argument("--responses-ttl-s", type=float, default=3600.0,
+                   help="/v1/responses: seconds a stored response is kept after it ended")
     g.add_argument("--core-threads", type=int, default=None,
                    help="torch threads in the engine-core process (default: all CPUs but one "
                         "when there are more than two, so aborts are taken in at once)")
@@ -142,6 +153,19 @@ def served_model_name(model: str | None) -> str:
     return path.stem if path.suffix.lower() == ".gguf" else path.name
 
 
+def _loras(specs: list[str]) -> dict[str, str]:
+    """--lora NAME=PATH ... as {name: path}."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, eq, path = spec.partition("=")
+        if not eq or not name or not path:
+            raise SystemExit(f"--lora: expected NAME=PATH, got {spec!r}")
+        if name in out:
+            raise SystemExit(f"--lora: {name!r} given twice")
+        out[name] = path
+    return out
+
+
 @command("serve", "OpenAI-compatible HTTP server (engine core in its own process)", _serve_args)
 def serve(args: argparse.Namespace) -> int:
     from stopline.server.run import serve as run_server
@@ -150,7 +174,12 @@ def serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, queue_timeout=args.queue_timeout,
-        drain_timeout=args.drain_timeout, paused_admission=args.paused_admission)
+        drain_timeout=args.drain_timeout, paused_admission=args.paused_admission,
+        responses_max_stored=args.responses_max_stored,
+        responses_ttl_s=args.responses_ttl_s, loras=_loras(args.lora),
+        lora_unload_policy=args.lora_unload_policy)
+    if args.responses_max_stored < 1 or args.responses_ttl_s <= 0:
+        raise SystemExit("--responses-max-stored must be at least 1 and --responses-ttl-s above 0")
     engine = None
     if args.disagg and (args.replicas is not None or args.in_process):
         raise SystemExit("--disagg runs its own two engine processes: it does not combine with "
@@ -244,6 +273,8 @@ _BENCHES: list[tuple[str, str, str]] = [
     ("serve-report", "render docs/benchmarks.md from `bench serve` results", "stopline.bench.report"),
     ("grammar", "structured output served: N json_schema streams vs N unstructured, throughput ratio "
      "and mask time", "stopline.bench.grammar"),
+    ("lora", "LoRA adapters served: N streams under 4 adapters vs base only (ratio), unload latency "
+     "under load (abort and wait)", "stopline.bench.lora"),
     ("spec", "speculative decoding off / on / auto: one repetitive stream, one free, N streams",
      "stopline.bench.spec"),
     ("offline", "offline tokens/s, 1 and N streams, next to HF transformers generate", "stopline.bench.offline"),

@@ -92,6 +92,9 @@ class EngineConfig:
     # is only preempted again, its prefill thrown away (0: off).
     admission_lookahead: int = 8
     async_scheduling: bool = False
+    # LoRA (docs/lora.md): most adapters loaded at once, and the highest rank one may have.
+    max_loras: int = 8
+    max_lora_rank: int = 64
     # Small decode steps drop a thread while neighbours take our CPUs (worker/cpu_share.py).
     adapt_threads: bool = True
     # "auto": the C kernel where it runs (CPU, AVX-512, a C compiler, head_dim 16 to 128),
@@ -138,7 +141,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_preemptions must be >= 0, got {self.max_preemptions}")
         if self.quant_max_rows < 0:
             raise ValueError(f"EngineConfig.quant_max_rows must be >= 0, got {self.quant_max_rows}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -43,11 +43,11 @@ class Holder(Protocol):
         """Whether anything of req is still held here (the audit's question)."""
 
 
-def state_name(req: Request) -> str:
+def state_name(req: Request, kv: KVManager) -> str:
     if req.status is RequestStatus.RUNNING:
         if req.fork_leader is not None:
             return "waiting"
-        return "prefilling" if req.was_prefilling else "running"
+        return "prefilling" if kv.was_prefilling(req) else "running"
     return req.status.value
 
 
@@ -78,7 +78,7 @@ class Lifecycle:
         if req.status.is_finished:
             return False
         for r in (req, *req.forks_pending):  # samples waiting to fork end with their leader
-            self.stats.aborts[(source.value, state_name(r))] += 1
+            self.stats.aborts[(source.value, state_name(r, self.kv))] += 1
         req.aborted_at = time.monotonic()
         reason = FinishReason.TIMEOUT if source is AbortSource.DEADLINE else FinishReason.ABORT
         self._end(req, reason, source.value)
@@ -123,10 +123,10 @@ class Lifecycle:
         # copying a few blocks.
         per_token, fixed, per_block = self.ms_per_recomputed_token, self.ms_per_swap, self.ms_per_swapped_block
         if per_token is None or fixed is None or per_block is None:
-            big = req.num_computed > 4 * self.kv.block_size
+            big = self.kv.computed(req) > 4 * self.kv.block_size
             return PreemptionMode.SWAP if big else PreemptionMode.RECOMPUTE
-        swap_ms = fixed + per_block * len(req.block_ids)
-        return PreemptionMode.SWAP if swap_ms < per_token * req.num_computed else PreemptionMode.RECOMPUTE
+        swap_ms = fixed + per_block * len(self.kv.live_blocks(req))
+        return PreemptionMode.SWAP if swap_ms < per_token * self.kv.computed(req) else PreemptionMode.RECOMPUTE
 
     def calibrate_swap(self) -> None:
         costs = self.kv.calibrate_swap()
@@ -147,7 +147,7 @@ class Lifecycle:
         in_flight = self.kv.in_flight(req)
         if in_flight and req.inflight_samples:
             # The step in flight computes tokens this request will never deliver.
-            req.undelivered += req.inflight_samples
+            req.undelivered_in_flight += req.inflight_samples
             if req.aborted_at is not None:
                 self.stats.tokens_after_abort += req.inflight_samples
         if req.aborted_at is not None:

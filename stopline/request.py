@@ -20,7 +20,7 @@ class RequestStatus(enum.Enum):
     # Its grammar compiles off the step thread; it joins the queue once that is done (or
     # ends with an error if the compile fails or passes its deadline). Holds no blocks.
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"
-    RUNNING = "running"  # holds blocks; prefilling while num_computed < num_tokens
+    RUNNING = "running"  # holds blocks; prefilling until its computed tokens reach num_tokens
     PREEMPTED = "preempted"  # blocks released; resumes by recomputing its tokens
     SWAPPED = "swapped"  # blocks copied to host swap space; resumes by copying back
     FINISHED = "finished"  # terminal; see Request.finish_reason
@@ -69,6 +69,7 @@ class AbortSource(str, enum.Enum):
     SLEEP = "sleep"  # POST /sleep with mode abort
     UPDATE = "update"  # POST /update_weights with mode abort
     REPLICA = "replica"  # the replica or role serving it died
+    UNLOAD = "unload"  # its LoRA adapter was unloaded with the abort policy
 
     @property
     def engine_initiated(self) -> bool:
@@ -82,6 +83,10 @@ _ENGINE_SOURCES = frozenset({AbortSource.SHUTDOWN, AbortSource.PAUSE, AbortSourc
 
 class InvalidRequest(ValueError):
     """The request cannot be served as given; nothing was allocated for it."""
+
+
+class UnknownAdapter(InvalidRequest):
+    """The request names a model that is neither the base model nor a loaded LoRA adapter."""
 
 
 @dataclass
@@ -116,6 +121,8 @@ class SamplingParams:
     grammar: str | None = None
     # token id -> added to its logit before sampling (OpenAI's logit_bias: <= 300, [-100, 100])
     logit_bias: Mapping[int, float] | None = None
+    # The LoRA adapter (its served model name) this request runs under; None: the base model.
+    lora: str | None = None
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> InvalidRequest:
@@ -160,6 +167,8 @@ class SamplingParams:
             for tok, v in self.logit_bias.items():
                 if not isinstance(tok, int) or tok < 0 or not (-100 <= v <= 100):
                     raise bad("logit_bias", f"token ids >= 0 with values in [-100, 100], got {tok!r}: {v!r}")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise bad("lora", f"must be an adapter's name, got {self.lora!r}")
         for name in ("queue_timeout", "deadline"):
             v = getattr(self, name)
             if v is not None and not v > 0:
@@ -232,25 +241,21 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
 
-    # KV state. block_ids is the block table; num_computed counts tokens whose K/V sit in it.
-    block_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    num_cached: int = 0  # prompt tokens served from the prefix cache at first admission
-    num_hashed_blocks: int = 0  # leading full blocks registered in the prefix cache
-    # Chained hashes of the leading full blocks of prompt + output, extended as blocks fill.
-    block_hashes: list[int] = field(default_factory=list)
+    # Its KV state (block table, computed, cached and hashed counts, prefix hashes, swap
+    # slots) is the KV manager's (stopline/kv/manager.py), read through it.
 
     # Bookkeeping for the stop path.
     first_scheduled: float | None = None
-    last_scheduled_step: int = -1  # fence: the newest step that may write this request's blocks
     inflight_samples: int = 0  # tokens the step in flight will sample for this request
-    inflight_tokens: int = 0  # tokens the step in flight computes for it (already in num_computed)
     num_preemptions: int = 0
     epoch: int = 0  # bumped by every preemption: a step result for an older epoch is void
     aborted_at: float | None = None  # time.monotonic() of the accepted abort
     paused: bool = False  # its client's stream is full: it takes no step until read
-    num_recomputed: int = 0
+    # Tokens computed for it that the client never gets: those cut from its stream at an
+    # abort (the output side's count) and those of the step in flight when it ended (the
+    # lifecycle's): each field has one writer.
     undelivered: int = 0
+    undelivered_in_flight: int = 0
     # Speculative decoding's per-request counts (see Usage).
     spec_drafted: int = 0
     spec_accepted: int = 0
@@ -261,7 +266,6 @@ class Request:
     num_detokenized: int = 0  # output tokens already turned into text
     sent_text_len: int = 0
     sent_tokens: int = 0
-    swap_slots: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
     # n > 1: the first sample prefills the prompt; the others wait, holding references to
     # its blocks, and fork from it when it samples its first token.
     fork_leader: Request | None = None
@@ -280,17 +284,6 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def is_prefilling(self) -> bool:
-        # A decode step computes exactly the last sampled token; anything more is (re)prefill.
-        return not (self.output_token_ids and self.num_computed == self.num_tokens - 1)
-
-    @property
-    def was_prefilling(self) -> bool:
-        """is_prefilling as of before the step in flight (which already counts in num_computed)."""
-        computed = self.num_computed - self.inflight_tokens
-        return not (self.output_token_ids and computed == self.num_tokens - 1)
-
-    @property
     def scores_prompt(self) -> bool:
         """Prompt logprobs were asked for and some prompt position is still unscored."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len - 1
@@ -306,12 +299,13 @@ class Request:
             )
         self.status = status
 
-    def usage(self) -> Usage:
+    def usage(self, cached_tokens: int = 0) -> Usage:
+        """cached_tokens: its prompt tokens the prefix cache served (the KV manager's count)."""
         return Usage(
             prompt_tokens=self.prompt_len,
             completion_tokens=self.sent_tokens,
-            cached_tokens=self.num_cached,
-            undelivered_tokens=self.undelivered,
+            cached_tokens=cached_tokens,
+            undelivered_tokens=self.undelivered + self.undelivered_in_flight,
             draft_tokens=self.spec_drafted,
             accepted_draft_tokens=self.spec_accepted,
             rejected_draft_tokens=self.spec_rejected,

@@ -67,6 +67,7 @@ class StopStats:
     preemptions: Counter = field(default_factory=Counter)  # mode -> count
     recomputed_tokens: int = 0
     swapped_blocks: int = 0
+    window_freed_blocks: int = 0  # blocks a sliding window passed, given back while their request ran
     tokens_after_abort: int = 0  # computed by a step in flight when the abort was accepted
     abort_to_quiet_steps: Histogram = field(default_factory=lambda: Histogram(STEP_BOUNDS))
     abort_to_reclaim_steps: Histogram = field(default_factory=lambda: Histogram(STEP_BOUNDS))

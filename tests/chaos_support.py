@@ -22,13 +22,14 @@ import os
 import random
 import signal
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
 from stopline.lifecycle import state_name
-from stopline.request import AbortSource, FinishReason, SamplingParams
+from stopline.request import AbortSource, FinishReason, SamplingParams, UnknownAdapter
 
 TARGET_STATES = ["waiting", "prefilling", "running", "preempted", "swapped", "any"]
 STOPS = ["e", "th", " a", "o", "in", "\n"]
@@ -132,13 +133,28 @@ def untimed(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, deadline=None, queue_timeout=None)
 
 
-def run_reference(loaded, work: list[Job], attention: str = "auto", numerics: str = "exact"):
+def lora_workload(seed: int, count: int, vocab: int, names: list[str]) -> list[Job]:
+    """make_workload's jobs, three in four under one of the LoRA adapters `names` (seeded)."""
+    rng = random.Random(seed)
+    jobs = make_workload(seed, count, vocab)
+    for k, j in enumerate(jobs):
+        if j.resubmit:  # the same request again, under the same adapter
+            j.params = dataclasses.replace(j.params, lora=jobs[k - 1].params.lora)
+        elif rng.random() < 0.75:
+            j.params = dataclasses.replace(j.params, lora=rng.choice(names))
+    return jobs
+
+
+def run_reference(loaded, work: list[Job], attention: str = "auto", numerics: str = "exact",
+                  adapters: dict[str, str] | None = None):
     """Each job's output with no aborts, no deadlines and an ample pool (batch invariance
     makes this the same as running it alone; test_solo_matches_reference checks that on a
     sample). attention, numerics: as the storm's (each gives a position other bits)."""
     eng = EngineCore(loaded, EngineConfig(num_blocks=4096, block_size=4, max_num_seqs=256,
                                           max_num_batched_tokens=4096, attention_backend=attention,
                                           speculative="off", numerics=numerics))
+    for name, path in (adapters or {}).items():
+        assert eng.load_lora(name, path)["status"] == 200
     ref = defaultdict(lambda: defaultdict(list))
     key_of = {}
     for job in work:
@@ -159,18 +175,26 @@ class StormResult:
     engine: EngineCore | None = None
     pauses: int = 0  # streams that filled while their reader slept (run_async_storm's slow ones)
     freezes: int = 0  # SIGSTOP/SIGCONT of an engine process during the storm
+    refused: set = dataclasses.field(default_factory=set)  # keys refused: their adapter was unloading
+    unloads: int = 0  # LoRA unloads during the storm (each reloaded later)
     # Engine-wide stops (run_async_storm's `stops`): what was drawn, the jobs an engine-
     # initiated end reached (their stream raised EngineStopped), those a pause kept out past
     # their queue timeout (never admitted), and the weight versions their outputs carried.
     stops: dict = field(default_factory=lambda: defaultdict(int))
     stopped: set = field(default_factory=set)
-    refused: set = field(default_factory=set)
+    held_out: set = field(default_factory=set)
     versions: set = field(default_factory=set)
 
 
-def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int) -> StormResult:
+def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int,
+              adapters: dict[str, str] | None = None, unload_p: float = 0.0) -> StormResult:
+    """adapters: LoRA adapters loaded at the start; unload_p: the chance per step that one is
+    unloaded (policy abort or wait, drawn), to be loaded again from the same files once gone."""
     rng = random.Random(seed)
+    lrng = random.Random(seed + 2)  # its own draws: the storm's stay as they were
     eng = EngineCore(loaded, config)
+    for name, path in (adapters or {}).items():
+        assert eng.load_lora(name, path)["status"] == 200
     res = StormResult(defaultdict(lambda: defaultdict(list)), defaultdict(list), {},
                       defaultdict(int), eng)
     pending = [j for j in work if not j.resubmit]
@@ -182,11 +206,39 @@ def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int) -> Storm
     steps = 0
 
     def send(job: Job) -> None:
-        inc = eng.add_request(job.caller_id, job.prompt, job.params)
+        try:
+            inc = eng.add_request(job.caller_id, job.prompt, job.params)
+        except UnknownAdapter:
+            res.refused.add(job.key)  # its adapter is unloading: refused before anything queued
+            again = held.pop(job.key, None)
+            if again is not None:
+                send(again)
+            return
         inc_of[job.key], job_of[inc] = inc, job
         live.add(job.key)
 
+    def churn() -> None:
+        """Unload an adapter (its live jobs count as aborted now, when its policy is abort),
+        and load again those that are gone."""
+        for name, path in (adapters or {}).items():
+            if name not in eng.adapters.loaded:
+                assert eng.load_lora(name, path)["status"] == 200
+        if not adapters or lrng.random() >= unload_p:
+            return
+        name = lrng.choice(sorted(adapters))
+        if not eng.adapters.serves(name):
+            return
+        policy = lrng.choice(["abort", "wait"])
+        if policy == "abort":
+            for key in live:
+                job = job_of[inc_of[key]]
+                if job.params.lora == name and key not in res.aborted_at:
+                    res.aborted_at[key] = {i: len(res.got[key][i]) for i in range(4)}
+        assert eng.unload_lora(name, policy)["status"] == 200
+        res.unloads += 1
+
     while pending or held or eng.has_unfinished():
+        churn()
         for _ in range(rng.randrange(0, 12)):
             if pending:
                 send(pending.pop(0))
@@ -195,7 +247,7 @@ def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int) -> Storm
             if job.abort is None or key in res.aborted_at:
                 continue
             fam = eng.families.get(inc_of[key])
-            state = state_name(fam.members[0]) if fam is not None else "waiting"
+            state = state_name(fam.members[0], eng.kv_manager) if fam is not None else "waiting"
             target, patience = job.abort
             if state != "waiting" or target == "waiting":
                 age[key] += 1  # patience runs from admission, or the backlog would decide
@@ -203,9 +255,9 @@ def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int) -> Storm
             if hit or target == "any" and age[key] > patience or age[key] > 3 * patience + 30:
                 res.states_hit[state] += 1
                 res.aborted_at[key] = {i: len(res.got[key][i]) for i in range(4)}
-                eng.abort(inc_of[key], AbortSource.CANCEL)
+                eng.abort([inc_of[key]], AbortSource.CANCEL, time.monotonic())
                 if rng.random() < 0.2:
-                    eng.abort(inc_of[key], AbortSource.CANCEL)  # twice is the same as once
+                    eng.abort([inc_of[key]], AbortSource.CANCEL, time.monotonic())  # twice is the same as once
         for out in eng.step():
             key = job_of[out.incarnation].key
             res.got[key][out.index] += delivered(out)
@@ -221,14 +273,15 @@ def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int) -> Storm
                 if again is not None:
                     # The client's cancel raced the natural finish; it resubmits at once
                     # under the same caller id, and the late abort must not touch it.
-                    eng.abort(inc_of[key], AbortSource.CANCEL)
+                    eng.abort([inc_of[key]], AbortSource.CANCEL, time.monotonic())
                     send(again)
         steps += 1
         assert steps < 100_000, "the engine stopped making progress"
-    eng.abort("never-existed")  # unknown incarnation: a no-op
+    eng.abort(["never-existed"], AbortSource.CANCEL, time.monotonic())  # unknown incarnation: a no-op
     eng.step()
     eng.audit()
     assert eng.pool.num_used == 0, "blocks still owned after every request ended"
+    assert not any(eng.adapters.counts().values()), f"adapter references when idle: {eng.adapters.counts()}"
     return res
 
 
@@ -238,7 +291,7 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
     longer than what it had at the abort). Returns the number of aborted samples."""
     n_abort = 0
     for job in work:
-        if job.key in res.refused:  # a pause held it past its queue timeout: never admitted
+        if job.key in res.held_out:  # a pause held it past its queue timeout: never admitted
             assert not any(res.got[job.key][i] or res.terminals[(job.key, i)] for i in range(4)), job.key
             continue
         if job.key in res.stopped:  # ended by the engine: an error, with a prefix of its tokens
@@ -246,6 +299,8 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
                 assert len(res.terminals[(job.key, i)]) <= 1, f"{job.key}[{i}]: two terminals"
                 tokens = res.got[job.key][i]
                 assert tokens == ref[job.key][i][: len(tokens)], f"{job.key}[{i}]: stopped, not a prefix"
+        if job.key in res.refused:
+            assert job.params.lora is not None and not any((job.key, i) in res.terminals for i in range(4))
             continue
         for i in range(job.params.n):
             outs = res.terminals[(job.key, i)]
@@ -258,7 +313,8 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
             assert term.usage.completion_tokens == len(tokens) - scored, f"{job.key}[{i}]: usage {term.usage}"
             if reason is FinishReason.ABORT:
                 n_abort += 1
-                assert job.key in res.aborted_at or job.race, f"{job.key}[{i}]: aborted unasked"
+                unloaded = term.stop_detail == "unload" and job.params.lora is not None
+                assert job.key in res.aborted_at or job.race or unloaded, f"{job.key}[{i}]: aborted unasked"
                 assert tokens == want[: len(tokens)], f"{job.key}[{i}]: aborted output is not a prefix"
                 if job.key in res.aborted_at:
                     assert len(tokens) <= res.aborted_at[job.key][i]
@@ -277,6 +333,7 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
 def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed: int,
                     *, subprocess: bool = True, make=None, max_delay: float = 0.4,
                     slow: float = 0.0, max_buffered: int = 64, freeze: float = 0.0,
+                    adapters: dict[str, str] | None = None, churn: float = 0.0,
                     stops: float = 0.0) -> StormResult:
     """The storm through the async engine (the core in its own process, over ZMQ): each job
     streams in its own task; an aborted job's cancel goes out after a random wall-clock
@@ -288,10 +345,12 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
     then read on: slowness alone must never change or end a request. freeze: the longest
     SIGSTOP (s) of one of the engine's local processes (a replica, a role, the core) at random
     moments of the storm, each followed by SIGCONT; kept under the stuck bound, a stopped
-    process only delays its requests. stops: the longest gap (s) between engine-wide stops
-    drawn during the storm (docs/engine-stops.md): pause in every mode then resume, sleep and
-    wake, and weight updates in every mode to the same weights (new versions, the same
-    tokens: every request still equals its solo run)."""
+    process only delays its requests. adapters: LoRA adapters loaded at the start (messages to
+    the core); churn: the longest pause (s) between unloads of one of them (policy abort or
+    wait, drawn), each loaded again from its files once gone. stops: the longest gap (s)
+    between engine-wide stops drawn during the storm (docs/engine-stops.md): pause in every
+    mode then resume, sleep and wake, and weight updates in every mode to the same weights
+    (new versions, the same tokens: every request still equals its solo run)."""
     from stopline.engine.async_engine import AsyncEngine
     from stopline.engine.streams import EngineStopped, EngineUnavailable
 
@@ -308,11 +367,16 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
             async def later() -> None:
                 await asyncio.sleep(delay)
                 res.aborted_at[job.key] = {i: len(res.got[job.key][i]) for i in range(4)}
-                engine.abort(inc, AbortSource.CANCEL)
+                engine.abort([inc], AbortSource.CANCEL, time.monotonic())
             cancel = asyncio.create_task(later())
         try:
             stream = await adding
         except EngineUnavailable:  # held by a pause past its queue timeout
+            res.held_out.add(job.key)
+            if cancel is not None:
+                cancel.cancel()
+            return
+        except UnknownAdapter:  # its adapter was unloading: refused, nothing queued
             res.refused.add(job.key)
             if cancel is not None:
                 cancel.cancel()
@@ -331,7 +395,7 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
         if cancel is not None:
             cancel.cancel()
         if job.race:  # cancel after the natural end, then the same caller id again
-            engine.abort(inc, AbortSource.CANCEL)
+            engine.abort([inc], AbortSource.CANCEL, time.monotonic())
 
     async def main() -> None:
         factory = make or (AsyncEngine.in_subprocess if subprocess else AsyncEngine.in_process)
@@ -404,6 +468,24 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                     await engine.update_weights(model_dir, mode, timeout=0.5)
                 res.stops[f"{kind}:{mode}"] += 1
 
+        async def churner() -> None:
+            names = sorted(adapters or {})
+            while True:
+                await asyncio.sleep(frng.uniform(0.05, churn))
+                gone = set(names) - set(await engine.utility("loras"))
+                for name in gone:
+                    got = await engine.utility("load_lora", name, adapters[name])
+                    assert got["status"] == 200, got
+                name = frng.choice(names)
+                if name not in gone:
+                    got = await engine.utility("unload_lora", name, frng.choice(["abort", "wait"]))
+                    assert got["status"] == 200, got
+                    res.unloads += 1
+
+        for name, path in (adapters or {}).items():
+            got = await engine.utility("load_lora", name, path)
+            assert got["status"] == 200, got
+        churning = asyncio.create_task(churner()) if churn else None
         thawing = asyncio.create_task(freezer()) if freeze else None
         stopping = asyncio.create_task(stopper()) if stops else None
         try:
@@ -424,6 +506,9 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                 stopping.cancel()
                 await asyncio.gather(stopping, return_exceptions=True)
                 await engine.wake_up()  # whatever it was cut in, the engine admits again
+            if churning is not None:
+                churning.cancel()
+                await asyncio.gather(churning, return_exceptions=True)
             if thawing is not None:
                 thawing.cancel()
                 await asyncio.gather(thawing, return_exceptions=True)
@@ -435,9 +520,12 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
             snaps = await engine.utility("snapshot")
             for snap in snaps if isinstance(snaps, list) else [snaps]:
                 assert snap.kv_blocks_used == 0 and snap.running == snap.waiting == 0, snap
+                assert not any(v[0] for v in snap.loras.values()), f"adapter references when idle: {snap.loras}"
         finally:
             if stopping is not None:
                 stopping.cancel()
+            if churning is not None:
+                churning.cancel()
             if thawing is not None:
                 thawing.cancel()
             for t in timers:

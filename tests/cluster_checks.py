@@ -182,11 +182,11 @@ def test_bulk_cancel_fans_out_and_answers_when_every_replica_confirmed(tiny_long
             # Abort before the add is answered: issued while the add is in flight.
             adding = asyncio.ensure_future(engine.add("early", [7, 7, 7], long, incarnation="early#1"))
             await asyncio.sleep(0)
-            engine.abort("early#1", AbortSource.CANCEL)
+            engine.abort(["early#1"], AbortSource.CANCEL, time.monotonic())
             early = await adding
             early_out = [o async for o in early]
             # After the end: a tombstone; nothing is sent, nothing changes.
-            engine.abort([s.incarnation for s in streams] + ["nobody"], AbortSource.CANCEL)
+            engine.abort([s.incarnation for s in streams] + ["nobody"], AbortSource.CANCEL, time.monotonic())
             await asyncio.sleep(0.3)
             snaps = await engine.utility("snapshot")
             metrics = ServerMetrics()

@@ -16,7 +16,7 @@ from stopline.disagg.messages import RoleSpec
 from stopline.disagg.prefill_core import PrefillCore
 from stopline.engine.core import EngineCore
 from stopline.engine.output import RequestOutput
-from stopline.request import SamplingParams
+from stopline.request import AbortSource, SamplingParams
 from tests.engine_support import Result, assert_idle, collect
 
 BLOCK = 4
@@ -44,8 +44,8 @@ class Pair:
         return inc
 
     def abort(self, inc: str) -> None:
-        self.d.abort(inc)
-        self.p.abort(inc)
+        self.d.abort([inc], AbortSource.CANCEL, time.monotonic())
+        self.p.abort([inc], AbortSource.CANCEL, time.monotonic())
 
     def step_p(self) -> None:
         self.p_out += self.p.step()

@@ -126,7 +126,7 @@ def test_a_stuck_replica_is_skipped_its_cancels_confirmed_and_killed_past_the_bo
             s = await engine.add("c", [3, 3, 3], SamplingParams(max_tokens=20, ignore_eos=True))
             r["c_replica"] = backend.owners.live[s.incarnation].replica
             r["c"] = [o.finish_reason.value async for o in s if o.finished]
-            engine.abort(owner[1].incarnation)
+            engine.abort([owner[1].incarnation], AbortSource.CANCEL, time.monotonic())
             await tasks[1]
             return r
         finally:

@@ -25,7 +25,7 @@ from stopline.lifecycle import Lifecycle
 from stopline.request import Request
 from stopline.sched.plan import ScheduledChunk, StepPlan
 from stopline.sched.queues import Queues
-from stopline.sched.scheduler import Scheduler
+from stopline.sched.scheduler import Scheduler, landed
 from stopline.stats import StopStats
 from stopline.worker.runner import StepResult
 from stopline.worker.sampler import Sampled
@@ -116,7 +116,9 @@ class HandDriven:
     step and completes it with the given sampled tokens (by request), as the core would."""
 
     def __init__(self, num_blocks: int = 16, block_size: int = 4, swap: bool = False,
-                 **config: object) -> None:
+                 window: int = 0, **config: object) -> None:
+        """window: the layers' sliding window (KVManager's): blocks it passed go back as
+        steps complete, as the core's apply does."""
         cfg = dict(block_size=block_size, num_blocks=num_blocks, max_num_seqs=8,
                    max_num_batched_tokens=64, target_step_ms=None, debug=True,
                    admission_lookahead=0, preemption_mode="swap" if swap else "recompute")
@@ -126,9 +128,9 @@ class HandDriven:
         self.stats = StopStats()
         cache = KVCache(1, num_blocks, block_size, 1, 2) if swap else None
         self.swap = SwapSpace(num_blocks) if swap else None
-        self.kv = KVManager(self.pool, cache, self.swap, self.stats)
+        self.kv = KVManager(self.pool, cache, self.swap, self.stats, window=window)
         self.queues = Queues()
-        holders = [self.queues] + ([self.swap] if self.swap else []) + [self.kv]
+        holders = [self.queues, self.kv]
         self.lifecycle = Lifecycle(self.config, self.kv, holders, self.stats)
         self.sched = Scheduler(self.config, self.kv, self.queues, self.lifecycle)
         self.live: list[Request] = []
@@ -149,10 +151,12 @@ class HandDriven:
         """The step's result: every sampling chunk draws `token`; blocks fenced by it return."""
         for ch in plan.chunks:
             req = ch.req
-            req.inflight_samples = req.inflight_tokens = 0
+            landed(req)
+            self.kv.landed(req)
             if req.status.is_finished or req.epoch != ch.epoch:
                 continue
             self.kv.register(req)
+            self.kv.slide(req, ch.start + ch.num_tokens)
             if ch.sample:
                 req.output_token_ids.append(token)
         self.kv.step_processed(plan.step_id)

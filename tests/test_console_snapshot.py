@@ -7,6 +7,7 @@ bounds the lists are cut and say so, while the counts stay exact.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import msgspec
@@ -55,7 +56,7 @@ def test_live_sequences_and_pool_map(core: EngineCore) -> None:
     # The wire form (msgpack, as the core process sends it) round-trips.
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=Snapshot) == s
 
-    core.abort(incs[0], AbortSource.CANCEL)
+    core.abort([incs[0]], AbortSource.CANCEL, time.monotonic())
     for _ in range(3):
         core.step()
         _check_ledger(core, take_snapshot(core))

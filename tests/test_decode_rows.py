@@ -8,6 +8,7 @@ gathering path produces.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from stopline.engine.core import EngineCore
 from stopline.kv.decode_rows import DecodeRows, RowMismatch, RowPlan
 from stopline.kv.kv_cache import KVCache, gather_blocks
 from stopline.model.loaders.loader import load_model
-from stopline.request import SamplingParams
+from stopline.request import AbortSource, SamplingParams
 from tests.tiny_model import make_tiny_llama_dir
 
 LAYERS, HK, D, BS, TILE = 2, 2, 8, 4, 8
@@ -276,7 +277,7 @@ def test_an_aborted_decode_loses_its_row_and_the_others_are_undisturbed(tiny) ->
         for step in range(200):
             if step == 6:
                 victim = eng.families.get(incs[1]).members[0]
-                eng.abort(incs[1])
+                eng.abort([incs[1]], AbortSource.CANCEL, time.monotonic())
             for o in eng.step():
                 out.setdefault(o.request_id, []).extend(o.new_token_ids)
             if step == 6 and decode_rows:

@@ -3,13 +3,15 @@ stored as Q4_1 so that every linear runs on the quantized kernel."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
 from stopline.model.decoder_native import DecoderLoop, StepInterrupt
 from stopline.model.loaders.loader import load_model
-from stopline.request import FinishReason, SamplingParams
+from stopline.request import AbortSource, FinishReason, SamplingParams
 from tests.engine_support import greedy_logprobs
 from tests.tiny_model import make_tiny_llama_dir
 
@@ -96,7 +98,7 @@ def test_abort_of_every_request_stops_the_c_loop(q4):
     run = eng.model.decoder.run
 
     def abort_then_run(x, inp, kv, interrupt):
-        eng.abort([xi, yi])  # arrives while the step is in flight
+        eng.abort([xi, yi], AbortSource.CANCEL, time.monotonic())  # arrives while the step is in flight
         assert isinstance(interrupt, StepInterrupt) and interrupt.flag.item() == 1
         return run(x, inp, kv, interrupt)
 

@@ -24,7 +24,7 @@ from stopline.engine.async_engine import AsyncEngine
 from stopline.engine.core_loop import CoreLoop
 from stopline.engine.messages import Batch
 from stopline.model.loaders.loader import load_model
-from stopline.request import FinishReason, SamplingParams
+from stopline.request import AbortSource, FinishReason, SamplingParams
 from tests.disagg_support import make_pair
 
 pytestmark = pytest.mark.timeout(180)
@@ -58,7 +58,7 @@ def test_an_abort_racing_the_add_reaches_prefill(tiny_long_model_dir):
             add = asyncio.create_task(engine.add("r", _prompt(3000), SamplingParams(max_tokens=4),
                                                  incarnation="race"))
             await asyncio.sleep(0)  # the add is sent to decode; its reply is awaited
-            assert engine.abort("race") == ["race"]
+            assert engine.abort(["race"], AbortSource.CANCEL, time.monotonic()) == ["race"]
             time.sleep(0.2)  # busy: decode's add reply and abort terminal are both waiting
             stream = await add
             outs = [o async for o in stream]
@@ -105,7 +105,7 @@ def test_prefill_death_spares_a_request_whose_kv_decode_took(tiny_long_model_dir
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.2)
             assert not b.finished, "B ended with the prefill engine though decode had its KV"
-            engine.abort(a.incarnation)
+            engine.abort([a.incarnation], AbortSource.CANCEL, time.monotonic())
             outs = [o async for o in b]
             assert outs[-1].finish_reason is FinishReason.LENGTH
             assert sum(len(o.new_token_ids) for o in outs) == 4

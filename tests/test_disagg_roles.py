@@ -12,7 +12,7 @@ from stopline.disagg.epochs import StaleBlock
 from stopline.disagg.messages import Ack
 from stopline.engine.core import EngineCore
 from stopline.model.loaders.loader import load_model
-from stopline.request import FinishReason, SamplingParams
+from stopline.request import AbortSource, FinishReason, SamplingParams
 from tests.disagg_support import make_pair
 from tests.engine_support import drive, greedy, random_prompts
 
@@ -81,11 +81,11 @@ def test_abort_before_the_transfer_reaches_prefill_at_a_chunk_boundary(pair):
 def test_abort_during_the_transfer_refuses_the_late_kv(pair):
     inc = pair.add("a", list(range(5, 30)), greedy(4))
     _until_sent(pair)  # KV pushed, the decode side has not stepped since
-    pair.d.abort(inc)  # decode side first; its KV arrives after
+    pair.d.abort([inc], AbortSource.CANCEL, time.monotonic())  # decode side first; its KV arrives after
     pair.settle(until=lambda pr: not pr.d.has_unfinished())
     # The decode side refused the late KV (nothing written, no block taken) ...
     assert pair.d.role.imported_blocks == 0
-    pair.p.abort(inc)
+    pair.p.abort([inc], AbortSource.CANCEL, time.monotonic())
     pair.settle()
     pair.assert_idle()
     assert pair.out[("a", 0)].finish_reason is FinishReason.ABORT
@@ -95,10 +95,10 @@ def test_abort_during_the_transfer_refuses_the_late_kv(pair):
 def test_abort_during_the_transfer_prefill_first(pair):
     inc = pair.add("a", list(range(5, 30)), greedy(4))
     _until_sent(pair)
-    pair.p.abort(inc)
+    pair.p.abort([inc], AbortSource.CANCEL, time.monotonic())
     pair.step_p()
     assert not len(pair.p.role.sending) and pair.p.pool.num_used == 0  # released at once
-    pair.d.abort(inc)
+    pair.d.abort([inc], AbortSource.CANCEL, time.monotonic())
     pair.settle()
     pair.assert_idle()
     assert pair.out[("a", 0)].finish_reason is FinishReason.ABORT
@@ -168,7 +168,7 @@ def test_kv_waiting_for_a_peer_goes_with_its_request(loaded, tmp_path):
             p.step()
             p.audit()
         assert p.role.link.queued() == {"inc-a", "inc-b"}
-        p.abort("inc-a")
+        p.abort(["inc-a"], AbortSource.CANCEL, time.monotonic())
         p.step()
         p.audit()
         assert p.role.link.queued() == {"inc-b"}
@@ -220,7 +220,7 @@ def test_a_late_transfer_fails_on_block_epochs(pair):
     _until_sent(pair)
     req = pair.p.role.sending.requests()[0]
     refs = pair.p.role.sending.get(req).refs
-    pair.p.abort(req.incarnation)
+    pair.p.abort([req.incarnation], AbortSource.CANCEL, time.monotonic())
     pair.step_p()
     pair.p.add_request("b", list(range(50, 80)), greedy(1))  # reuses the freed blocks
     pair.step_p()
@@ -228,8 +228,8 @@ def test_a_late_transfer_fails_on_block_epochs(pair):
 
     with pytest.raises(StaleBlock):
         pack(req.incarnation, pair.p.kv, pair.p.role.epochs, refs)
-    pair.d.abort(req.incarnation)
-    pair.p.abort(pair.p.live_requests()[0].incarnation)
+    pair.d.abort([req.incarnation], AbortSource.CANCEL, time.monotonic())
+    pair.p.abort([pair.p.live_requests()[0].incarnation], AbortSource.CANCEL, time.monotonic())
     pair.settle()
     pair.assert_idle()
 
@@ -238,7 +238,35 @@ def test_a_refusing_ack_errors_the_prefill_copy(pair):
     inc = pair.add("a", list(range(5, 30)), greedy(2))
     _until_sent(pair)
     pair.d.role.link.send(Ack(inc, "test refusal"))  # as if the decode side had refused it
-    pair.d.abort(inc)
+    pair.d.abort([inc], AbortSource.CANCEL, time.monotonic())
     pair.settle()
     pair.assert_idle()
     assert any(o.finish_reason is FinishReason.ERROR and "test refusal" in o.stop_detail for o in pair.p_out)
+
+
+def test_a_sliding_window_split_ships_only_live_blocks(tmp_path_factory):
+    """Tiny Mistral (window 16, blocks of 4): the prefill side slides past a long prompt's
+    first blocks as its chunks land and ships the rest; the decode side imports them at their
+    offset, finds them as a window hit, and decodes what one engine does."""
+    from tests.tiny_families import make_family_dir
+
+    windowed = load_model(str(make_family_dir(tmp_path_factory.mktemp("split_window"), "mistral_window")),
+                          progress=False)
+    prompts = random_prompts(3, [30, 45, 61], seed=4)
+    reqs = [(f"g{i}", p, greedy(8)) for i, p in enumerate(prompts)]
+    want = _single(windowed, reqs)
+    pair = make_pair(windowed)
+    try:
+        for rid, prompt, params in reqs:
+            pair.add(rid, prompt, params)
+        pair.settle()
+        pair.assert_idle()
+        assert pair.p.kv_manager.window == 16 and pair.p.lifecycle.stats.window_freed_blocks > 0
+        full = sum((len(p) - 1) // 4 for p in prompts)
+        assert 0 < pair.d.role.imported_blocks < full  # live blocks only
+        for key, r in want.items():
+            assert pair.out[key].token_ids == r.token_ids, key
+            # The decode side computed only the tail: the shipped blocks were a window hit.
+            assert pair.out[key].usage.cached_tokens == (len(prompts[int(key[0][1:])]) - 1) // 4 * 4, key
+    finally:
+        pair.close()

@@ -29,8 +29,8 @@ def _prefilled(side: Side, declared: bool = True):
         h.lifecycle.holders.insert(0, tr)
     req = h.add("r", prompt_len=10, max_tokens=4)
     h.complete(h.plan())
-    assert req.block_ids
-    tr.start(req, epochs.refs(req.block_ids))
+    assert h.kv.table(req)
+    tr.start(req, epochs.refs(list(h.kv.table(req))))
     return h, epochs, clock, tr, req
 
 

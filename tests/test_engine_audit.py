@@ -97,14 +97,14 @@ def _mid_run(model_dir: Path) -> LLM:
 
 
 def _owned_block(llm: LLM) -> tuple[object, int]:
-    req = next(r for r in llm.engine.live_requests() if r.block_ids)
-    return req, req.block_ids[-1]
+    req = next(r for r in llm.engine.live_requests() if llm.engine.kv_manager.table(r))
+    return req, llm.engine.kv_manager.table(req)[-1]
 
 
 def test_audit_catches_a_leaked_reference(model_dir: Path) -> None:
     llm = _mid_run(model_dir)
     req, b = _owned_block(llm)
-    req.block_ids.pop()  # the table forgot the block, the pool did not
+    llm.engine.kv_manager.seqs[req].block_ids.pop()  # the table forgot the block, the pool did not
     with pytest.raises(LedgerError, match=f"block {b}"):
         llm.engine.audit()
 
@@ -165,7 +165,7 @@ def test_a_read_of_poisoned_kv_is_an_error_not_a_token(model_dir: Path) -> None:
     e.add_request("bystander", other, greedy(20))
     e.step()
     victim = e.families.find("victim").members[0]
-    e.kv.poison([victim.block_ids[0]])
+    e.kv.poison([e.kv_manager.table(victim)[0]])
     results = drive(e)
     assert results[("victim", 0)].finish_reason is FinishReason.ERROR
     assert "NaN" in (results[("victim", 0)].stop_detail or "")

@@ -38,7 +38,7 @@ def test_family_shares_prompt_blocks(model_dir: Path, prompt_len: int) -> None:
         if fam is None or "tables" in seen or any(m.fork_leader is not None for m in fam.members):
             return
         # First step after the fork: every sample has its own table.
-        tables = [list(m.block_ids) for m in fam.members]
+        tables = [list(e.kv_manager.table(m)) for m in fam.members]
         seen["tables"] = tables
         seen["used"] = e.pool.num_used
         seen["refcounts"] = [[e.pool.refcount[b] for b in t] for t in tables]

@@ -323,7 +323,7 @@ def test_prefix_cache_never_serves_old_weights(tiny_model_dir, other_weights_sma
         core.audit()
     assert cached == 0
     assert out["b"] == _solo(other_weights_small, prompt, 6)[0]
-    assert not core.kv_manager.stale and core.pool.num_used == 0
+    assert not core.kv_manager.seqs and core.pool.num_used == 0
 
 
 @pytest.fixture(scope="module")

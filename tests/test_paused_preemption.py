@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -128,7 +129,7 @@ def test_slow_reader_is_not_ended_by_preemption(tiny, mode):
     slow = eng.families.get(inc).members[0]
     assert slow.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
     # Only the stall timeout ends a slow reader (the async engine sends this abort).
-    eng.abort(inc, AbortSource.STALLED)
+    eng.abort([inc], AbortSource.STALLED, time.monotonic())
     while eng.has_unfinished():
         step(eng, res)
     out = res[("slow", 0)]

@@ -123,7 +123,7 @@ def victim(eng: EngineCore, tokens: int) -> Request:
     eng.add_request("v", list(range(3, 3 + tokens)), SamplingParams(temperature=0.0, max_tokens=5))
     eng.step()
     req = eng.families.find("v").members[0]
-    assert req.status is RequestStatus.RUNNING and req.num_computed == tokens
+    assert req.status is RequestStatus.RUNNING and eng.kv_manager.computed(req) == tokens
     return req
 
 

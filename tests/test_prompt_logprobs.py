@@ -7,6 +7,7 @@ requests with async scheduling, or has n samples. `max_tokens=0` scores without 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from stopline.config import EngineConfig, PreemptionMode
 from stopline.engine.core import EngineCore
 from stopline.model.loaders.loader import load_model
-from stopline.request import FinishReason, InvalidRequest, SamplingParams
+from stopline.request import AbortSource, FinishReason, InvalidRequest, SamplingParams
 from tests.engine_support import drive, hf_log_softmax, load_hf, random_prompts, sharp_tiny_dir
 
 TOL = 1e-4
@@ -121,7 +122,7 @@ def test_max_tokens_zero_needs_prompt_logprobs(loaded) -> None:
 def test_abort_while_scoring_releases_everything(loaded, prompts) -> None:
     engine = _engine(loaded, max_num_batched_tokens=16)
     inc = engine.add_request("long", prompts[5], _scored())
-    res = drive(engine, after_step=lambda e, step: e.abort(inc) if step == 2 else None)
+    res = drive(engine, after_step=lambda e, step: e.abort([inc], AbortSource.CANCEL, time.monotonic()) if step == 2 else None)
     r = res[("long", 0)]
     assert r.finish_reason is FinishReason.ABORT
     assert all(d.prompt_logprobs is None for d in r.deltas), "nothing after the abort"

@@ -311,7 +311,7 @@ def test_an_output_read_ahead_is_not_handed_out_after_a_cancel(clean):
         while not all(s.started for s in group.streams):
             before.append(await it.__anext__())
         await asyncio.sleep(0.2)  # every member's read ahead holds an output by now
-        eng.abort([s.incarnation for s in group.streams], AbortSource.CANCEL)
+        eng.abort([s.incarnation for s in group.streams], AbortSource.CANCEL, time.monotonic())
         after = []
         try:
             while True:

@@ -2,12 +2,18 @@
 batched prompts with n > 1, cancels by the response id on both endpoints (single and bulk)
 and by disconnect, tool-call streams cancelled or dropped mid-call, all at once on a pool
 small enough that requests are preempted, with async scheduling and the audit after every
-step (STOPLINE_DEBUG=1).
+step (STOPLINE_DEBUG=1). Half the jobs run under one of two LoRA adapters (`model: NAME`), so
+rows of different adapters and the base share the storm's steps.
 
 Checked: every choice of every stream gets exactly one finish_reason and nothing after it,
 never `error`; a survivor's text (or tool call) equals the same prompt served alone; a
 cancelled one's is a prefix of it; no tool-call markup ever arrives as content; the engine
 ends idle with its pool at baseline. Seeded: a failure reproduces.
+
+Background responses (/v1/responses, issue 45) join the storm: their creator follows the
+stream and leaves (the run goes on) or cancels by the cancel endpoint. Each ends with exactly
+one terminal event; a cancelled one's text is a prefix of the same input served alone, any
+other equals it; the cancel's answer is the run's final status; no background run is left.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
                    "required": ["city"], "additionalProperties": False}}}
 ACTIONS = ("none", "none", "disconnect", "cancel", "bulk_cancel")
+RESPONSE_ACTIONS = ("none", "disconnect", "cancel", "cancel")
+TERMINAL = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+ADAPTERS = ("fr", "de")  # random LoRA adapters the server loads with --lora
 
 
 @dataclass
@@ -44,11 +53,14 @@ class Job:
     choices: dict = field(default_factory=lambda: defaultdict(str))  # index -> text or arguments
     finishes: dict = field(default_factory=lambda: defaultdict(list))  # index -> finish reasons
     late: list = field(default_factory=list)  # chunks for a choice after its finish
+    numbers: list = field(default_factory=list)  # a response's sequence numbers, as received
+    cancel_answer: str | None = None  # the status the cancel endpoint answered
     markup: list = field(default_factory=list)  # content that carries tool-call markup, or ""
 
 
 def make_jobs(seed: int, count: int) -> list[Job]:
     rng = random.Random(seed)
+    models = random.Random(seed + 1)  # its own draws: the jobs' stay as they were
     jobs = []
     for _ in range(count):
         action, after = rng.choice(ACTIONS), rng.randrange(1, 6)
@@ -66,10 +78,67 @@ def make_jobs(seed: int, count: int) -> list[Job]:
                     "tools": [WEATHER], "tool_choice": "required",
                     "messages": [{"role": "user", "content": f"What is the weather in {city}?"}]}
             jobs.append(Job("tool", body, action, after))
+        jobs[-1].body["model"] = models.choice([MODEL, MODEL, *ADAPTERS])
     return jobs
 
 
+def make_response_jobs(seed: int, count: int) -> list[Job]:
+    """Background responses; drawn from a generator of their own so the other jobs stay as
+    they were."""
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(count):
+        action, after = rng.choice(RESPONSE_ACTIONS), rng.randrange(3, 9)
+        long = action == "cancel"
+        body = {"model": MODEL, "input": rng.choice(PROMPTS), "temperature": 0,
+                "max_output_tokens": 120 if long else rng.randrange(12, 40), "ignore_eos": long,
+                "background": True, "stream": True}
+        jobs.append(Job("response", body, action, after))
+    return jobs
+
+
+def _response_event(job: Job, ev: dict) -> None:
+    if job.finishes[0]:
+        job.late.append(ev)
+    job.numbers.append(ev["sequence_number"])
+    if ev["type"] == "response.output_text.delta":
+        job.choices[0] += ev["delta"]
+    if ev["type"] in TERMINAL:
+        job.finishes[0].append(ev["response"]["status"])
+
+
+async def run_response(http: httpx.AsyncClient, job: Job) -> None:
+    rid, acted = None, False
+    async with http.stream("POST", "/v1/responses", json=job.body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            ev = json.loads(line[6:])
+            rid = rid or ev["response"]["id"]
+            _response_event(job, ev)
+            if len(job.numbers) == job.after and job.action != "none" and not acted:
+                acted = True
+                if job.action == "disconnect":
+                    break  # leaving closes the connection; the run goes on
+                c = await http.post(f"/v1/responses/{rid}/cancel")
+                assert c.status_code == 200, c.text
+                job.cancel_answer = c.json()["status"]
+    if job.action == "disconnect":
+        # Its creator gone, the run goes on: read all of it again from its first event.
+        job.choices.clear()
+        job.finishes.clear()
+        job.numbers.clear()
+        async with http.stream("GET", f"/v1/responses/{rid}", params={"stream": "true"}) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    _response_event(job, json.loads(line[6:]))
+
+
 async def run_job(http: httpx.AsyncClient, job: Job) -> None:
+    if job.kind == "response":
+        return await run_response(http, job)
     path = "/v1/completions" if job.kind == "batch" else "/v1/chat/completions"
     seen, cancelled = 0, False
     async with http.stream("POST", path, json=job.body) as r:
@@ -109,6 +178,10 @@ async def run_job(http: httpx.AsyncClient, job: Job) -> None:
 
 async def solo(http: httpx.AsyncClient, job: Job) -> dict[int, str]:
     """What each choice of the job gives served alone (greedy, one prompt at a time)."""
+    if job.kind == "response":
+        body = {**job.body, "background": False, "stream": False, "store": False}
+        r = (await http.post("/v1/responses", json=body)).json()
+        return {0: "".join(o["content"][0]["text"] for o in r["output"] if o["type"] == "message")}
     if job.kind == "batch":
         want = {}
         for p, prompt in enumerate(job.body["prompt"]):
@@ -122,11 +195,15 @@ async def solo(http: httpx.AsyncClient, job: Job) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf, stopline_cache_dir):
+def server(smollm2_gguf, smollm2, stopline_cache_dir, tmp_path_factory):
+    from stopline.bench.lora import write_adapter
+
+    root = tmp_path_factory.mktemp("storm_loras")
+    loras = [f"{n}={write_adapter(root / n, smollm2.config, rank=8, seed=i)}" for i, n in enumerate(ADAPTERS)]
     # 24 blocks of 16 tokens, admitting into any free room: a few jobs' worth, so the storm
     # preempts (and the largest job, 2 samples of 128 tokens, still fits alone).
     srv = ServerProcess("--num-blocks", "24", "--admission-lookahead", "0", "--async-scheduling",
-                        "--preemption-mode", "auto",
+                        "--preemption-mode", "auto", "--max-lora-rank", "8", "--lora", *loras,
                         env={"STOPLINE_CACHE_DIR": str(stopline_cache_dir), "STOPLINE_DEBUG": "1"})
     try:
         srv.wait_ready(timeout=240)
@@ -136,7 +213,7 @@ def server(smollm2_gguf, stopline_cache_dir):
 
 
 def test_server_storm(server):
-    jobs = make_jobs(seed=41, count=24)
+    jobs = make_jobs(seed=41, count=24) + make_response_jobs(seed=45, count=8)
     baseline = server.metrics()["stopline_kv_blocks_used"]
 
     async def main() -> list[dict[int, str]]:
@@ -149,6 +226,9 @@ def test_server_storm(server):
     aborted = 0
     for n, (job, want) in enumerate(zip(jobs, wants, strict=True)):
         where = f"job {n} ({job.kind}, {job.action} after {job.after})"
+        if job.kind == "response":
+            check_response(job, want[0], where)
+            continue
         assert not job.late, f"{where}: chunks after a finish: {job.late[:2]}"
         assert not job.markup, f"{where}: empty or tool-call markup content: {job.markup[:2]}"
         for i, full in want.items():
@@ -167,5 +247,25 @@ def test_server_storm(server):
                     f"{where}[{i}]: ended {reasons[0]} after its request was cancelled"
                 assert got == full, f"{where}[{i}]: {got!r} != alone {full!r}"
     assert aborted > 0
+    assert {j.body["model"] for j in jobs} == {MODEL, *ADAPTERS}
     m = server.metrics()
+    assert m["stopline_responses_background_running"] == 0
+    assert m['stopline_responses_ended_total{status="cancelled"}'] > 0
+    for name in ADAPTERS:
+        assert m[f'stopline_lora_references{{adapter="{name}"}}'] == 0
+        assert m[f'stopline_lora_requests_total{{adapter="{name}"}}'] > 0
     assert total(m, "stopline_preemptions_total") > 0, {k: v for k, v in m.items() if "preempt" in k}
+
+
+def check_response(job: Job, full: str, where: str) -> None:
+    got, statuses = job.choices[0], job.finishes[0]
+    assert not job.late, f"{where}: events after the terminal one: {job.late[:2]}"
+    assert statuses and len(statuses) == 1, f"{where}: terminal statuses {statuses}"
+    assert job.numbers == list(range(len(job.numbers))), f"{where}: sequence {job.numbers}"
+    if statuses[0] == "cancelled":
+        assert job.action == "cancel" and job.cancel_answer == "cancelled", where
+        assert full.startswith(got), f"{where}: {got!r} is not a prefix of {full!r}"
+        return
+    assert statuses[0] in ("completed", "incomplete"), f"{where}: {statuses}"
+    assert job.cancel_answer in (None, statuses[0]), f"{where}: cancel said {job.cancel_answer}"
+    assert got == full, f"{where}: {got!r} != alone {full!r}"

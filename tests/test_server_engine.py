@@ -45,7 +45,7 @@ def test_cancel_fence_and_confirmed_abort(tiny_model_dir, async_scheduling):
                 outs.append(out)
                 got += len(out.new_token_ids)
                 if len(outs) == 3:
-                    engine.abort("a", AbortSource.CANCEL)
+                    engine.abort(["a"], AbortSource.CANCEL, time.monotonic())
             # Nothing but the terminal after the cancel, and it says what the client got.
             assert len(outs) == 4 and outs[-1].finished and not outs[-1].new_token_ids
             assert outs[-1].finish_reason is FinishReason.ABORT
@@ -104,7 +104,7 @@ def test_two_process_transport(tiny_model_dir):
             adding = asyncio.create_task(engine.add("early", prompt, long_params(), incarnation="early"))
             await asyncio.sleep(0)  # the add is on its way, its acknowledgement is not back
             assert "early" in engine.backend._acks
-            engine.abort("early", AbortSource.DISCONNECT)
+            engine.abort(["early"], AbortSource.DISCONNECT, time.monotonic())
             stream = await adding
             outs = [o async for o in stream]
             assert outs[-1].finish_reason is FinishReason.ABORT and not any(o.new_token_ids for o in outs)
@@ -113,7 +113,7 @@ def test_two_process_transport(tiny_model_dir):
             flood = [asyncio.create_task(engine.add(f"f{i}", prompt, SamplingParams(max_tokens=2), incarnation=f"f{i}"))
                      for i in range(200)]
             victim = await engine.add("victim", prompt, long_params(), incarnation="victim")
-            engine.abort("victim", AbortSource.CANCEL)
+            engine.abort(["victim"], AbortSource.CANCEL, time.monotonic())
             await asyncio.wait_for(victim.done, 10)
             assert victim.finish_reasons == [FinishReason.ABORT]
             for f in flood:

@@ -3,6 +3,8 @@ path inside an accepted run, rewinds, and counters that stay true under cancel a
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from stopline.config import EngineConfig
@@ -11,7 +13,7 @@ from stopline.kv.block_pool import BlockPool
 from stopline.kv.manager import KVManager
 from stopline.lifecycle import Lifecycle
 from stopline.model.loaders.loader import load_model
-from stopline.request import FinishReason, Request, RequestStatus, SamplingParams
+from stopline.request import AbortSource, FinishReason, Request, RequestStatus, SamplingParams
 from stopline.sched.queues import Queues
 from stopline.sched.scheduler import Scheduler
 from stopline.server.format import UsageSum
@@ -45,8 +47,9 @@ def check_rewound(engine: EngineCore, _step: int) -> None:
     """After every step a decoding request's table covers exactly its computed tokens: the
     blocks only rejected drafts opened went back in the step that rejected them."""
     for r in engine.live_requests():
-        if r.status is RequestStatus.RUNNING and not r.is_prefilling and r.fork_leader is None:
-            assert len(r.block_ids) == engine.kv_manager.blocks_for(r.num_computed), r.incarnation
+        kv = engine.kv_manager
+        if r.status is RequestStatus.RUNNING and not kv.prefilling(r) and r.fork_leader is None:
+            assert len(kv.table(r)) == kv.blocks_for(kv.computed(r)), r.incarnation
 
 
 # ---- units ----------------------------------------------------------------------------------
@@ -134,7 +137,8 @@ def test_preemption_drops_the_drafts_in_flight():
     req = Request("a", LOOP[:12], SamplingParams(max_tokens=20, temperature=0.0), incarnation="a")
     sched.add(req)
     plan = sched.schedule()  # the prefill
-    req.inflight_samples = req.inflight_tokens = 0
+    req.inflight_samples = 0
+    kv.landed(req)
     req.output_token_ids.append(LOOP[12])  # its first token continues the loop
     kv.step_processed(plan.step_id)
     plan = sched.schedule()
@@ -222,7 +226,7 @@ def test_cancel_during_a_verify_step_delivers_none_of_it(tiny):
         if drafts and "drafts" not in seen:
             seen["drafts"] = len(drafts[0].drafts)
             seen["delivered"] = len(drafts[0].req.output_token_ids)
-            eng.abort(inc)  # lands while the step is in flight
+            eng.abort([inc], AbortSource.CANCEL, time.monotonic())  # lands while the step is in flight
         return result
 
     eng.runner.execute = cancelling  # type: ignore[method-assign]

@@ -5,6 +5,8 @@ only the request whose row failed."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from stopline.config import EngineConfig
@@ -12,7 +14,14 @@ from stopline.engine.core import EngineCore
 from stopline.engine.role import Role
 from stopline.lifecycle import Holder, Lifecycle
 from stopline.model.loaders.loader import load_model
-from stopline.request import Family, FinishReason, Request, SamplingParams
+from stopline.request import (
+    AbortSource,
+    Family,
+    FinishReason,
+    Request,
+    SamplingParams,
+    TokenLogprob,
+)
 from stopline.sched.plan import ScheduledChunk, StepPlan
 from stopline.worker.sampler import Sampled
 from stopline.worker.step import BROKEN, ChunkOutcome
@@ -68,7 +77,7 @@ def test_an_abort_during_the_step_voids_that_rows_token(tiny):
     def abort_mid_step(plan: StepPlan) -> None:
         for ch in plan.chunks:
             if ch.req.incarnation == a and len(ch.req.output_token_ids) == 2:
-                eng.abort(a)  # lands while the worker runs: its row is in the outcome
+                eng.abort([a], AbortSource.CANCEL, time.monotonic())  # lands while the worker runs: its row is in the outcome
 
     eng.worker.before = abort_mid_step
     res = drive(eng)
@@ -77,6 +86,41 @@ def test_an_abort_during_the_step_voids_that_rows_token(tiny):
     assert res[("b", 0)].finish_reason is FinishReason.LENGTH
     assert res[("b", 0)].token_ids == [100, 101, 102, 103, 104, 105]
     assert eng.stats.tokens_after_abort == 1
+
+
+def test_an_abort_during_a_family_step_counts_its_tokens_as_undelivered(tiny):
+    """A family before its fork is one request: its leader's step samples for every sample.
+    Aborted while that step runs, the family gets none of those tokens, and the leader's
+    usage counts them as undelivered (the lifecycle's in-flight count)."""
+    eng = outcome_engine(tiny, counting)
+    fam = eng.add_request("fam", PROMPT, greedy(4, n=3))
+
+    def abort_mid_prefill(plan: StepPlan) -> None:
+        if any(ch.req.incarnation == fam and ch.sample for ch in plan.chunks):
+            eng.abort([fam], AbortSource.CANCEL, time.monotonic())
+
+    eng.worker.before = abort_mid_prefill
+    res = drive(eng)
+    for i in (0, 1, 2):
+        assert res[("fam", i)].finish_reason is FinishReason.ABORT and res[("fam", i)].token_ids == []
+    assert res[("fam", 0)].usage.undelivered_tokens == 3  # one per sample, on the leader
+    assert eng.stats.tokens_after_abort == 3
+
+
+def test_scoring_only_family_forks_and_ends_with_the_prompt_scores(tiny):
+    """max_tokens 0 with prompt logprobs: the outcome's scores go to the leader, every sample
+    forks from it with the same scores and ends at once with no token."""
+    scores = [TokenLogprob(t, -1.0, []) for t in PROMPT[1:]]
+
+    def outcome(ch: ScheduledChunk) -> ChunkOutcome:
+        return ChunkOutcome(prompt_logprobs=list(scores))
+
+    eng = outcome_engine(tiny, outcome)
+    res = drive(eng, [("score", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=0, n=2))])
+    for i in (0, 1):
+        r = res[("score", i)]
+        assert r.finish_reason is FinishReason.LENGTH and r.token_ids == []
+        assert [lp.token_id for lp in r.deltas[-1].prompt_logprobs] == PROMPT[1:]
 
 
 def test_a_failed_row_ends_only_its_request(tiny):
@@ -201,7 +245,7 @@ def test_a_role_is_called_at_fixed_points_and_its_holders_go_before_the_blocks(t
     collect(res, eng.step())
     assert set(role.held) == {taken, served, gone}  # kept back before admission
     assert eng.all_paused() and eng.has_unfinished() and eng.worker.steps == 0
-    eng.abort(gone)  # released through the role's holder, never admitted
+    eng.abort([gone], AbortSource.CANCEL, time.monotonic())  # released through the role's holder, never admitted
     collect(res, eng.step())
     assert gone not in role.held and res[("gone", 0)].finish_reason is FinishReason.ABORT
     role.release_all()

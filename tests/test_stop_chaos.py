@@ -33,6 +33,7 @@ from tests.chaos_support import (
     check_storm,
     delivered,
     grammar_workload,
+    lora_workload,
     make_workload,
     run_async_storm,
     run_reference,
@@ -40,6 +41,7 @@ from tests.chaos_support import (
     storm_config,
     untimed,
 )
+from tests.tiny_families import make_family_dir
 from tests.tiny_model import make_tiny_gguf, make_tiny_llama_dir
 
 COUNT = 400
@@ -161,6 +163,48 @@ def test_async_storm_with_engine_stops(tiny_dir, tiny, storm_work, subprocess):
     # In turn: pause keep, update keep, pause wait, update wait, sleep wait, then the aborts.
     assert {"pause:keep", "update:keep", "pause:wait"} <= set(res.stops), dict(res.stops)
     assert max(res.versions) > 0  # outputs carried a later weight version
+@pytest.fixture(scope="module")
+def lora_work(tiny, tiny_dir, tmp_path_factory):
+    """Three LoRA adapters of the storm's model, jobs drawing them (three in four), and the
+    reference with every adapter loaded."""
+    from tests.lora_support import make_adapter
+
+    root = tmp_path_factory.mktemp("chaos_loras")
+    adapters = {n: str(make_adapter(tiny_dir, root / n, seed=s, r=r))
+                for n, s, r in (("a", 1, 4), ("b", 2, 8), ("c", 3, 2))}
+    work = lora_workload(seed=31, count=200, vocab=tiny.config.vocab_size, names=sorted(adapters))
+    return work, run_reference(tiny, work, adapters=adapters), adapters
+
+
+@pytest.mark.parametrize("mode,async_scheduling", [("recompute", False), ("auto", True)])
+def test_lora_storm(tiny, lora_work, mode, async_scheduling):
+    """The storm with adapters: jobs of three adapters and the base share steps while cancels,
+    preemption and unloads (abort: its requests end `abort`; wait: new ones are refused) race;
+    every survivor equals its reference, the audit (each adapter's count is its live requests)
+    holds after every step and the counts are zero at the end."""
+    work, ref, adapters = lora_work
+    assert len({j.params.lora for j in work}) == 4
+    res = run_storm(tiny, work, storm_config(mode, async_scheduling), seed=33, adapters=adapters,
+                    unload_p=0.03)
+    stats = res.engine.lifecycle.stats
+    assert sum(stats.preemptions.values()) > 10, stats.preemptions
+    assert res.unloads > 3
+    assert stats.aborts and any(src == "unload" for src, _ in stats.aborts), dict(stats.aborts)
+    assert check_storm(work, ref, res) > 30
+    assert stats.finished.get("error", 0) == 0
+    assert sum(res.engine.adapters.unloads.values()) >= res.unloads - len(adapters)
+
+
+def test_async_lora_storm_over_zmq(tiny_dir, lora_work):
+    """The same through the core process: loads and unloads are messages to the core, racing
+    the cancels (sent on the wall clock) and the adds."""
+    work, ref, adapters = lora_work
+    work = [j for j in work[:120] if not (j.race or j.resubmit)]
+    config = dataclasses.replace(storm_config("auto", True), num_blocks=60)
+    res = run_async_storm(str(tiny_dir), work, config, seed=35, max_delay=0.1, adapters=adapters,
+                          churn=0.3)
+    assert res.unloads > 0
+    assert check_storm(work, ref, res) > 5
 
 
 def test_async_storm_through_the_split(tiny_dir, tiny, storm_work):
@@ -397,3 +441,31 @@ def test_grammar_that_cannot_advance_ends_error_in_that_step(tiny):
     assert outs[other][-1].finish_reason is FinishReason.LENGTH
     eng.audit()
     eng.grammar.close()
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A sliding-window model (tiny Mistral, window 16: four blocks of 4)."""
+    d = make_family_dir(tmp_path_factory.mktemp("chaos_window"), "mistral_window")
+    return load_model(str(d), progress=False)
+
+
+@pytest.mark.parametrize("mode,async_scheduling", [("swap", True), ("recompute", False), ("auto", True)])
+def test_storm_on_a_sliding_window_model(windowed, mode, async_scheduling):
+    """The storm on a model whose blocks go back as its window slides past them, while
+    cancels (mid-prefill too), n > 1 families and preemption by swap and recompute run; the
+    engine audits the ledger and its per-request tables after every step (debug)."""
+    work = make_workload(seed=23, count=160, vocab=windowed.config.vocab_size)
+    ref = run_reference(windowed, work)
+    # A pool of 20 blocks: the window gives blocks back, so that 40 would rarely run dry.
+    config = dataclasses.replace(storm_config(mode, async_scheduling), num_blocks=20)
+    res = run_storm(windowed, work, config, seed=9)
+    stats = res.engine.lifecycle.stats
+    assert res.engine.kv_manager.window == 16 and stats.window_freed_blocks > 50, stats.window_freed_blocks
+    assert sum(stats.preemptions.values()) > 10, stats.preemptions
+    if mode != "recompute":
+        assert stats.preemptions["swap"] > 0
+    assert res.states_hit["prefilling"] > 0 and res.states_hit["running"] > 0, dict(res.states_hit)
+    assert any(j.params.n > 1 for j in work)
+    assert check_storm(work, ref, res) > 30
+    assert stats.finished.get("error", 0) == 0

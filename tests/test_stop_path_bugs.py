@@ -100,7 +100,7 @@ def test_a_late_abort_does_not_touch_a_newer_request_with_the_same_id(tiny):
     old = eng.add_request("X", PROMPT, SamplingParams(max_tokens=2, **GREEDY))
     res = drain(eng)
     assert res[("X", 0)]["terminal"][0].finish_reason is FinishReason.LENGTH
-    eng.abort(old)  # the client's cancel arrives after the natural finish...
+    eng.abort([old], AbortSource.CANCEL, time.monotonic())  # the client's cancel arrives after the natural finish...
     new = eng.add_request("X", PROMPT, SamplingParams(max_tokens=3, **GREEDY))  # ...and it resubmits
     assert new != old
     res = drain(eng)
@@ -113,7 +113,7 @@ def test_an_early_abort_waits_for_its_own_add_only_and_expires_by_age(tiny, monk
     between them, and stale ones expired only past 64 entries (so one could abort a later
     request with that id)."""
     eng = scripted_engine(tiny)
-    eng.abort("X#late", AbortSource.DISCONNECT)  # overtakes its add (another socket)
+    eng.abort(["X#late"], AbortSource.DISCONNECT, time.monotonic())  # overtakes its add (another socket)
     eng.add_request("busy", PROMPT, SamplingParams(max_tokens=3, **GREEDY))
     eng.step()
     eng.step()  # steps run between the abort and its add: it is kept
@@ -127,12 +127,32 @@ def test_an_early_abort_waits_for_its_own_add_only_and_expires_by_age(tiny, monk
     assert eng.inbox.num_early == 0
     # Expiry by age: an abort kept past the TTL no longer touches its incarnation.
     monkeypatch.setattr(inbox_mod, "EARLY_TTL", 0.01)
-    eng.abort("Y#1")
+    eng.abort(["Y#1"], AbortSource.CANCEL, time.monotonic())
     eng.step()
     time.sleep(0.05)
     eng.add_request("Y", PROMPT, SamplingParams(max_tokens=2, **GREEDY), incarnation="Y#1")
     res = drain(eng)
     assert res[("Y", 0)]["terminal"][0].finish_reason is FinishReason.LENGTH
+
+
+def test_an_early_abort_ages_from_when_it_was_asked(tiny, monkeypatch):
+    """An abort kept for an incarnation not added yet ages from its t0 (when it was asked),
+    not from when the core took it; and kept aborts expire by age in any order of arrival."""
+    monkeypatch.setattr(inbox_mod, "EARLY_TTL", 5.0)
+    eng = scripted_engine(tiny)
+    now = time.monotonic()
+    eng.abort(["old#1"], AbortSource.CANCEL, now - 10.0)  # asked 10 s ago: past the TTL
+    eng.abort(["new#1"], AbortSource.CANCEL, now)
+    eng.abort(["older#1"], AbortSource.CANCEL, now - 20.0)  # arrives last, oldest of all
+    eng.step()
+    assert eng.inbox.num_early == 1  # only the fresh one is kept
+    for rid in ("old", "new", "older"):
+        eng.add_request(rid, PROMPT, SamplingParams(max_tokens=2, **GREEDY), incarnation=f"{rid}#1")
+    res = drain(eng)
+    assert res[("old", 0)]["terminal"][0].finish_reason is FinishReason.LENGTH
+    assert res[("older", 0)]["terminal"][0].finish_reason is FinishReason.LENGTH
+    assert res[("new", 0)]["terminal"][0].finish_reason is FinishReason.ABORT
+    assert eng.inbox.num_early == 0
 
 
 def test_async_preempted_while_its_text_is_pending_stops_where_it_would_have(tiny):
@@ -226,7 +246,7 @@ def test_two_live_requests_may_share_a_caller_id(tiny):
     a = eng.add_request("same", PROMPT, SamplingParams(max_tokens=6, **GREEDY))
     b = eng.add_request("same", PROMPT[:5], SamplingParams(max_tokens=6, **GREEDY))
     eng.step()
-    eng.abort(a)
+    eng.abort([a], AbortSource.CANCEL, time.monotonic())
     outs: dict = {}
     while eng.has_unfinished():
         for o in eng.step():

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from stopline.config import EngineConfig, VictimPolicy
 from stopline.engine.core import EngineCore
+from stopline.kv.block_pool import BlockPool
+from stopline.kv.manager import KVManager, SeqKV
 from stopline.model.loaders.loader import load_model
 from stopline.request import (
+    AbortSource,
     FinishReason,
     InvalidRequest,
     Request,
@@ -16,6 +21,7 @@ from stopline.request import (
     SamplingParams,
 )
 from stopline.sched.victims import pick_victim
+from stopline.stats import StopStats
 from tests.tiny_model import make_tiny_llama_dir
 
 GREEDY = dict(temperature=0.0)
@@ -73,7 +79,7 @@ def abort_during_forward(eng: EngineCore, inc: str, on_step: int) -> None:
     def hooked(plan, interrupt=None):
         result = execute(plan, interrupt)
         if plan.step_id == on_step:
-            eng.abort(inc)
+            eng.abort([inc], AbortSource.CANCEL, time.monotonic())
         return result
 
     eng.runner.execute = hooked
@@ -115,16 +121,16 @@ def test_abort_between_forward_and_processing_releases_through_fence(tiny):
 def test_abort_waiting_unknown_twice(tiny):
     eng = engine(tiny)
     w = eng.add_request("w", PROMPT, SamplingParams(max_tokens=4, **GREEDY))
-    eng.abort(w)
-    eng.abort(w)
-    eng.abort("nobody")
+    eng.abort([w], AbortSource.CANCEL, time.monotonic())
+    eng.abort([w], AbortSource.CANCEL, time.monotonic())
+    eng.abort(["nobody"], AbortSource.CANCEL, time.monotonic())
     outs = eng.step()
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("w", True, FinishReason.ABORT)]
     assert outs[0].new_token_ids == [] and outs[0].usage.completion_tokens == 0
     assert eng.steps == 1 and not eng.has_unfinished()
     assert eng.lifecycle.stats.aborts[("cancel", "waiting")] == 1
     assert eng.lifecycle.stats.abort_to_quiet_steps.counts[:2] == [1, 0]  # 0 steps, once
-    eng.abort(w)  # already finished: no-op, no second terminal output
+    eng.abort([w], AbortSource.CANCEL, time.monotonic())  # already finished: no-op, no second terminal output
     assert eng.step() == []
 
 
@@ -134,12 +140,16 @@ def test_abort_mid_chunked_prefill_stops_at_chunk_boundary(tiny):
     inc = eng.add_request("long", long_prompt, SamplingParams(max_tokens=4, **GREEDY))
     eng.step()
     req = eng.families.get(inc).members[0]
-    assert 0 < req.num_computed < len(long_prompt)  # mid-prefill
-    eng.abort(inc)
+    assert 0 < eng.kv_manager.computed(req) < len(long_prompt)  # mid-prefill
+    assert eng.kv_manager.computed(req) == 8
+    eng.abort([inc], AbortSource.CANCEL, time.monotonic())
     outs = eng.step()
     assert outs[0].finish_reason is FinishReason.ABORT
     assert eng.lifecycle.stats.aborts[("cancel", "prefilling")] == 1
-    assert req.num_computed == 8, "the aborted request took part in another chunk"
+    # Its KV state went with it; quiet at once: it took part in no other chunk.
+    assert not eng.kv_manager.holds(req)
+    assert eng.lifecycle.stats.abort_to_quiet_steps.counts[:2] == [1, 0], \
+        "the aborted request took part in another chunk"
     assert eng.pool.num_used == 0
     assert eng.pool.num_cached == 2  # its computed full blocks stay in the prefix cache
 
@@ -148,7 +158,7 @@ def test_cancelled_prefix_not_kept_when_disabled(tiny):
     eng = engine(tiny, max_num_batched_tokens=8, keep_aborted_prefix=False)
     inc = eng.add_request("long", list(range(3, 63)), SamplingParams(max_tokens=4, **GREEDY))
     eng.step()
-    eng.abort(inc)
+    eng.abort([inc], AbortSource.CANCEL, time.monotonic())
     eng.step()
     assert eng.pool.num_cached == 0 and eng.pool.num_used == 0
 
@@ -164,7 +174,7 @@ def test_layer_boundary_interrupt_and_next_step_unaffected(tiny):
         def run(*args):
             calls["n"] += 1
             if calls["n"] == 1:
-                eng.abort([x, y])  # every request of the step in flight: stop at next layer
+                eng.abort([x, y], AbortSource.CANCEL, time.monotonic())  # every request of the step in flight: stop at next layer
             return proj(*args)
         return run
 
@@ -195,10 +205,11 @@ def test_family_abort_and_id_reuse(tiny):
     for _ in range(4):
         collect(eng.step(), res)
     members = eng.families.get(fam).members
-    shared = set(members[0].block_ids[: len(PROMPT) // 4])
-    assert all(shared <= set(m.block_ids) for m in members)  # prompt blocks shared
+    kv = eng.kv_manager
+    shared = set(kv.table(members[0])[: len(PROMPT) // 4])
+    assert all(shared <= set(kv.table(m)) for m in members)  # prompt blocks shared
     assert all(eng.pool.refcount[b] == 3 for b in shared)
-    eng.abort(fam)
+    eng.abort([fam], AbortSource.CANCEL, time.monotonic())
     collect(eng.step(), res)
     assert sorted(k[1] for k in res) == [0, 1, 2]
     assert all(len(v["terminal"]) == 1 and v["terminal"][0].finish_reason is FinishReason.ABORT
@@ -213,7 +224,7 @@ def test_family_abort_before_fork(tiny):
     fam = eng.add_request("fam", list(range(3, 23)), SamplingParams(n=2, max_tokens=5, **GREEDY))
     eng.step()
     assert eng.families.get(fam).members[1].fork_leader is not None
-    eng.abort(fam)
+    eng.abort([fam], AbortSource.CANCEL, time.monotonic())
     res = drain(eng)
     assert len(res) == 2 and all(v["terminal"][0].finish_reason is FinishReason.ABORT for v in res.values())
 
@@ -231,7 +242,7 @@ def test_abort_while_swapped_frees_swap_space(tiny):
             break
     assert swapped is not None, "the pool never forced a swap"
     assert eng.kv_manager.swap.num_used > 0
-    eng.abort(swapped.incarnation)
+    eng.abort([swapped.incarnation], AbortSource.CANCEL, time.monotonic())
     collect(eng.step(), res)
     assert swapped.status is RequestStatus.FINISHED
     assert eng.lifecycle.stats.aborts[("cancel", "swapped")] == 1
@@ -355,19 +366,19 @@ def test_stop_check_exception_fails_only_its_request(tiny):
     assert res[("good", 0)]["terminal"][0].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
 
 
-def _req(arrival, computed, out, prompt=8, priority=0, blocks=()):
+def _req(kv, arrival, computed, out, prompt=8, priority=0, blocks=()):
     r = Request("x", list(range(prompt)), SamplingParams(priority=priority), arrival=arrival)
-    r.num_computed = computed
     r.output_token_ids = list(range(out))
-    r.block_ids = list(blocks)
+    kv.seqs[r] = SeqKV(block_ids=list(blocks), computed=computed)  # as if admitted so
+    kv.pool.touch(blocks)
     return r
 
 
 def test_victim_policies():
-    a = _req(1.0, computed=40, out=30, prompt=10, blocks=range(0, 10))
-    b = _req(2.0, computed=12, out=2, prompt=10, blocks=range(10, 13), priority=5)
-    c = _req(3.0, computed=20, out=2, prompt=18, blocks=range(13, 18))
-    refc = [1] * 32
+    refc = KVManager(BlockPool(32, 4), None, None, StopStats())
+    a = _req(refc, 1.0, computed=40, out=30, prompt=10, blocks=range(0, 10))
+    b = _req(refc, 2.0, computed=12, out=2, prompt=10, blocks=range(10, 13), priority=5)
+    c = _req(refc, 3.0, computed=20, out=2, prompt=18, blocks=range(13, 18))
     assert pick_victim(VictimPolicy.NEWEST, [a, b, c], 1, refc) is c
     assert pick_victim(VictimPolicy.FEWEST_OUTPUT, [a, b, c], 1, refc) is c  # tie on outputs: longest prompt
     assert pick_victim(VictimPolicy.LONGEST_OUTPUT, [a, b, c], 1, refc) is a
@@ -397,10 +408,10 @@ def test_prefill_budget_shrinks_beside_decodes(tiny):
     eng.add_request("long", list(range(3, 63)), SamplingParams(max_tokens=2, **GREEDY))
     eng.step()
     long_req = eng.families.find("long").members[0]
-    assert long_req.num_computed == 8
-    eng.abort(short)
+    assert eng.kv_manager.computed(long_req) == 8
+    eng.abort([short], AbortSource.CANCEL, time.monotonic())
     eng.step()  # the abort frees the step of decodes: the cap no longer applies
-    assert long_req.num_computed == 8 + 52
+    assert eng.kv_manager.computed(long_req) == 8 + 52
     drain(eng)
 
 

@@ -23,7 +23,7 @@ from tests.scripted import HandDriven
 
 def run_until_idle(h: HandDriven, max_steps: int = 500) -> None:
     for _ in range(max_steps):
-        if not h.sched.has_work():
+        if not (h.queues.running or h.queues.waiting):
             return
         plan = h.plan()
         h.complete(plan)
@@ -39,12 +39,12 @@ def test_admission_is_all_or_nothing_and_prefix_hits_are_shared():
     h = HandDriven(num_blocks=8)
     a = h.add("a", prompt_len=9)  # 3 blocks
     h.complete(h.plan())
-    assert len(a.block_ids) == 3 and h.pool.num_used == 3
+    assert len(h.kv.table(a)) == 3 and h.pool.num_used == 3
     h.lifecycle.finish(a, FinishReason.STOP)
     assert h.pool.num_cached == 2  # its two full blocks stay findable
     b = h.add("b", prompt_len=9)  # the same prompt: two hits, one new block
     plan = h.plan()
-    assert plan.chunks[0].start == 8 and b.num_computed == 9 and h.pool.num_used == 3
+    assert plan.chunks[0].start == 8 and h.kv.computed(b) == 9 and h.pool.num_used == 3
     big = h.add("big", prompt_len=40)  # 10 blocks: never fits, fails at admission
     h.complete(plan)
     h.plan()
@@ -58,7 +58,7 @@ def test_fence_defers_the_free_of_a_request_in_flight():
     a = h.add("a", prompt_len=6)
     plan = h.plan()  # in flight: a's blocks may be written
     h.lifecycle.abort(a, AbortSource.CANCEL)
-    assert a.block_ids == [] and h.pool.num_used == 2, "freed while a step may write them"
+    assert not h.kv.table(a) and h.pool.num_used == 2, "freed while a step may write them"
     assert len(h.kv.deferred) == 1
     h.audit()  # the fence's hold is in the ledger
     h.complete(plan)
@@ -83,14 +83,14 @@ def test_swap_round_trip_and_the_swap_ledger():
     a = h.add("a", prompt_len=6)
     h.complete(h.plan())
     h.lifecycle.preempt(a)
-    assert a.status is RequestStatus.SWAPPED and len(a.swap_slots) == 2 and h.pool.num_used == 0
+    assert a.status is RequestStatus.SWAPPED and len(h.kv.swap_slots(a)) == 2 and h.pool.num_used == 0
     h.audit()
     h.swap.free_slots.pop()  # a slot taken by nobody: the audit must see it
     with pytest.raises(LedgerError, match="swap space"):
         h.audit()
     h.swap.free_slots.append(7)
     plan = h.plan()  # swapped back in, no recompute
-    assert a.status is RequestStatus.RUNNING and not a.swap_slots and plan.chunks[0].num_tokens == 1
+    assert a.status is RequestStatus.RUNNING and not h.kv.swap_slots(a) and plan.chunks[0].num_tokens == 1
     h.complete(plan)
     h.lifecycle.abort(a, AbortSource.CANCEL)
     assert h.swap.num_used == 0 and h.pool.num_used == 0
@@ -137,14 +137,15 @@ def test_a_family_waiting_to_fork_is_waited_for_not_declared_infeasible():
             q = ch.req
             if ch.sample and q.fork_leader is None:
                 for m in list(q.forks_pending):  # the core forks samples at the first token
-                    m.num_computed, m.fork_leader = m.prompt_len, None
+                    h.kv.fork(m, q)
+                    m.fork_leader = None
                     m.output_token_ids.append(7)
                     q.forks_pending.remove(m)
         for q in list(h.queues.running):
             if len(q.output_token_ids) >= q.max_tokens:
                 h.lifecycle.finish(q, FinishReason.LENGTH)
         h.audit()
-        if not h.sched.has_work():
+        if not (h.queues.running or h.queues.waiting):
             break
     assert r.finish_reason is FinishReason.LENGTH, (r.finish_reason, r.stop_detail)
     assert len(r.output_token_ids) == 8, r.stop_detail  # not failed as "cannot hold" midway
@@ -166,14 +167,14 @@ def test_preempting_a_leader_takes_its_waiting_samples_along():
     h.sched.add(leader)
     h.live += [leader, *samples]
     h.complete(h.plan())  # first chunk of the prompt: the samples hold the shared blocks
-    assert all(s.block_ids for s in samples)
+    assert all(h.kv.table(s) for s in samples)
     h.lifecycle.preempt(leader)
     assert leader.status is RequestStatus.PREEMPTED
-    assert all(s.status is RequestStatus.PREEMPTED and not s.block_ids for s in samples)
+    assert all(s.status is RequestStatus.PREEMPTED and not h.kv.table(s) for s in samples)
     assert h.pool.num_used == 0 and list(h.queues.waiting) == [leader]
     h.audit()
     h.complete(h.plan())  # re-admitted together, all or nothing
-    assert all(r.status is RequestStatus.RUNNING and r.block_ids for r in (leader, *samples))
+    assert all(r.status is RequestStatus.RUNNING and h.kv.table(r) for r in (leader, *samples))
     h.lifecycle.abort(leader, AbortSource.CANCEL)  # before the fork: the samples end with it
     assert all(r.finish_reason is FinishReason.ABORT for r in (leader, *samples))
     assert h.stats.aborts[("cancel", "waiting")] == 2

@@ -71,7 +71,7 @@ async def _run(model: str | None, config: EngineConfig, rounds: int, long_len: i
             alone.append((await _complete(engine, f"alone{r}", short, 16))[1])
             streams = [await engine.add(f"long{r}.{i}", _tokens(rng, long_len, vocab),
                                         SamplingParams(max_tokens=64, ignore_eos=True)) for i in range(10)]
-            engine.abort([s.incarnation for s in streams], AbortSource.CANCEL)
+            engine.abort([s.incarnation for s in streams], AbortSource.CANCEL, time.monotonic())
             after.append((await _complete(engine, f"after{r}", short, 16))[1])
             for s in streams:
                 async for _ in s:
@@ -83,7 +83,7 @@ async def _run(model: str | None, config: EngineConfig, rounds: int, long_len: i
             s = await engine.add(f"cp{r}", _tokens(rng, long_len, vocab), SamplingParams(max_tokens=64))
             await asyncio.sleep(0.02)
             t0 = time.monotonic()
-            engine.abort(s.incarnation)
+            engine.abort([s.incarnation], AbortSource.CANCEL, time.monotonic())
             async for _ in s:
                 pass
             prefill_cut.append(await _pools_idle(engine, t0))
@@ -97,7 +97,7 @@ async def _run(model: str | None, config: EngineConfig, rounds: int, long_len: i
                     raise RuntimeError(f"request ended before the cancel: {out.finish_reason} {out.stop_detail}")
                 got += len(out.new_token_ids)
             t0 = time.monotonic()
-            engine.abort(s.incarnation)
+            engine.abort([s.incarnation], AbortSource.CANCEL, time.monotonic())
             async for _ in it:
                 pass
             decode_cut.append(await _pools_idle(engine, t0))

@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 
 from stopline.bench import machine
+from stopline.config import AttentionBackend
+from stopline.request import AbortSource
 
 HELDOUT = Path(__file__).resolve().parent / "data" / "heldout.txt"  # ships in the package
 
@@ -232,7 +234,7 @@ def linears_in_step(engine, n: int, warm: int, steps: int) -> dict:
     for _ in range(warm):
         engine.step()
     for _ in range(1000):  # every step timed below is n decode rows
-        if not any(r.is_prefilling for r in engine.live_requests()):
+        if not any(engine.kv_manager.prefilling(r) for r in engine.live_requests()):
             break
         engine.step()
     head, head_s = model.lm_head, [0.0]
@@ -245,7 +247,7 @@ def linears_in_step(engine, n: int, warm: int, steps: int) -> dict:
     finally:
         model.lm_head, decoder.linear_s = head, None
     live = len(engine.live_requests())
-    engine.abort([r.incarnation for r in engine.live_requests()])
+    engine.abort([r.incarnation for r in engine.live_requests()], AbortSource.CANCEL, time.monotonic())
     while engine.has_unfinished():
         engine.step()
     if live != n:
@@ -307,7 +309,7 @@ def teacher_forced(engine, ids: list[int]) -> torch.Tensor:
     from stopline.model.llama import StepInputs
 
     model, kv = engine.runner.model, engine.kv
-    if model.attention != "native":
+    if model.attention is not AttentionBackend.NATIVE:
         raise RuntimeError("teacher forcing here needs the native paged attention")
     n, bs = len(ids), kv.block_size
     if (n + bs - 1) // bs > kv.num_blocks:

@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from stopline.bench import machine
+from stopline.request import AbortSource
 
 NEIGHBOUR = """
 import sys, time
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
                 if spin is not None:
                     spin.kill()
                     spin.wait()
-    eng.abort(incs)
+    eng.abort(incs, AbortSource.CANCEL, time.monotonic())
     while eng.has_unfinished():
         eng.step()
     quiet, busy = statistics.median(times["quiet"]), statistics.median(times["neighbour"])

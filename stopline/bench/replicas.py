@@ -63,7 +63,7 @@ async def _abort_latency(engine: AsyncEngine, rng: random.Random, rounds: int) -
         while got < 3:
             got += len((await it.__anext__()).new_token_ids)
         t0 = time.monotonic()
-        engine.abort(s.incarnation, AbortSource.CANCEL, t0)
+        engine.abort([s.incarnation], AbortSource.CANCEL, t0)
         async for _ in it:
             pass
         lat.append(time.monotonic() - t0)
@@ -86,7 +86,7 @@ async def _head_of_line(engine: AsyncEngine, rng: random.Random, long_len: int) 
     for r in range(3):
         longs = [await engine.add(f"long{r}.{i}", _tokens(rng, long_len),
                                   SamplingParams(max_tokens=64, ignore_eos=True)) for i in range(10)]
-        engine.abort([s.incarnation for s in longs], AbortSource.CANCEL)
+        engine.abort([s.incarnation for s in longs], AbortSource.CANCEL, time.monotonic())
         after.append(await _complete(engine, f"after{r}", short, 16))
         for s in longs:
             async for _ in s:
@@ -134,7 +134,7 @@ async def _kill(engine: AsyncEngine, rng: random.Random) -> dict[str, float]:
     while victim.state is not ReplicaState.DEAD:
         await asyncio.sleep(0.001)
     # The survivor's streams are not what is measured: cancel them.
-    engine.abort(engine.open_ids(), AbortSource.CANCEL)
+    engine.abort(engine.open_ids(), AbortSource.CANCEL, time.monotonic())
     await asyncio.gather(*tasks)
     while victim.state is not ReplicaState.HEALTHY:
         await asyncio.sleep(0.05)

@@ -108,11 +108,11 @@ def run_jobs(loaded: LoadedModel, cfg: EngineConfig, jobs: list[Job], desc: str)
             fam = eng.families.get(inc[rid])
             req = fam.members[0] if fam else None
             due = (j.abort_kind == "waiting"
-                   or j.abort_kind == "prefill" and req is not None and 0 < req.num_computed < req.prompt_len
+                   or j.abort_kind == "prefill" and req is not None and 0 < eng.kv_manager.computed(req) < req.prompt_len
                    or j.abort_kind == "decode" and delivered[rid] >= j.abort_after)
             if due:
                 res.delivered_at_abort[rid] = delivered[rid]
-                eng.abort(inc[rid], AbortSource.CANCEL)
+                eng.abort([inc[rid]], AbortSource.CANCEL, time.monotonic())
                 del pending_abort[rid]
         for out in eng.step():
             delivered[out.request_id] += len(out.new_token_ids)

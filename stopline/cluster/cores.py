@@ -195,9 +195,9 @@ class RayCores:
             slot.sent += 1
             slot.actor.deliver.remote(slot.sent, method, *args)
 
-    async def utility(self, method: Utility, args: dict[str, Any] | None = None) -> list[Any]:
+    async def utility(self, method: Utility, *args: Any) -> list[Any]:
         """Runs on every healthy replica; their results in replica order."""
-        calls = asyncio.gather(*(self._call(self.slots[r].actor.utility, method, args)
+        calls = asyncio.gather(*(self._call(self.slots[r].actor.utility, method, *args)
                                  for r in self.healthy()))
         # A utility waits for a step boundary: a replica that gives none for twice the stuck
         # bound is stuck anyway.

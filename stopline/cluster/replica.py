@@ -89,8 +89,8 @@ class Replica:
             self._next += 1
             getattr(self.loop, name)(*held)
 
-    async def utility(self, method: Utility, args: dict[str, Any] | None = None) -> Any:
-        return await asyncio.wrap_future(self.loop.call(method, args))
+    async def utility(self, method: Utility, *args: Any) -> Any:
+        return await asyncio.wrap_future(self.loop.call(method, *args))
 
     async def pull(self) -> list[Batch]:
         """Every batch since the last pull; waits while there is none."""

@@ -34,8 +34,6 @@ class Router:
         self._seen: OrderedDict[int, int] = OrderedDict()  # prefix chain hash -> replica
         self._remember = remember
         self._rr = itertools.count()
-        self.affinity_hits = 0  # requests sent where their prefix was seen
-        self.routed = 0
 
     def _chain(self, prompt: Sequence[int]) -> list[int]:
         out, h, bs = [], 0, self.block_size
@@ -48,7 +46,6 @@ class Router:
                load: Callable[[int], int]) -> int:
         if not healthy:
             raise NoReplica("no replica is healthy")
-        self.routed += 1
         if self.policy is Policy.ROUND_ROBIN:
             return healthy[next(self._rr) % len(healthy)]
         chain = self._chain(prompt)
@@ -60,7 +57,6 @@ class Router:
             if r is not None and r in loads:
                 if loads[r] <= loads[least] + self.slack:
                     pick = r
-                    self.affinity_hits += 1
                 break
         for h in chain:
             self._seen[h] = pick

@@ -23,12 +23,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from stopline.config import EngineConfig
 from stopline.disagg.epochs import BlockEpochs
 from stopline.disagg.link import Link
 from stopline.disagg.messages import Ack, Progress, RoleSpec
 from stopline.disagg.transfers import Side, Transfers
 from stopline.disagg.wire import TransferHeader, write
-from stopline.engine.core import EngineCore
+from stopline.engine.core import EngineCore, ModelSource
 from stopline.engine.role import Role
 from stopline.lifecycle import Holder
 from stopline.request import Family, FinishReason, Request
@@ -126,11 +127,12 @@ class DecodeRole(Role):
             return
         n = split_blocks(req.prompt_len, core.pool.block_size)
         try:
-            if len(head.refs) != n:
-                raise ValueError(f"{len(head.refs)} blocks sent, {n} expected")
+            if not 0 <= head.first <= n or len(head.refs) != n - head.first:
+                raise ValueError(f"{len(head.refs)} blocks sent from block {head.first}, {n} expected")
             got = core.kv_manager.import_prefix(
                 req.prompt_token_ids, n,
-                lambda blocks: write(core.kv, self.epochs, self.epochs.refs(blocks), head, data))
+                lambda blocks: write(core.kv, self.epochs, self.epochs.refs(blocks), head, data),
+                first=head.first)
         except Exception as exc:  # StaleBlock, BadTransfer, a shape mismatch: never decode it
             core.lifecycle.fail(req, FinishReason.ERROR, f"KV transfer failed: {exc}")
             self.link.send(Ack(inc, f"KV transfer failed: {exc}"))
@@ -157,7 +159,7 @@ class DecodeRole(Role):
         self.receiving.audit(live)
 
 
-def DecodeCore(model: Any = None, config: Any = None, *, spec: RoleSpec,  # noqa: N802
-               progress: bool = True, **kwargs: Any) -> EngineCore:
+def DecodeCore(model: ModelSource = None, config: EngineConfig | None = None, *,  # noqa: N802
+               spec: RoleSpec, progress: bool = True, **kwargs: Any) -> EngineCore:
     """An EngineCore serving the decode side of a split (its role: `core.role`)."""
     return EngineCore(model, config, progress=progress, role=DecodeRole(spec), **kwargs)

@@ -244,8 +244,12 @@ class DisaggCores:
         if self._reachable("decode"):  # only the decode role streams to clients
             self.cores["decode"].pause(incarnations, paused)
 
-    async def utility(self, method: Utility, args: dict[str, Any] | None = None) -> list[Any]:
+    async def utility(self, method: Utility, *args: Any) -> list[Any]:
         """Runs on every live role (an audit checks both); their results, prefill first."""
+        if method in (Utility.LOAD_LORA, Utility.UNLOAD_LORA):
+            # A prompt's KV imported on the decode side is keyed without its adapter: refused
+            # rather than risk a prefix served across adapters (docs/lora.md).
+            return [{"status": 400, "message": "LoRA adapters are not served with --disagg"}]
         live = [r for r in ROLES if self.state[r] == "healthy"]
         return list(await asyncio.gather(*(self.cores[r].utility(method, args) for r in live)))
 

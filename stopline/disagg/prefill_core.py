@@ -20,14 +20,17 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from stopline.config import EngineConfig
 from stopline.disagg.epochs import BlockEpochs
 from stopline.disagg.link import Link
 from stopline.disagg.messages import Ack, RoleSpec
 from stopline.disagg.transfers import Side, Transfers
 from stopline.disagg.wire import pack
-from stopline.engine.core import EngineCore
+from stopline.engine.core import EngineCore, ModelSource
+from stopline.engine.families import hold
 from stopline.engine.role import Role
 from stopline.kv.block_pool import LedgerError
+from stopline.kv.manager import HOLE
 from stopline.lifecycle import Holder
 from stopline.request import FinishReason, Request
 
@@ -60,7 +63,6 @@ class PrefillRole(Role):
 
     def __init__(self, spec: RoleSpec) -> None:
         self.spec = spec
-        self.shipped_bytes = 0
 
     def bind(self, core: EngineCore) -> list[Holder]:
         self.core = core
@@ -112,12 +114,13 @@ class PrefillRole(Role):
 
     def prefilled(self, req: Request) -> bool:
         n = len(req.prompt_token_ids) // self.core.pool.block_size
-        refs = self.epochs.refs(req.block_ids[:n])
-        frames = pack(req.incarnation, self.core.kv, self.epochs, refs)
+        table = self.core.kv_manager.table(req)[:n]
+        first = sum(1 for b in table if b == HOLE)  # a sliding window's passed blocks: not sent
+        refs = self.epochs.refs(list(table[first:]))
+        frames = pack(req.incarnation, self.core.kv, self.epochs, refs, first)
         self.sending.start(req, refs)
-        req.paused = True  # holds its blocks, takes no step
+        hold(req)  # holds its blocks, takes no step
         self.link.send_kv(req.incarnation, frames)
-        self.shipped_bytes += sum(len(f) for f in frames)
         return True
 
     def _take_link(self) -> None:
@@ -141,7 +144,7 @@ class PrefillRole(Role):
             raise LedgerError(f"KV frames of ended requests wait on the link: {sorted(stray)}")
 
 
-def PrefillCore(model: Any = None, config: Any = None, *, spec: RoleSpec,  # noqa: N802
-                progress: bool = True, **kwargs: Any) -> EngineCore:
+def PrefillCore(model: ModelSource = None, config: EngineConfig | None = None, *,  # noqa: N802
+                spec: RoleSpec, progress: bool = True, **kwargs: Any) -> EngineCore:
     """An EngineCore serving the prefill side of a split (its role: `core.role`)."""
     return EngineCore(model, config, progress=progress, role=PrefillRole(spec), **kwargs)

@@ -4,9 +4,13 @@ process can take it."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from stopline.disagg.messages import RoleSpec
+
+if TYPE_CHECKING:  # the engine is imported in the spawned process, when the core is built
+    from stopline.config import EngineConfig
+    from stopline.engine.core import EngineCore, ModelSource
 
 
 class RoleFactory:
@@ -15,7 +19,8 @@ class RoleFactory:
             raise ValueError(f"role must be 'prefill' or 'decode', got {spec.role!r}")
         self.spec = spec
 
-    def __call__(self, model: Any, config: Any, *, progress: bool = True) -> Any:
+    def __call__(self, model: ModelSource, config: EngineConfig | None, *,
+                 progress: bool = True) -> EngineCore:
         if self.spec.role == "prefill":
             from stopline.disagg.prefill_core import PrefillCore
 

@@ -24,6 +24,7 @@ class TransferHeader(msgspec.Struct, frozen=True):
     dtype: str
     shapes: list[list[int]]
     sent_at: float = 0.0  # the sender's time.monotonic() before packing (one machine: one clock)
+    first: int = 0  # the first block's index in the prompt: blocks a sliding window passed are not sent
 
 
 class BadTransfer(ValueError):
@@ -34,12 +35,13 @@ _ENC = msgspec.msgpack.Encoder()
 _DEC = msgspec.msgpack.Decoder(TransferHeader)
 
 
-def pack(request_id: str, cache: KVCache, epochs: BlockEpochs, refs: Sequence[BlockRef]) -> list[bytes | memoryview]:
+def pack(request_id: str, cache: KVCache, epochs: BlockEpochs, refs: Sequence[BlockRef],
+         first: int = 0) -> list[bytes | memoryview]:
     t0 = time.monotonic()
     epochs.check(refs)  # a stale ref fails before any byte is read
     data = cache.read_blocks([r.block for r in refs])
     head = TransferHeader(request_id, list(refs), str(data[0].dtype).removeprefix("torch."),
-                          [list(t.shape) for t in data], t0)
+                          [list(t.shape) for t in data], t0, first)
     return [_ENC.encode(head)] + [memoryview(t.contiguous().numpy()).cast("B") for t in data]
 
 

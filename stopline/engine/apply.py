@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from stopline.engine.families import detach_fork
 from stopline.engine.grammars import GrammarHolder
 from stopline.engine.output import OutputProcessor, Stop
 from stopline.kv.manager import KVManager
 from stopline.lifecycle import Lifecycle
 from stopline.request import FinishReason, Request, RequestStatus
+from stopline.sched import scheduler
 from stopline.sched.plan import ScheduledChunk
 from stopline.spec.drafts import Drafts
 from stopline.worker.sampler import Sampled
@@ -47,7 +49,8 @@ class StepApplier:
         samples: list[tuple[Request, Sampled | str]] = []
         for ch, out in zip(outcome.plan.chunks, outcome.chunks, strict=True):
             req = ch.req
-            req.inflight_samples = req.inflight_tokens = 0
+            scheduler.landed(req)
+            self.kv.landed(req)
             if req.status is not RequestStatus.RUNNING or req.epoch != ch.epoch:
                 continue  # ended or preempted while the step ran: its result is void
             if ch.drafts:
@@ -59,7 +62,10 @@ class StepApplier:
             if out.prompt_logprobs is not None and ch.score_from == len(req.prompt_logprobs):
                 req.prompt_logprobs += out.prompt_logprobs  # not already scored by an earlier run
             self.kv.register(req)
-            if not ch.sample or self.prefilled(req):
+            if ch.sample and self.prefilled(req):
+                continue  # shipped whole, as it stands (a split's prefill side)
+            self.kv.slide(req, ch.start + ch.num_tokens)  # blocks the window passed go back
+            if not ch.sample:
                 continue
             if req.params.max_tokens == 0:  # scored, nothing to generate
                 self._end_unsampled(req)
@@ -99,7 +105,7 @@ class StepApplier:
         token goes through the one stop check before the next is looked at: nothing after a
         stop is delivered. The run ends at the first token that differs from its draft (that
         token is still the sampler's: delivered), at a stop, or after the last draft. Then
-        the rejected positions are rewound: num_computed back, and blocks only they opened
+        the rejected positions are rewound: the computed count back, and blocks only they opened
         released."""
         req, drafts = ch.req, ch.drafts
         first_out = len(req.output_token_ids)
@@ -121,9 +127,9 @@ class StepApplier:
             if out.bad:
                 failed = BROKEN
         # Valid K/V: the decode token's and the accepted drafts'.
-        req.num_computed = ch.start + 1 + accepted
-        self.kv.trim(req)
+        self.kv.accept(req, ch.start + 1 + accepted)
         self.kv.register(req)
+        self.kv.slide(req, ch.start + 1 + accepted)
         # Drafts after a failure, or after a stop on an accepted draft, were never compared
         # (discarded); drafts after a mismatch are rejected.
         stopped_on_draft = stop is not None and len(req.output_token_ids) - first_out == accepted
@@ -146,12 +152,8 @@ class StepApplier:
         leader = sample.fork_leader
         assert leader is not None  # only samples that wait for a leader fork
         self.kv.fork(sample, leader)
-        sample.num_computed = sample.prompt_len
-        sample.num_cached = leader.num_cached
-        sample.last_scheduled_step = leader.last_scheduled_step
         sample.prompt_logprobs = list(leader.prompt_logprobs)  # the prompt is the same
-        sample.fork_leader = None
-        leader.forks_pending.remove(sample)
+        detach_fork(sample)
 
     # ---- the text phase ---------------------------------------------------------------------
     def _to_text(self, req: Request, stop: Stop | None) -> None:

@@ -92,7 +92,7 @@ class CoreBackend(Protocol):
 
     def pause(self, incarnations: list[str], paused: bool) -> None: ...
 
-    async def utility(self, method: Utility, args: dict[str, Any] | None = None) -> Any: ...
+    async def utility(self, method: Utility, *args: Any) -> Any: ...
 
     async def close(self) -> None: ...
 
@@ -249,15 +249,13 @@ class AsyncEngine:
                 yield out
         finally:
             if not stream.finished:
-                self.abort(stream.incarnation, AbortSource.CANCEL)
+                self.abort([stream.incarnation], AbortSource.CANCEL, time.monotonic())
 
-    def abort(self, incarnations: str | Iterable[str], source: AbortSource = AbortSource.CANCEL,
-              t0: float | None = None) -> list[str]:
-        """Abort now, without waiting; returns the incarnations that were open. From this
-        call on, the streams hand out no token; each still gets its terminal output."""
-        t0 = time.monotonic() if t0 is None else t0
-        incs = [incarnations] if isinstance(incarnations, str) else list(incarnations)
-        open_incs = [i for i in dict.fromkeys(incs) if i in self._streams]
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> list[str]:
+        """Abort now, without waiting (t0: time.monotonic() when the abort was asked); returns
+        the incarnations that were open. From this call on, the streams hand out no token;
+        each still gets its terminal output."""
+        open_incs = [i for i in dict.fromkeys(incarnations) if i in self._streams]
         for inc in open_incs:
             self._streams[inc].cancel(source)
         if open_incs and self.state not in (EngineState.DEAD, EngineState.CLOSED):
@@ -316,12 +314,13 @@ class AsyncEngine:
             self._fail(s, EngineDead(reason))
         return len(streams)
 
-    async def utility(self, method: Utility | str) -> Any:
-        """Run a core utility (snapshot, audit, reset_prefix_cache) between steps."""
+    async def utility(self, method: Utility | str, *args: Any) -> Any:
+        """Run a core utility (snapshot, audit, reset_prefix_cache, LoRA load/unload) between
+        steps."""
         method = Utility(method)
         if self.state in (EngineState.STARTING, EngineState.DEAD, EngineState.CLOSED):
             raise EngineUnavailable(self.unavailable_why())
-        return await self.backend.utility(method)
+        return await self.backend.utility(method, *args)
 
     # ---- engine-wide stops (docs/engine-stops.md) ---------------------------------------
     @property
@@ -357,7 +356,7 @@ class AsyncEngine:
         """A utility on every part of the engine (each replica, each role): their results."""
         if self.state is not EngineState.READY:
             raise EngineUnavailable(self.unavailable_why())
-        got = await self.backend.utility(method, args)
+        got = await self.backend.utility(method, *([args] if args is not None else []))
         return got if isinstance(got, list) else [got]
 
     async def _halt(self, on: bool) -> None:
@@ -564,7 +563,7 @@ class AsyncEngine:
         idle = time.monotonic() - s.last_read
         if idle >= self.stall_timeout:
             log.info("request %s: its client read nothing for %.0f s; aborting", s.incarnation, idle)
-            self.abort(s.incarnation, AbortSource.STALLED)
+            self.abort([s.incarnation], AbortSource.STALLED, time.monotonic())
         else:
             asyncio.get_running_loop().call_later(self.stall_timeout - idle, self._check_stall, s)
 
@@ -644,9 +643,9 @@ class LocalCore:
         assert self.loop is not None
         self.loop.pause(incarnations, paused)
 
-    async def utility(self, method: Utility, args: dict[str, Any] | None = None) -> Any:
+    async def utility(self, method: Utility, *args: Any) -> Any:
         assert self.loop is not None
-        return await asyncio.wrap_future(self.loop.call(method, args))
+        return await asyncio.wrap_future(self.loop.call(method, *args))
 
     async def close(self) -> None:
         if self.loop is not None:

@@ -29,16 +29,17 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from stopline.config import EngineConfig, PreemptionMode
+from stopline.config import AttentionBackend, EngineConfig, PreemptionMode
+from stopline.engine.adapters import Adapters
 from stopline.engine.apply import StepApplier
-from stopline.engine.families import FamilyTable, new_family
+from stopline.engine.families import FamilyTable, check_request, new_family
 from stopline.engine.grammars import GrammarHolder
 from stopline.engine.inbox import Inbox
 from stopline.engine.output import OutputProcessor, RequestOutput
 from stopline.engine.role import Role
 from stopline.kv.block_pool import BlockPool, LedgerError
 from stopline.kv.kv_cache import KVCache, SwapSpace
-from stopline.kv.manager import KVManager
+from stopline.kv.manager import KVManager, group_window
 from stopline.lifecycle import Holder, Lifecycle
 from stopline.model.decoder_native import StepInterrupt
 from stopline.model.llama import LlamaModel, StepInterrupted
@@ -50,6 +51,7 @@ from stopline.request import (
     InvalidRequest,
     Request,
     SamplingParams,
+    UnknownAdapter,
 )
 from stopline.sched.plan import StepPlan
 from stopline.sched.queues import Queues
@@ -62,6 +64,8 @@ from stopline.worker.step import Forward, StepOutcome, StepWorker, Worker
 log = logging.getLogger("stopline.engine")
 
 _incarnations = itertools.count()
+# What a core is built from: a loaded model, a GGUF file or HF directory, or None (the embedded model).
+ModelSource = LoadedModel | str | None
 
 # What a weight update may not change (the KV layout, the network's shapes and its kind).
 ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -79,7 +83,7 @@ def _trim_heap() -> None:
 
 
 class EngineCore:
-    def __init__(self, model: LoadedModel | str | None = None, config: EngineConfig | None = None,
+    def __init__(self, model: ModelSource = None, config: EngineConfig | None = None,
                  *, progress: bool = True, runner: Forward | None = None,
                  worker: Worker | None = None, role: Role | None = None) -> None:
         """runner: run forwards with this instead of the model (tests drive the stop path
@@ -115,7 +119,7 @@ class EngineCore:
         if runner is None and worker is None:
             runner = ModelRunner.for_model(loaded, self.kv, cfg)
             self.model = runner.model
-        if self.model is None or self.model.attention == "torch":
+        if self.model is None or self.model.attention is AttentionBackend.TORCH:
             # Torch attention multiplies whole blocks by masked weights: unwritten slots must
             # hold zeros, not a freed block's NaN. The C kernel reads written slots only.
             self.pool.on_allocate = self.kv.zero
@@ -123,9 +127,11 @@ class EngineCore:
         self.stats = StopStats()
         self.kv_manager = KVManager(self.pool, self.kv, swap, self.stats,
                                     prefix_caching=cfg.enable_prefix_caching,
-                                    keep_aborted_prefix=cfg.keep_aborted_prefix)
+                                    keep_aborted_prefix=cfg.keep_aborted_prefix,
+                                    window=group_window(mc.layer_windows))
         self.queues = Queues()
-        self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len,
+                                       cached=self.kv_manager.cached)
         self.families = FamilyTable()
         self.grammar = GrammarHolder(self.tokenizer, mc.vocab_size, deadline_s=cfg.grammar_deadline,
                                      max_rows=cfg.max_num_seqs)
@@ -134,12 +140,14 @@ class EngineCore:
         # the terminal output's usage counts the drafts of a step in flight as discarded.
         self.drafts = Drafts(cfg, self.stats, self.max_model_len)
         self.worker: Worker = worker or StepWorker(runner, mc.eos_token_ids, self.grammar)
-        holders: list[Holder] = [self.grammar, self.queues, self.drafts, self.outputs]
+        # LoRA references: auxiliary state, released before the outputs count the tokens.
+        self.adapters = Adapters(mc, self.model.adapters if self.model is not None else {},
+                                 max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank)
+        self.kv_manager.salt = self.adapters.salt  # no prefix reuse across adapters
+        holders: list[Holder] = [self.grammar, self.queues, self.drafts, self.adapters, self.outputs]
         if self.worker.rows is not None:
             holders.append(self.worker.rows)
         holders.append(self.families)
-        if swap is not None:
-            holders.append(swap)
         self.role = role or Role()
         holders += self.role.bind(self)  # the role's holders: after the core's, before the blocks
         holders.append(self.kv_manager)
@@ -180,25 +188,12 @@ class EngineCore:
         if it can't be served: empty or over-long prompt, bad parameters, an incarnation in
         use."""
         params = params or SamplingParams()
-        params.validate()
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequest(f"n: {params.n} samples; the engine runs at most "
-                                 f"{self.config.max_num_seqs} sequences at once (max_num_seqs)")
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise InvalidRequest("prompt: must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequest(f"logit_bias: token id {max(params.logit_bias)} is outside the "
-                                 f"vocabulary (0..{vocab - 1})")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequest(f"prompt: {len(prompt)} tokens; the model's context is "
-                                 f"{self.max_model_len} tokens (prompt plus at least one new token)")
-        need = -(-(len(prompt) + 1) // self.pool.block_size) + (params.n - 1)
-        if need > self.pool.num_blocks:
+        prompt = check_request(prompt_token_ids, params, self.model_config.vocab_size,
+                               self.max_model_len, self.config.max_num_seqs)
+        if params.lora is not None and not self.adapters.serves(params.lora):
+            raise UnknownAdapter(f"model: {params.lora!r} is neither the base model nor a loaded adapter")
+        if not self.kv_manager.fits(len(prompt), params.n - 1):
+            need = self.kv_manager.admit_need(len(prompt), params.n - 1)
             raise InvalidRequest(f"prompt: needs {need} KV blocks; the pool has {self.pool.num_blocks}")
         inc = incarnation if incarnation is not None else f"{request_id}#{next(_incarnations)}"
         family = new_family(request_id, prompt, params, time.monotonic() if arrival is None else arrival,
@@ -207,14 +202,28 @@ class EngineCore:
             raise InvalidRequest(f"incarnation {inc!r} is already in use")
         return inc
 
-    def abort(self, incarnations: str | Iterable[str], source: AbortSource = AbortSource.CANCEL) -> None:
-        """Ask for requests to end with finish_reason 'abort'. An incarnation that ended is
-        ignored; one not added yet is aborted when it is; asking twice is the same as once."""
-        incs = [incarnations] if isinstance(incarnations, str) else list(incarnations)
-        self.inbox.abort(incs, source)
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
+        """Ask for requests to end with finish_reason 'abort' (t0: time.monotonic() when the
+        abort was asked). An incarnation that ended is ignored; one not added yet is aborted
+        when it is, if that is within EARLY_TTL seconds of t0; asking twice is the same as once."""
+        incs = list(incarnations)
+        self.inbox.abort(incs, source, t0)
         with self.inbox.lock:
             if self._inflight_ids and self._inflight_ids <= self.inbox.aborting:
                 self._interrupt.set()
+
+    # ---- LoRA adapters (between steps: the core loop's utility calls) ------------------------
+    def load_lora(self, name: str, path: str) -> dict:
+        """Load an adapter; {'status': 200 | 400, 'message': ...}."""
+        return self.adapters.load(name, path)
+
+    def unload_lora(self, name: str, policy: str = "wait") -> dict:
+        """Unload an adapter with a policy (engine/adapters.py); requests aborted for it end
+        at the next step boundary with source `unload`."""
+        got, users = self.adapters.unload(name, policy)
+        if users:
+            self.abort(sorted({r.incarnation for r in users}), AbortSource.UNLOAD, time.monotonic())
+        return got
 
     def pause(self, incarnations: str | Iterable[str], paused: bool = True) -> None:
         """A paused request keeps its place but takes no step (its client's stream is full)."""
@@ -250,7 +259,7 @@ class EngineCore:
             self._apply_aborts()  # aborts that arrived during the forward win: their rows are void
             if outcome is not None:
                 self.applier.apply(outcome)
-                self._observe(plan, t0)
+                self.drafts.observe([(c.num_tokens, len(c.drafts)) for c in plan.chunks], t0)
             self.kv_manager.step_processed(plan.step_id)  # blocks fenced by the step go back
         else:
             self._text_phase()
@@ -260,6 +269,7 @@ class EngineCore:
                 self.grammar.idle_wait(0.005)
         if not self.families and self.worker.rows is not None:
             self.worker.rows.reset()  # an idle engine keeps no copies of K/V
+        self.adapters.reap()  # adapters unloading with `wait` go with their last request
         if self.config.debug:
             self.audit()
         self.steps += 1
@@ -321,14 +331,6 @@ class EngineCore:
             self._ms_per_prefill_token = per_tok if prev is None else 0.7 * prev + 0.3 * per_tok
             self.lifecycle.ms_per_recomputed_token = self._ms_per_prefill_token
 
-    def _observe(self, plan: StepPlan, t0: float) -> None:
-        """The auto mode's cost of a step of decode and verify rows only (a prefill's rows
-        cost otherwise), sampling included: a verify samples its rows one by one."""
-        if not self.drafts.enabled or any(c.num_tokens > 1 + len(c.drafts) for c in plan.chunks):
-            return
-        ms = (time.perf_counter() - t0) * 1000
-        self.drafts.observe(len(plan.chunks), sum(len(c.drafts) for c in plan.chunks), ms)
-
     @property
     def _text_pending(self) -> list[Request]:
         return self.applier.text_pending
@@ -347,6 +349,8 @@ class EngineCore:
             for m in fam.members:
                 self.outputs.start(m)
             self._to_schedule.append(fam)
+            if not all([self.adapters.hold(m) for m in fam.members]):
+                self._abort_family(fam, AbortSource.UNLOAD)  # its adapter went since add_request
         self._abort_all(taken.aborts)
         self.inbox.expire()
         for fam in taken.adds:
@@ -379,15 +383,13 @@ class EngineCore:
 
     def _pause_all(self, pauses: list[tuple[str, bool]]) -> None:
         for inc, paused in pauses:
-            fam = self.families.get(inc)
-            for m in fam.members if fam is not None else ():
-                m.paused = paused
+            self.families.pause(inc, paused)
 
-    def _abort_all(self, aborts: list[tuple[str, AbortSource]]) -> None:
-        for inc, source in aborts:
+    def _abort_all(self, aborts: list[tuple[str, AbortSource, float]]) -> None:
+        for inc, source, t0 in aborts:
             fam = self.families.get(inc)
             if fam is None:
-                self.inbox.keep_early(inc, source)
+                self.inbox.keep_early(inc, source, t0)
             else:
                 self._abort_family(fam, source)
 
@@ -484,7 +486,7 @@ class EngineCore:
         self.runner.model = self.model = ModelRunner.build_model(loaded, self.config)
         self.loaded = loaded
         self._weights_path = (loaded.source,)
-        self.kv_manager.new_weights(self.live_requests())
+        self.kv_manager.new_weights()
         self.weight_version += 1
         _trim_heap()
         return self.weight_version
@@ -524,6 +526,7 @@ class EngineCore:
             if not fam.live() or self.families.get(fam.incarnation) is not fam:
                 raise LedgerError(f"family {fam.incarnation!r} is in the table with no live sample")
         self.grammar.audit(self.live_requests())
+        self.adapters.audit(self.live_requests())
         if not self.families and self.pool.num_used != 0:
             raise LedgerError(f"idle engine holds {self.pool.num_used} blocks")
         # Decode rows are dropped by the forward's thread at its next step (with async

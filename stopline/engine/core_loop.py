@@ -54,7 +54,7 @@ class CoreLoop:
         self._step_started: float | None = None  # monotonic start of the step running now
         self._pending: dict[str, _AbortClock] = {}  # accepted, not yet seen to end
         self._reclaiming: dict[str, _AbortClock] = {}  # ended, blocks maybe behind the fence
-        self._calls: list[tuple[Utility, dict[str, Any], Future]] = []
+        self._calls: list[tuple[str, tuple, Future]] = []
         self._ended: dict[str, float] = {}  # aborted incarnation -> when its terminal came out
         # Called before each step on the stepping thread (the core process lets its input
         # thread in here: see core_proc.Doorbell).
@@ -77,22 +77,21 @@ class CoreLoop:
         self._work.set()
         return inc
 
-    def abort(self, incarnations: Iterable[str], source: AbortSource, t0: float | None = None) -> None:
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
         incs = list(incarnations)
         now = time.monotonic()
         with self._lock:
             for inc in incs:
                 if inc not in self._pending:
-                    self._pending[inc] = _AbortClock(source.value, now if t0 is None else t0, now,
-                                                     self._step_no)
-            self.core.abort(incs, source)
+                    self._pending[inc] = _AbortClock(source.value, t0, now, self._step_no)
+            self.core.abort(incs, source, t0)
         self._work.set()
 
     def pause(self, incarnations: Iterable[str], paused: bool) -> None:
         self.core.pause(list(incarnations), paused)
         self._work.set()
 
-    def call(self, method: Utility | str, args: dict[str, Any] | None = None) -> Future:
+    def call(self, method: Utility | str, *args: Any) -> Future:
         """Run a utility method between steps; the future gets its result."""
         fut: Future = Future()
         try:
@@ -101,7 +100,7 @@ class CoreLoop:
             fut.set_exception(ValueError(f"unknown utility method {method!r}"))
             return fut
         with self._lock:
-            self._calls.append((method, args or {}, fut))
+            self._calls.append((method, args, fut))
         self._work.set()
         return fut
 
@@ -188,19 +187,20 @@ class CoreLoop:
             except Exception as exc:  # a failing utility call fails only its caller
                 fut.set_exception(exc)
 
-    def _utility(self, method: Utility, args: dict[str, Any]) -> Any:
+    def _utility(self, method: Utility, args: tuple) -> Any:
         core = self.core
+        kw: dict[str, Any] = args[0] if args and isinstance(args[0], dict) else {}  # engine stops' args
         if method is Utility.HALT:
             core.flush_text()
-            self.halted = core.halted = bool(args.get("on", True))
+            self.halted = core.halted = bool(kw.get("on", True))
             return self.halted
         if method is Utility.SLEEP:
-            return core.sleep(int(args.get("level", 1)))
+            return core.sleep(int(kw.get("level", 1)))
         if method is Utility.WAKE:
             return core.wake_up()
         if method is Utility.STAGE_WEIGHTS:
             try:
-                return core.stage_weights(str(args["path"]))
+                return core.stage_weights(str(kw["path"]))
             except (ValueError, OSError) as exc:  # the caller's 400, across every transport
                 return {"error": str(exc)}
         if method is Utility.COMMIT_WEIGHTS:
@@ -215,6 +215,13 @@ class CoreLoop:
             return None
         if method is Utility.TRANSFERS:
             return self.core.transfers()
+        if method is Utility.LOAD_LORA:
+            return self.core.load_lora(*args)
+        if method is Utility.UNLOAD_LORA:
+            return self.core.unload_lora(*args)
+        if method is Utility.LORAS:
+            return {n: [a.path, len(self.core.adapters.refs.get(n, ()))]
+                    for n, a in self.core.adapters.loaded.items()}
         return self.core.pool.reset_prefix_cache()  # Utility.RESET_PREFIX_CACHE
 
     def _sink(self, outputs: list[RequestOutput]) -> None:

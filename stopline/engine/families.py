@@ -7,9 +7,32 @@ with its last live sample, so that its caller's id may be reused from then on.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from stopline.request import Family, Request, SamplingParams
+from stopline.request import Family, InvalidRequest, Request, SamplingParams
+
+
+def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int,
+                  max_model_len: int, max_num_seqs: int) -> list[int]:
+    """The prompt as a list of ints, or InvalidRequest if the request can't be served by a
+    model of this vocabulary and context: bad parameters, empty or over-long prompt."""
+    params.validate()
+    if params.n > max_num_seqs:
+        raise InvalidRequest(f"n: {params.n} samples; the engine runs at most "
+                             f"{max_num_seqs} sequences at once (max_num_seqs)")
+    prompt = [int(t) for t in prompt_token_ids]
+    if not prompt:
+        raise InvalidRequest("prompt: must contain at least one token")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise InvalidRequest(f"logit_bias: token id {max(params.logit_bias)} is outside the "
+                             f"vocabulary (0..{vocab_size - 1})")
+    if len(prompt) >= max_model_len:
+        raise InvalidRequest(f"prompt: {len(prompt)} tokens; the model's context is "
+                             f"{max_model_len} tokens (prompt plus at least one new token)")
+    return prompt
 
 
 def new_family(request_id: str, prompt: list[int], params: SamplingParams, arrival: float,
@@ -27,6 +50,20 @@ def new_family(request_id: str, prompt: list[int], params: SamplingParams, arriv
             m.fork_leader = leader
     leader.forks_pending = members[1:]
     return family
+
+
+def hold(req: Request) -> None:
+    """req keeps its blocks but takes no step until unpaused (a split's prefill side, while
+    its KV is shipped)."""
+    req.paused = True
+
+
+def detach_fork(sample: Request) -> None:
+    """sample has forked from its leader (its first token): it is a request of its own now."""
+    leader = sample.fork_leader
+    assert leader is not None  # only samples that wait for a leader fork
+    sample.fork_leader = None
+    leader.forks_pending.remove(sample)
 
 
 class FamilyTable:
@@ -58,6 +95,12 @@ class FamilyTable:
 
     def __iter__(self) -> Iterator[Family]:
         return iter(self.by_incarnation.values())
+
+    def pause(self, incarnation: str, paused: bool) -> None:
+        """A paused family keeps its place but takes no step (its client's stream is full)."""
+        fam = self.by_incarnation.get(incarnation)
+        for m in fam.members if fam is not None else ():
+            m.paused = paused
 
     def live_requests(self) -> list[Request]:
         return [r for fam in self.by_incarnation.values() for r in fam.live()]

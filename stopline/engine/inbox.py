@@ -28,7 +28,7 @@ class Taken:
     """One step boundary's share of the inbox."""
 
     adds: list[Family] = field(default_factory=list)
-    aborts: list[tuple[str, AbortSource]] = field(default_factory=list)
+    aborts: list[tuple[str, AbortSource, float]] = field(default_factory=list)  # (incarnation, source, t0)
     pauses: list[tuple[str, bool]] = field(default_factory=list)
 
 
@@ -36,7 +36,7 @@ class Inbox:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._adds: list[Family] = []
-        self._aborts: list[tuple[str, AbortSource]] = []
+        self._aborts: list[tuple[str, AbortSource, float]] = []
         self._pauses: list[tuple[str, bool]] = []
         self.aborting: set[str] = set()  # incarnations with an abort not yet applied
         self._early: OrderedDict[str, tuple[AbortSource, float]] = OrderedDict()
@@ -50,10 +50,10 @@ class Inbox:
             self._adds.append(fam)
             return True
 
-    def abort(self, incarnations: list[str], source: AbortSource) -> None:
+    def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> None:
         with self.lock:
             for inc in incarnations:
-                self._aborts.append((inc, source))
+                self._aborts.append((inc, source, t0))
                 self.aborting.add(inc)
 
     def pause(self, incarnations: list[str], paused: bool) -> None:
@@ -79,10 +79,10 @@ class Inbox:
             self.aborting.clear()
         return taken
 
-    def keep_early(self, incarnation: str, source: AbortSource) -> None:
-        """An abort for an incarnation not (yet) added."""
+    def keep_early(self, incarnation: str, source: AbortSource, t0: float) -> None:
+        """An abort for an incarnation not (yet) added, asked at t0: its age counts from then."""
         if incarnation not in self._early:
-            self._early[incarnation] = (source, time.monotonic())
+            self._early[incarnation] = (source, t0)
 
     def early_abort(self, incarnation: str) -> AbortSource | None:
         """The abort that overtook this incarnation's add, if any (taken: applied once)."""
@@ -91,11 +91,9 @@ class Inbox:
 
     def expire(self) -> None:
         now = time.monotonic()
-        while self._early:
-            _, (_, kept_at) = next(iter(self._early.items()))
-            if now - kept_at <= EARLY_TTL:
-                return
-            self._early.popitem(last=False)
+        # By age, not by position: aborts from different senders arrive out of t0 order.
+        for inc in [i for i, (_, t0) in self._early.items() if now - t0 > EARLY_TTL]:
+            del self._early[inc]
 
     @property
     def num_early(self) -> int:

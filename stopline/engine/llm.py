@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -11,7 +12,14 @@ from tqdm.auto import tqdm
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
 from stopline.engine.output import RequestOutput
-from stopline.request import FinishReason, InvalidRequest, SamplingParams, TokenLogprob, Usage
+from stopline.request import (
+    AbortSource,
+    FinishReason,
+    InvalidRequest,
+    SamplingParams,
+    TokenLogprob,
+    Usage,
+)
 
 
 @dataclass
@@ -95,7 +103,7 @@ class LLM:
                 results[inc] = GenerationResult(rid, prompt if isinstance(prompt, str) else None, ids,
                                                 [Completion(i) for i in range(p.n)])
         except InvalidRequest:
-            self.engine.abort(order)  # nothing of a rejected batch stays queued
+            self.engine.abort(order, AbortSource.CANCEL, time.monotonic())  # nothing of a rejected batch stays queued
             while self.engine.has_unfinished():
                 self.engine.step()
             raise

@@ -77,12 +77,15 @@ class Utility(Choice):
     STAGE_WEIGHTS = "stage_weights"  # args {"path"}: load and check new weights; nothing changes
     COMMIT_WEIGHTS = "commit_weights"  # serve the staged weights; returns the new version
     DROP_STAGED = "drop_staged"  # forget staged weights (an update that did not go through)
+    LOAD_LORA = "load_lora"  # args: name, path -> {'status', 'message'} (engine/adapters.py)
+    UNLOAD_LORA = "unload_lora"  # args: name, policy -> {'status', 'message'}
+    LORAS = "loras"  # the adapters loaded: name -> (path, references)
 
 
 class UtilityMsg(msgspec.Struct, tag="utility"):
     call_id: int
     method: Utility
-    args: dict[str, Any] | None = None
+    args: list[Any] = []
 
 
 class ShutdownMsg(msgspec.Struct, tag="shutdown"):

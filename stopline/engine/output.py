@@ -6,6 +6,7 @@ token, stop string, max_tokens, context limit); it hands the decision to the lif
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -49,7 +50,11 @@ class OutputProcessor:
 
     name = "outputs"
 
-    def __init__(self, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int,
+                 cached: Callable[[Request], int] = lambda req: 0) -> None:
+        """cached(req): req's prompt tokens the prefix cache served (the KV manager's count,
+        read before the KV manager releases it: it is the last holder)."""
+        self.cached = cached
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
@@ -168,7 +173,7 @@ class OutputProcessor:
         out.finished = True
         out.finish_reason = req.finish_reason
         out.stop_detail = req.stop_detail
-        out.usage = req.usage()
+        out.usage = req.usage(self.cached(req))
         self.pending[req.internal_id] = out
         self.detok.pop(req.internal_id, None)
 

@@ -36,6 +36,7 @@ class LiveSeq(msgspec.Struct, frozen=True, array_like=True):
     tokens: int  # prompt plus output so far
     num_blocks: int
     block_ids: list[int]  # empty when the pool map is cut (see pool_map)
+    lora: str = ""  # its LoRA adapter; "": the base model
 
 
 class Snapshot(msgspec.Struct, frozen=True):
@@ -69,6 +70,9 @@ class Snapshot(msgspec.Struct, frozen=True):
     grammar_mask_counts: list[int] = msgspec.field(default_factory=list)
     grammar_mask_sum: float = 0.0
     grammar_compiles_pending: int = 0
+    # LoRA adapters (docs/lora.md), every one ever loaded: name -> [references now (0 once
+    # unloaded), requests admitted, tokens of ended requests, loads, unloads].
+    loras: dict[str, list[int]] = msgspec.field(default_factory=dict)
     taken_at: float = 0.0  # time.monotonic()
     # Engine-wide stops (docs/engine-stops.md): the weights served, halted (pause mode keep),
     # the sleep level.
@@ -87,17 +91,17 @@ def take_snapshot(core: EngineCore) -> Snapshot:
     complete = budget >= 0
     live = []
     for req in core.live_requests():
-        state = state_name(req)
+        state = state_name(req, core.kv_manager)
         gauges[_GAUGE.get(state, "running")] += 1
         if len(live) >= LIVE_ROWS:
             complete = False
             continue
-        blocks = req.block_ids
+        blocks = core.kv_manager.live_blocks(req)
         budget -= len(blocks)
         if budget < 0:
             complete = False
         live.append(LiveSeq(req.incarnation, req.index, state, req.num_tokens, len(blocks),
-                            list(blocks) if budget >= 0 else []))
+                            list(blocks) if budget >= 0 else [], req.params.lora or ""))
     cached = ([b for b in pool.hash_to_block.values() if pool.refcount[b] == 0]
               if pool.num_used + pool.num_cached <= MAP_BLOCKS else [])
     stats = core.lifecycle.stats
@@ -126,6 +130,14 @@ def take_snapshot(core: EngineCore) -> Snapshot:
         grammar_mask_counts=list(core.grammar.mask_seconds.counts),
         grammar_mask_sum=core.grammar.mask_seconds.total,
         grammar_compiles_pending=core.grammar.pending_compiles(),
+        loras=_loras(core),
         taken_at=time.monotonic(),
         weight_version=core.weight_version, halted=core.halted, asleep=core.asleep,
     )
+
+
+def _loras(core: EngineCore) -> dict[str, list[int]]:
+    a = core.adapters
+    names = set(a.loaded) | set(a.loads)
+    return {n: [len(a.refs.get(n, ())), a.requests[n], a.tokens[n], a.loads[n], a.unloads[n]]
+            for n in sorted(names)}

@@ -166,10 +166,6 @@ class CompileService:
         if self._warm is not None:
             self._warm.result(timeout)
 
-    @property
-    def probe_starts(self) -> int:
-        return self._probe.starts if self._probe is not None else 0
-
     def close(self) -> None:
         with self._lock:
             for e in self._entries.values():

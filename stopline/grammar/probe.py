@@ -49,8 +49,6 @@ class Probe:
         self._proc: subprocess.Popen | None = None
         self._buf = b""
         self._ready = False
-        self.starts = 0
-        self.kills = 0
 
     @property
     def alive(self) -> bool:
@@ -64,7 +62,6 @@ class Probe:
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL)
         self._buf, self._ready = b"", False
-        self.starts += 1
         assert self._proc.stdin is not None
         _send(self._proc.stdin, self._hello)
 
@@ -72,7 +69,6 @@ class Probe:
         if self._proc is not None:
             if self._proc.poll() is None:
                 self._proc.kill()
-                self.kills += 1
             self._proc.wait()
             for f in (self._proc.stdin, self._proc.stdout):
                 if f is not None:

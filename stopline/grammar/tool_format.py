@@ -118,7 +118,6 @@ class StreamParser:
 
     def __init__(self) -> None:
         self._buf = ""  # text not yet passed on
-        self._ws = ""  # whitespace held before an open call
         self._state = "text"  # text / head (call open, name not read) / key / args / tail
         self._head = ""  # the text of an open call up to the end of its name
         self._depth = 0  # JSON nesting inside the arguments
@@ -143,7 +142,6 @@ class StreamParser:
                 head = self._buf[:at]
                 sent = head.rstrip()
                 content += sent
-                self._ws = head[len(sent):]
                 self._buf = self._buf[at + len(OPEN):]
                 self._state = "head"
             elif self._state == "head":
@@ -156,7 +154,6 @@ class StreamParser:
                     deltas.append({"index": len(self.calls), **call.body()})
                     self.calls.append(call)
                     self._buf = self._buf[end:]
-                    self._ws = ""
                     self._state = "text"
                     continue
                 # The name is known: the call opens, its arguments empty so far (OpenAI's first
@@ -165,7 +162,6 @@ class StreamParser:
                 deltas.append({"index": len(self.calls), **call.body()})
                 self.calls.append(call)
                 self._head, self._buf = self._buf[:m.end()], self._buf[m.end():]
-                self._ws = ""
                 self._state = "key"
             elif self._state == "key":
                 m = _KEY.match(self._buf)
@@ -213,7 +209,7 @@ class StreamParser:
         answer at max_tokens, its arguments maybe still empty); the head of one whose name was
         not, or an opening tag cut short, is dropped."""
         rest = self._buf if self._state == "text" else ""
-        self._buf = self._ws = ""
+        self._buf = ""
         self._state = "text"
         if reason in _NOT_ANSWERS:
             return ""

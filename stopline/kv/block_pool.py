@@ -10,7 +10,7 @@ Every block is in exactly one of three states (the ledger contract of docs/stop-
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 
 class LedgerError(AssertionError):
@@ -29,10 +29,12 @@ def hash_blocks(token_ids: Sequence[int], block_size: int) -> list[int]:
     return extend_hashes([], token_ids, block_size, len(token_ids) // block_size)
 
 
-def extend_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, n_blocks: int) -> list[int]:
+def extend_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, n_blocks: int,
+                  salt: Hashable = None) -> list[int]:
     """Continue the chain of `hashes` (of token_ids' leading blocks) up to n_blocks blocks,
-    in place; a request's chain grows as its generated tokens fill blocks."""
-    h = hashes[-1] if hashes else 0x5707_11E
+    in place; a request's chain grows as its generated tokens fill blocks. salt: what else
+    the K/V depends on (a LoRA adapter and its load), so that no chain is shared across it."""
+    h = hashes[-1] if hashes else (0x5707_11E if salt is None else hash((0x5707_11E, salt)))
     for i in range(len(hashes), n_blocks):
         h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size])))
         hashes.append(h)

@@ -62,7 +62,7 @@ class RowPlan:
 class DecodeRows:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  tile: int, max_rows: int, max_bytes: int, *, verify: bool = False,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", null_block: int = -1) -> None:
         """tile: attention's key tile (the width is a whole number of them and of blocks);
         max_rows: the most sequences decoding at once; max_bytes: the most memory the
         buffers may take, beyond which a step gathers."""
@@ -72,6 +72,7 @@ class DecodeRows:
         self.max_rows = max(max_rows, 2)
         self.max_bytes = max_bytes
         self.verify = verify
+        self.null_block = null_block  # a table's leading entries a sliding window passed point here
         self.device = device
         self.k: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.v: list[torch.Tensor] = []
@@ -175,7 +176,8 @@ class DecodeRows:
             fill_rows += [self.owner[key]] * nb
             fill_blocks += range(nb)
             fill_src += table[:nb]
-        check = ([(self.owner[k], n, torch.tensor(list(t[:-(-n // self.bs)]), device=dev))
+        check = ([(self.owner[k], n, torch.tensor(list(t[:-(-n // self.bs)]), device=dev),
+                   self.bs * next((i for i, b in enumerate(t) if b != self.null_block), len(t)))
                   for k, (n, t) in seqs.items()] if self.verify else [])
 
         def idx(xs: list[int]) -> torch.Tensor:
@@ -296,15 +298,16 @@ class DecodeRows:
 
     def _verify(self, layer: int, kc: torch.Tensor, vc: torch.Tensor, plan: RowPlan) -> None:
         hk, d, bs = self.hk, self.d, self.bs
-        for row, n, blocks in plan.check:
+        for row, n, blocks, lo in plan.check:
+            # Positions before lo: blocks a sliding window passed (given back, never read).
             for name, buf, cache in (("K", self.k[layer], kc), ("V", self.v[layer], vc)):
-                want = gather_blocks(cache.view(hk, -1, bs, d), blocks).view(hk, -1, d)[:, :n]
-                if torch.equal(buf[row, :, :n], want):
+                want = gather_blocks(cache.view(hk, -1, bs, d), blocks).view(hk, -1, d)[:, lo:n]
+                if torch.equal(buf[row, :, lo:n], want):
                     continue
                 if not torch.isfinite(want).all():
                     # Freed (poisoned) memory under a live sequence: read it as the cache
                     # holds it, so the request fails on NaN as it would without the rows.
-                    buf[row, :, :n] = want
+                    buf[row, :, lo:n] = want
                     continue
                 raise RowMismatch(f"layer {layer} {name}: decode row {row} differs from its "
                                   f"{n} cached positions")

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from stopline.request import Request
 
 
 class KVCache:
@@ -104,10 +100,8 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 class SwapSpace:
-    """Host memory for swapped-out blocks, with its own block accounting. A holder of the one
-    release (lifecycle.py): a request's swap slots go back when it ends."""
-
-    name = "swap"
+    """Host memory for swapped-out blocks, with its own block accounting. The KV manager
+    holds each request's slots and gives them back when it ends."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -132,17 +126,6 @@ class SwapSpace:
             return
         self.data.pop(slots[0], None)
         self.free_slots.extend(slots)
-
-    # ---- holder -------------------------------------------------------------------------
-    def release(self, req: Request) -> None:
-        self.free(req.swap_slots)
-        req.swap_slots = []
-
-    def preempt(self, req: Request) -> None:
-        """Nothing: the KV manager stores a preempted request's blocks here."""
-
-    def holds(self, req: Request) -> bool:
-        return bool(req.swap_slots)
 
     @property
     def num_used(self) -> int:

@@ -2,20 +2,34 @@
 
 Nothing else hands blocks to a request or takes them back: admission (prefix lookup, then
 allocation, for a whole family at once), growth, the fork of a family sample, registration of
-full blocks in the prefix cache, swap out and in, and the free behind the fence. The fence:
+full blocks in the prefix cache, swap out and in, the free of blocks a sliding window has
+passed, and the free behind the fence. The fence:
 a block is never returned to the pool while a step that may write it is in flight; such
 blocks wait in `deferred` until `step_processed` reaches the step that fenced them.
 
+The manager is also the one owner and writer of each request's KV state (`SeqKV`): its
+block table, its computed, cached and hashed counts, its prefix hashes and its swap slots.
+Others read them through it (`table`, `computed`, `cached`, `prefilling` ...); the rule
+for whether a request can ever fit the pool (`fits`) lives here only.
+
+Sliding windows (docs/sliding-window.md). A block holds its positions' K/V for every layer,
+so the layers form one group, whose window is the largest of its layers' (0, keep every
+block, when any layer attends to all: Gemma 3's global layers keep the local ones' blocks).
+Under a window, `slide` gives back the blocks every layer has slid past while the request
+runs, behind the fence; their table entries become HOLE. Holes are always the table's
+leading entries (`SeqKV.dropped` of them): the ledger, swap, forks, the prefix cache and
+the P/D split see live blocks only, and a prefix hit needs only the blocks its window reads.
+
 The manager is the last holder of the one release (lifecycle.py): by the time it frees a
-request's blocks, everything else of the request is gone.
+request's blocks and swap slots, everything else of the request is gone.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from stopline.kv.block_pool import BlockPool, LedgerError, extend_hashes
 from stopline.kv.kv_cache import KVCache, SwapSpace
@@ -31,12 +45,48 @@ class _Deferred:
     aborted_at: float | None
 
 
+HOLE = -1  # a table entry whose block every layer has slid past (given back)
+
+
+def group_window(layer_windows: Sequence[int]) -> int:
+    """The window of layers that share each block: the largest of theirs; 0 (every block
+    kept) when any layer attends to all positions, or none has a window."""
+    return max(layer_windows) if layer_windows and all(layer_windows) else 0
+
+
+@dataclass
+class SeqKV:
+    """One request's KV state. Written by the KV manager alone."""
+
+    block_ids: list[int] = field(default_factory=list)  # the block table
+    computed: int = 0  # tokens whose K/V sit in the table (or will, once the step in flight lands)
+    inflight: int = 0  # of those, the tokens the step in flight computes
+    cached: int = 0  # prompt tokens served from the prefix cache at first admission
+    hashed: int = 0  # leading full blocks registered in the prefix cache
+    # Chained hashes of the leading full blocks of prompt + output, extended as blocks fill.
+    hashes: list[int] = field(default_factory=list)
+    swap_slots: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
+    dropped: int = 0  # leading table entries the window passed (HOLE), kept while swapped
+    fence: int = -1  # the newest step that may write (or read) the blocks
+    # Some of its K/V is from weights no longer served (a weight update came while it had KV,
+    # docs/engine-stops.md): its blocks never enter the prefix cache.
+    stale: bool = False
+
+    def live(self) -> list[int]:
+        return self.block_ids[self.dropped:] if self.dropped else self.block_ids
+
+
+_EMPTY = SeqKV()
+
+
 class KVManager:
     name = "kv"
 
     def __init__(self, pool: BlockPool, cache: KVCache | None, swap: SwapSpace | None,
                  stats: StopStats, *, prefix_caching: bool = True,
-                 keep_aborted_prefix: bool = True) -> None:
+                 keep_aborted_prefix: bool = True, window: int = 0) -> None:
+        """window: the sliding window of the layers sharing each block (group_window), 0
+        for none: blocks it has passed go back while their request runs."""
         self.pool = pool
         self.cache = cache
         self.swap = swap
@@ -44,11 +94,101 @@ class KVManager:
         self.prefix_caching = prefix_caching
         self.keep_aborted_prefix = keep_aborted_prefix
         self.block_size = pool.block_size
+        self.window = window
         self.deferred: list[_Deferred] = []
         self.last_processed_step = -1
-        # Requests (internal ids) whose KV was computed, at least in part, under weights the
-        # engine no longer serves: their blocks never enter the prefix cache.
-        self.stale: set[int] = set()
+        # Every request with KV state, from its first lookup or admission to its release.
+        self.seqs: dict[Request, SeqKV] = {}
+        # What a request's K/V depends on besides its tokens (its LoRA adapter's load): blocks
+        # are shared only within one salt. The engine sets it; None for every request here.
+        self.salt: Callable[[Request], Hashable] = lambda req: None
+
+    # ---- a request's state, read through the manager ------------------------------------
+    def _seq(self, req: Request) -> SeqKV:
+        s = self.seqs.get(req)
+        if s is None:
+            s = self.seqs[req] = SeqKV()
+        return s
+
+    def seq(self, req: Request) -> SeqKV:
+        """req's state (an empty one if it has none); for reading only."""
+        return self.seqs.get(req, _EMPTY)
+
+    def table(self, req: Request) -> Sequence[int]:
+        """req's block table, for reading only: entry i holds positions i * block_size on,
+        HOLE where the window passed them."""
+        return self.seq(req).block_ids
+
+    def live_blocks(self, req: Request) -> list[int]:
+        """req's blocks in the pool, in table order (its table without the holes)."""
+        return list(self.seq(req).live())
+
+    def computed(self, req: Request) -> int:
+        return self.seq(req).computed
+
+    def cached(self, req: Request) -> int:
+        return self.seq(req).cached
+
+    def swap_slots(self, req: Request) -> Sequence[int]:
+        return self.seq(req).swap_slots
+
+    def prefilling(self, req: Request) -> bool:
+        """A decode step computes exactly the last sampled token; anything more is (re)prefill."""
+        return not (req.output_token_ids and self.seq(req).computed == req.num_tokens - 1)
+
+    def was_prefilling(self, req: Request) -> bool:
+        """prefilling(req) as of before the step in flight (which already counts in computed)."""
+        s = self.seq(req)
+        return not (req.output_token_ids and s.computed - s.inflight == req.num_tokens - 1)
+
+    def freeable(self, req: Request) -> int:
+        """Blocks that would return to the pool if req let go (shared ones would not)."""
+        rc = self.pool.refcount
+        return sum(1 for b in self.seq(req).live() if rc[b] == 1)
+
+    # ---- the step's counts ----------------------------------------------------------------
+    def advance(self, req: Request, n: int) -> None:
+        """The step being planned computes req's next n tokens (its table covers them)."""
+        s = self._seq(req)
+        s.computed += n
+        s.inflight = n
+
+    def landed(self, req: Request) -> None:
+        """The step that computed req's in-flight tokens is processed."""
+        s = self.seqs.get(req)
+        if s is not None:
+            s.inflight = 0
+
+    def slide(self, req: Request, upto: int) -> int:
+        """req's next query is at position `upto` or later (a step up to there landed): the
+        blocks every layer's window has passed go back to the pool, behind the fence (a step
+        in flight may still read them), kept findable in the prefix cache. Their entries
+        become HOLE. Returns how many blocks were given back."""
+        s = self.seqs.get(req)
+        if not self.window or s is None:
+            return 0
+        dead = min(self._dead(upto), len(s.block_ids))
+        if dead <= s.dropped:
+            return 0
+        gone = [b for b in s.block_ids[s.dropped:dead] if b != HOLE]
+        s.block_ids[s.dropped:dead] = [HOLE] * (dead - s.dropped)
+        s.dropped = dead
+        if gone:
+            self.stats.window_freed_blocks += len(gone)
+            self._free(s, gone, keep_cached=True, aborted_at=None)
+        return len(gone)
+
+    def _dead(self, upto: int) -> int:
+        """Leading blocks no query at position >= upto reads under the window (a query at
+        p reads the keys at p - window + 1 .. p)."""
+        return max(0, (upto - self.window + 1) // self.block_size) if self.window else 0
+
+    def accept(self, req: Request, computed: int) -> None:
+        """Only the first `computed` tokens hold valid K/V (speculative decoding rejected the
+        rest): rewind to them and give back the blocks only the rejected ones opened."""
+        self._seq(req).computed = computed
+        self.trim(req)
+
 
     # ---- counts -------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -60,22 +200,43 @@ class KVManager:
 
     def in_flight(self, req: Request) -> bool:
         """A step that may write req's blocks has not been processed yet."""
-        return req.last_scheduled_step > self.last_processed_step
+        return self.seq(req).fence > self.last_processed_step
+
+    def fence_at(self, req: Request, step_id: int) -> None:
+        """Step step_id, being planned, may write req's blocks: none goes back before it is
+        processed."""
+        self._seq(req).fence = step_id
 
     # ---- allocation ---------------------------------------------------------------------
+    def _lookup(self, req: Request, n_blocks: int) -> list[int]:
+        """The longest prefix hit within req's first n_blocks full blocks, as table entries.
+        Under a window a hit needs only the blocks its window reads (HOLE before them): a
+        hit whose window blocks are not all present is never reported."""
+        hashes = self.block_hashes(req, n_blocks)
+        if not self.window:
+            return self.pool.lookup(hashes)
+        index = self.pool.hash_to_block
+        for n in range(len(hashes), 0, -1):
+            first = self._dead(n * self.block_size)
+            if all(h in index for h in hashes[first:n]):
+                return [HOLE] * first + [index[h] for h in hashes[first:n]]
+        return []
+
     def block_hashes(self, req: Request, n_blocks: int) -> list[int]:
         """Chained hashes of req's first n_blocks full blocks (prompt, then output), each
         computed once per request: a request at the head of the queue is looked up again at
         every step until it fits."""
-        if len(req.block_hashes) < n_blocks:
-            extend_hashes(req.block_hashes, req.all_token_ids, self.block_size, n_blocks)
-        return req.block_hashes[:n_blocks]
+        hashes = self._seq(req).hashes
+        if len(hashes) < n_blocks:
+            extend_hashes(hashes, req.all_token_ids, self.block_size, n_blocks, self.salt(req))
+        return hashes[:n_blocks]
 
     def admit(self, req: Request, reserve: int) -> bool:
         """Blocks for every token req has (its prompt, or for a preempted request everything
         it must recompute), prefix hits first, and for a family leader its waiting samples'
         tables too (the shared full prompt blocks plus an own copy of the partial last one).
-        All or nothing: False, with nothing taken, unless that plus `reserve` blocks fit."""
+        All or nothing: False, with nothing taken, unless that plus `reserve` blocks fit.
+        A first admission counts its prefix hits as req's cached tokens."""
         bs = self.block_size
         samples = req.forks_pending
         total = self.blocks_for(req.num_tokens)
@@ -84,36 +245,44 @@ class KVManager:
             # Never cover the last token: its logits must be computed. A preempted request
             # also finds its own generated blocks, if nobody has needed their room since.
             # A prompt still being scored computes every position: no logits are cached.
-            hits = self.pool.lookup(self.block_hashes(req, (req.num_tokens - 1) // bs))
-        hits_free = sum(1 for b in hits if self.pool.refcount[b] == 0)
+            hits = self._lookup(req, (req.num_tokens - 1) // bs)
+        live_hits = [b for b in hits if b != HOLE]
+        hits_free = sum(1 for b in live_hits if self.pool.refcount[b] == 0)
         partial = 1 if req.prompt_len % bs else 0
         need = total - len(hits) + hits_free + len(samples) * partial
         if not self.pool.can_allocate(need + reserve):
             return False
-        self.pool.touch(hits)
-        req.block_ids = hits + self.pool.allocate(total - len(hits))
-        req.num_computed = len(hits) * bs
-        req.num_hashed_blocks = len(hits)
-        shared = req.block_ids[: req.prompt_len // bs]
+        self.pool.touch(live_hits)
+        s = self._seq(req)
+        s.block_ids = hits + self.pool.allocate(total - len(hits))
+        s.dropped = len(hits) - len(live_hits)
+        s.computed = len(hits) * bs
+        s.hashed = len(hits)
+        if req.status is RequestStatus.WAITING:
+            s.cached = s.computed
+        shared = s.block_ids[: req.prompt_len // bs]
         for m in samples:
-            self.pool.touch(shared)
-            m.block_ids = list(shared) + (self.pool.allocate(1) if partial else [])
+            ms = self._seq(m)
+            self.pool.touch(b for b in shared if b != HOLE)
+            ms.block_ids = list(shared) + (self.pool.allocate(1) if partial else [])
+            ms.dropped = min(s.dropped, len(shared))
         return True
 
     def import_prefix(self, token_ids: Sequence[int], n_blocks: int,
-                      write: Callable[[list[int]], None]) -> int:
+                      write: Callable[[list[int]], None], first: int = 0) -> int:
         """Blocks computed elsewhere (a prefill engine, stopline/disagg) enter the prefix
         cache: allocate n_blocks, `write` fills them, register their chained hashes, drop the
         reference (cached, refcount 0). The request is admitted at the same step boundary and
         finds them as prefix hits. Returns the blocks imported: 0 when the pool has no room
         (the request then computes its prompt here). If `write` raises, the blocks go back
-        to the free pool unhashed and the error propagates."""
+        to the free pool unhashed and the error propagates. first: the leading blocks a
+        sliding window passed, not shipped (blocks first .. n_blocks - 1 come)."""
         if not self.prefix_caching:
             raise ValueError("importing a prefix needs prefix caching")
-        if n_blocks <= 0 or not self.pool.can_allocate(n_blocks):
+        if n_blocks - first <= 0 or not self.pool.can_allocate(n_blocks - first):
             return 0
-        hashes = extend_hashes([], token_ids, self.block_size, n_blocks)
-        blocks = self.pool.allocate(n_blocks)
+        hashes = extend_hashes([], token_ids, self.block_size, n_blocks)[first:]
+        blocks = self.pool.allocate(n_blocks - first)
         try:
             write(blocks)
         except BaseException:
@@ -122,73 +291,92 @@ class KVManager:
         for b, h in zip(blocks, hashes, strict=True):
             self.pool.register(b, h)
         self.pool.release(blocks)
-        return n_blocks
+        return len(blocks)
 
-    def admit_need(self, req: Request) -> int:
-        """Blocks admitting req would take at the least (for a never-fits check)."""
-        return self.blocks_for(req.num_tokens + 1) + len(req.forks_pending)
+    def admit_need(self, num_tokens: int, forks: int = 0) -> int:
+        """Blocks a request of num_tokens tokens (and `forks` samples waiting to fork) takes
+        at the least to compute one more token: its table plus a partial block per sample."""
+        return self.blocks_for(num_tokens + 1) + forks
+
+    def fits(self, num_tokens: int, forks: int = 0) -> bool:
+        """Whether such a request could ever fit the pool (the one never-fits rule)."""
+        return self.admit_need(num_tokens, forks) <= self.pool.num_blocks
 
     def grow(self, req: Request, upto: int) -> bool:
         """Make req's table cover `upto` tokens; False (nothing taken) if the pool can't."""
-        need = self.blocks_for(upto) - len(req.block_ids)
+        need = self.need(req, upto)
         if need <= 0:
             return True
         if not self.pool.can_allocate(need):
             return False
-        req.block_ids += self.pool.allocate(need)
+        self._seq(req).block_ids += self.pool.allocate(need)
         return True
+
+    def need(self, req: Request, upto: int) -> int:
+        """Blocks req's table lacks to cover `upto` tokens."""
+        return self.blocks_for(upto) - len(self.seq(req).block_ids)
 
     def trim(self, req: Request) -> None:
         """Give back the blocks past req's computed tokens: those that only rejected drafts
         opened (speculative decoding). Behind the fence, like any free: the step that wrote
         them is the one being processed. They were never registered, so never cached."""
-        keep = self.blocks_for(req.num_computed)
-        if len(req.block_ids) > keep:
-            extra, req.block_ids = req.block_ids[keep:], req.block_ids[:keep]
-            self._free(req, extra, keep_cached=False, aborted_at=None)
+        s = self._seq(req)
+        keep = self.blocks_for(s.computed)
+        if len(s.block_ids) > keep:
+            extra, s.block_ids = s.block_ids[keep:], s.block_ids[:keep]
+            self._free(s, extra, keep_cached=False, aborted_at=None)
 
     def fork(self, sample: Request, leader: Request) -> None:
-        """A family sample takes its own copy of the leader's last, partial prompt block."""
+        """A family sample takes its own copy of the leader's last, partial prompt block;
+        its prompt is computed, and cached as much as the leader's."""
         bs = self.block_size
-        if leader.internal_id in self.stale:  # it shares the leader's old-weights prompt KV
-            self.stale.add(sample.internal_id)
+        s, lead = self._seq(sample), self.seq(leader)
+        s.stale = lead.stale  # it shares the leader's prompt KV, of the leader's weights
         if sample.prompt_len % bs and self.cache is not None:
             last = sample.prompt_len // bs
-            self.cache.copy_block(leader.block_ids[last], sample.block_ids[last])
+            self.cache.copy_block(lead.block_ids[last], s.block_ids[last])
+        s.computed = sample.prompt_len
+        s.cached = lead.cached
+        s.fence = lead.fence
+        self.slide(sample, sample.prompt_len)
 
     def register(self, req: Request) -> None:
         """Make req's fully computed blocks findable in the prefix cache. Generated blocks
         too: a preempted request finds them again when it resumes, as does any request that
         shares the whole prefix."""
-        if not self.prefix_caching or req.internal_id in self.stale:
+        if not self.prefix_caching:
             return
-        n_full = req.num_computed // self.block_size
-        if n_full <= req.num_hashed_blocks:
+        s = self._seq(req)
+        if s.stale:
+            return
+        n_full = s.computed // self.block_size
+        if n_full <= s.hashed:
             return
         hashes = self.block_hashes(req, n_full)
-        for i in range(req.num_hashed_blocks, n_full):
-            self.pool.register(req.block_ids[i], hashes[i])
-        req.num_hashed_blocks = n_full
+        for i in range(max(s.hashed, s.dropped), n_full):
+            self.pool.register(s.block_ids[i], hashes[i])
+        s.hashed = n_full
 
     # ---- swap ---------------------------------------------------------------------------
     def can_swap(self, req: Request) -> bool:
         return (self.swap is not None and self.cache is not None and not self.in_flight(req)
-                and self.swap.can_hold(len(req.block_ids)))
+                and self.swap.can_hold(len(self.seq(req).live())))
 
     def swap_in(self, req: Request, available: int) -> bool:
         """Bring a swapped request's blocks back if they (and room for what it computes next:
         its last sampled token may open a block) fit in `available`."""
         assert self.swap is not None and self.cache is not None  # only SWAPPED requests come here
-        n = len(req.swap_slots)
-        total = max(n, self.blocks_for(req.num_tokens))
+        s = self._seq(req)
+        n = len(s.swap_slots)
+        total = max(n, self.blocks_for(req.num_tokens) - s.dropped)
         if total > available:
             return False
         blocks = self.pool.allocate(total)
-        self.cache.write_blocks(blocks[:n], self.swap.load(req.swap_slots))
-        self.swap.free(req.swap_slots)
-        req.swap_slots = []
-        req.block_ids = blocks
-        req.num_hashed_blocks = 0  # re-registered: the new blocks' contents are identical
+        self.cache.write_blocks(blocks[:n], self.swap.load(s.swap_slots))
+        self.swap.free(s.swap_slots)
+        s.swap_slots = []
+        s.block_ids = [HOLE] * s.dropped + blocks  # the window's holes stay holes
+        s.hashed = 0  # re-registered: the new blocks' contents are identical
         return True
 
     def calibrate_swap(self) -> tuple[float, float] | None:
@@ -216,43 +404,53 @@ class KVManager:
     def preempt(self, req: Request) -> None:
         """req was just preempted: swap its blocks out (status SWAPPED) or drop them, keeping
         their prefix cached (PREEMPTED: it recomputes, finding what was not evicted)."""
+        s = self._seq(req)
+        blocks = list(s.live())  # only live blocks go out; the holes' count stays for swap-in
         if req.status is RequestStatus.SWAPPED:
             assert self.swap is not None and self.cache is not None  # lifecycle checked can_swap
-            req.swap_slots = self.swap.store(self.cache.read_blocks(req.block_ids), len(req.block_ids))
-            self.stats.swapped_blocks += len(req.block_ids)
+            s.swap_slots = self.swap.store(self.cache.read_blocks(blocks), len(blocks))
+            self.stats.swapped_blocks += len(blocks)
         else:
-            req.num_computed = 0
-            req.num_hashed_blocks = 0
-        blocks, req.block_ids = req.block_ids, []
-        self._free(req, blocks, keep_cached=True, aborted_at=None)
+            s.computed = 0
+            s.hashed = 0
+            s.dropped = 0
+        s.block_ids = []
+        self._free(s, blocks, keep_cached=True, aborted_at=None)
 
     def release(self, req: Request) -> None:
-        """req ended: its blocks go back, behind the fence. A finished request's prefix stays
-        cached; an aborted one's as configured; a failed one's never (its KV may be bad)."""
+        """req ended: its swap slots go back, and its blocks, behind the fence. A finished
+        request's prefix stays cached; an aborted one's as configured; a failed one's never
+        (its KV may be bad). Its state goes with them."""
+        s = self.seqs.pop(req, None)
+        if s is None:
+            return
+        if s.swap_slots and self.swap is not None:
+            self.swap.free(s.swap_slots)
         reason = req.finish_reason
         keep = (reason in (FinishReason.STOP, FinishReason.LENGTH)
                 or (reason in (FinishReason.ABORT, FinishReason.TIMEOUT) and self.keep_aborted_prefix))
-        blocks, req.block_ids = req.block_ids, []
-        self.stale.discard(req.internal_id)
-        self._free(req, blocks, keep_cached=keep, aborted_at=req.aborted_at)
+        if s.live():
+            self._free(s, list(s.live()), keep_cached=keep, aborted_at=req.aborted_at)
 
     def holds(self, req: Request) -> bool:
-        return bool(req.block_ids) or req.internal_id in self.stale
+        return req in self.seqs
 
-    def new_weights(self, live: Sequence[Request]) -> int:
-        """The weights changed between steps: forget every hash (cached and owned blocks),
-        and keep the live requests, whose KV is from the old weights, out of the cache for
-        good. Returns how many hashes were dropped."""
+    def new_weights(self) -> int:
+        """The weights changed between steps: forget every hash (of cached and of owned
+        blocks), and keep every request with KV now, whose KV is from the old weights, out of
+        the cache for good. Returns how many hashes were dropped."""
         for d in self.deferred:
             d.keep_cached = False
-        self.stale.update(r.internal_id for r in live)
+        for s in self.seqs.values():
+            s.stale = True
         return self.pool.forget_hashes()
 
-    def _free(self, req: Request, blocks: list[int], keep_cached: bool,
+    def _free(self, s: SeqKV, blocks: list[int], keep_cached: bool,
               aborted_at: float | None) -> None:
+        """Give back blocks of the request whose state is s, behind its fence."""
         keep = keep_cached and self.prefix_caching
-        if self.in_flight(req):
-            self.deferred.append(_Deferred(req.last_scheduled_step, blocks, keep, aborted_at))
+        if s.fence > self.last_processed_step:
+            self.deferred.append(_Deferred(s.fence, blocks, keep, aborted_at))
             return
         self.pool.release(blocks, keep_cached=keep)
         if aborted_at is not None:
@@ -280,22 +478,31 @@ class KVManager:
     def tables(self, live: Iterable[Request]) -> Iterator[Sequence[int]]:
         """Every holder of block references: live block tables and the fence's holds."""
         for r in live:
-            yield r.block_ids
+            yield self.seq(r).live()
         for d in self.deferred:
             yield d.blocks
 
     def audit(self, live: Sequence[Request]) -> None:
         """The pool's ledger against every table, and the swap space against every swapped
         request. Raises LedgerError naming the first discrepancy."""
+        live_set = set(live)
+        for r in self.seqs:
+            if r not in live_set:
+                raise LedgerError(f"request {r.incarnation!r} ({r.status.value}) is not live "
+                                  "but has KV state")
+        for r, s in self.seqs.items():
+            if any(b == HOLE for b in s.live()) or any(b != HOLE for b in s.block_ids[:s.dropped]):
+                raise LedgerError(f"request {r.incarnation!r}: holes not exactly its {s.dropped} leading entries")
         self.pool.audit(self.tables(live))
         if self.swap is None:
             return
         held: set[int] = set()
         for r in live:
-            if r.swap_slots and r.status is not RequestStatus.SWAPPED:
+            slots = self.swap_slots(r)
+            if slots and r.status is not RequestStatus.SWAPPED:
                 raise LedgerError(f"request {r.incarnation!r} ({r.status.value}) holds swap slots")
-            if held.intersection(r.swap_slots):
-                raise LedgerError(f"swap slots {sorted(held.intersection(r.swap_slots))} held twice")
-            held.update(r.swap_slots)
+            if held.intersection(slots):
+                raise LedgerError(f"swap slots {sorted(held.intersection(slots))} held twice")
+            held.update(slots)
         if len(held) != self.swap.num_used:
             raise LedgerError(f"swap space: {self.swap.num_used} slots used, {len(held)} held by requests")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from stopline.config import AttentionBackend, Numerics
 from stopline.kv.decode_rows import DecodeRows, RowPlan
 from stopline.kv.kv_cache import KVCache, gather_blocks
 from stopline.model.attention import attend, attend_rows
@@ -29,6 +30,8 @@ from stopline.model.kernels.layer_ops import add_rms_norm, rope_store, silu_mul
 from stopline.model.kernels.paged_attention import PagedRows, paged_attention
 from stopline.model.kernels.paged_attention import pick as pick_attention
 from stopline.model.kernels.quant_linear import Blocks, QuantWeight, can_pack, from_raw_rows
+from stopline.model.lora import Adapter, Groups
+from stopline.model.lora import apply as lora_apply
 from stopline.model.rope import layer_freqs, tables
 
 
@@ -64,6 +67,8 @@ class StepInputs:
     logit_rows: torch.Tensor  # rows whose next-token logits are needed
     # With the native attention: the keys of every row (prefills and decode are then unused).
     paged: PagedRows | None = None
+    # LoRA: the step's rows by adapter (model/lora.py); None: every row runs the base model.
+    lora: Groups | None = None
 
 
 def fast_weight(full: torch.Tensor, raw: dict[str, torch.Tensor]) -> BF16Weight | Int8Weight:
@@ -79,8 +84,9 @@ def fast_weight(full: torch.Tensor, raw: dict[str, torch.Tensor]) -> BF16Weight 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, max_rows: int,
                  max_logit_rows: int, device: str = "cpu", linear_backend: str = "auto",
-                 blocks: Blocks | None = None, quant_max_rows: int = 0, attention: str = "torch",
-                 numerics: str = "exact") -> None:
+                 blocks: Blocks | None = None, quant_max_rows: int = 0,
+                 attention: AttentionBackend = AttentionBackend.TORCH,
+                 numerics: Numerics = Numerics.EXACT) -> None:
         """max_rows: most rows a step carries; max_logit_rows: most rows that need logits;
         linear_backend: see `batch_invariant.pick_backend`; attention: see
         `paged_attention.pick` (the chosen one is `self.attention`); blocks: the GGML blocks of
@@ -110,7 +116,7 @@ class LlamaModel:
 
         def linear(*names: str, rows: int = max_rows) -> InvariantLinear:
             full = torch.cat([w(n) for n in names])
-            if self.numerics == "fast":
+            if self.numerics is Numerics.FAST:
                 found = [blocks.get(n) for n in names]
                 raw = {}
                 for fmt in ("q4_1", "q8_0"):
@@ -120,6 +126,9 @@ class LlamaModel:
             return InvariantLinear(full, rows, linear_backend,
                                    quant=quant(names), quant_max_rows=quant_max_rows)
 
+        # LoRA adapters by name (model/lora.py): the engine loads and unloads them between
+        # steps; a step's rows name theirs in StepInputs.lora.
+        self.adapters: dict[str, Adapter] = {}
         self.embed = w("model.embed_tokens.weight")
         # Gemma scales the embeddings by sqrt(hidden), rounded to float32 as its buffer is.
         self.embed_scale = torch.tensor(c.hidden_size ** 0.5) if c.gemma else None
@@ -182,10 +191,10 @@ class LlamaModel:
                 lin.heights()
                 lin.kc()  # each weight checks its own packing against the library once
         self.one_row_ok = all(lin.kc() is not None or lin.fast is not None for lin in linears)
-        if self.attention == "native" and self.config.plain_llama and DecoderLoop.supports(self):
+        if self.attention is AttentionBackend.NATIVE and self.config.plain_llama and DecoderLoop.supports(self):
             self.decoder = DecoderLoop(self)
         rms_norm(self.embed[:2], self.final_norm, self.config.rms_norm_eps)
-        if self.attention == "torch":
+        if self.attention is AttentionBackend.TORCH:
             attention_probe(self.embed.device.type)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -206,7 +215,9 @@ class LlamaModel:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         if inp.paged is not None and self.c_glue and c.plain_llama:
-            if self.c_layers and self.decoder is not None and self.decoder.can_run(x.shape[0], interrupt):
+            # Rows with adapters take the Python layer loop (the same bits for the base rows).
+            if (self.c_layers and self.decoder is not None and inp.lora is None
+                    and self.decoder.can_run(x.shape[0], interrupt)):
                 x, stopped = self.decoder.run(x, inp, kv, interrupt)
                 if stopped is not None:
                     raise StepInterrupted(f"interrupted before layer {stopped}")
@@ -216,6 +227,13 @@ class LlamaModel:
             x = self._layers_torch(x, inp, kv, interrupt, decode_rows)
         last = rms_norm(x.index_select(0, inp.logit_rows), self.final_norm, c.rms_norm_eps)
         return self.lm_head(last)
+
+    @staticmethod
+    def _linear(layer: dict, li: int, groups: Groups | None):  # -> (name, x) -> y
+        """Layer li's linears, each with the adapters' deltas added to their rows."""
+        if not groups:
+            return lambda name, x: layer[name](x)
+        return lambda name, x: lora_apply(layer[name](x), x, li, name, groups)
 
     @staticmethod
     def _check(interrupt: threading.Event | None, li: int) -> None:
@@ -231,11 +249,12 @@ class LlamaModel:
         for li, layer in enumerate(self.layers):
             self._check(interrupt, li)
             h = rms_norm(x, layer["ln1"], eps) if res is None else add_rms_norm(x, res, layer["ln1"], eps)
-            q = rope_store(layer["qkv"](h), inp.positions, self.cos, self.sin, inp.write_slots,
+            lin = self._linear(layer, li, inp.lora)
+            q = rope_store(lin("qkv", h), inp.positions, self.cos, self.sin, inp.write_slots,
                            kv.k[li], kv.v[li], c.num_heads)
             o = paged_attention(q, kv.k[li], kv.v[li], paged, kv.block_size, self.scale)
-            h = add_rms_norm(x, layer["o"](o), layer["ln2"], eps)
-            res = layer["down"](silu_mul(layer["gate_up"](h)))
+            h = add_rms_norm(x, lin("o", o), layer["ln2"], eps)
+            res = lin("down", silu_mul(lin("gate_up", h)))
         return x if res is None else x.add_(res)
 
     def _layers_torch(self, x: torch.Tensor, inp: StepInputs, kv: KVCache,
@@ -253,8 +272,9 @@ class LlamaModel:
         act = (lambda g: F.gelu(g, approximate="tanh")) if c.hidden_act == GELU_TANH else F.silu
         for li, layer in enumerate(self.layers):
             self._check(interrupt, li)
+            lin = self._linear(layer, li, inp.lora)
             h = rms_norm(x, layer["ln1"], c.rms_norm_eps)
-            qkv = layer["qkv"](h)
+            qkv = lin("qkv", h)
             if "qkv_bias" in layer:
                 qkv = qkv + layer["qkv_bias"]
             qk = qkv[:, :(hq + hk) * d].reshape(n, hq + hk, d)
@@ -267,14 +287,14 @@ class LlamaModel:
             v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
             kv.k[li].index_copy_(1, inp.write_slots, k.transpose(0, 1))
             kv.v[li].index_copy_(1, inp.write_slots, v.transpose(0, 1))
-            o = layer["o"](self._attention(li, q, k, v, windowed.get(c.window(li), inp), kv, decode_rows))
+            o = lin("o", self._attention(li, q, k, v, windowed.get(c.window(li), inp), kv, decode_rows))
             if "attn_out_norm" in layer:
                 o = rms_norm(o, layer["attn_out_norm"], c.rms_norm_eps)
             x = x + o
             h = rms_norm(x, layer["ln2"], c.rms_norm_eps)
-            gu = layer["gate_up"](h)
+            gu = lin("gate_up", h)
             inter = gu.shape[1] // 2
-            m = layer["down"](act(gu[:, :inter]) * gu[:, inter:])
+            m = lin("down", act(gu[:, :inter]) * gu[:, inter:])
             if "mlp_out_norm" in layer:
                 m = rms_norm(m, layer["mlp_out_norm"], c.rms_norm_eps)
             x = x + m

@@ -38,27 +38,20 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.queues.add(req)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.queues.waiting)
-
-    def has_work(self) -> bool:
-        return bool(self.queues.running) or bool(self.queues.waiting)
-
     # ---- the step -----------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         q = self.queues
         plan = StepPlan(self.next_step_id)
         self.next_step_id += 1
         budget = self.config.max_num_batched_tokens
-        has_decodes = any(not r.is_prefilling for r in q.running if r.fork_leader is None)
+        has_decodes = any(not self.kv.prefilling(r) for r in q.running if r.fork_leader is None)
         prefill_left = budget
         if self.prefill_cap is not None and (has_decodes or len(q.waiting) > 1):
             prefill_left = min(budget, self.prefill_cap)
         scheduled: set[int] = set()
         if self.drafts is not None:
             decodes = sum(1 for r in q.running if r.status is RequestStatus.RUNNING and not r.paused
-                          and r.fork_leader is None and not r.is_prefilling)
+                          and r.fork_leader is None and not self.kv.prefilling(r))
             self.drafts.begin_step(plan.step_id, decodes)
 
         # 1. Requests already running, oldest first: decodes and ongoing prefills. A paused
@@ -68,14 +61,14 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.fork_leader is not None or req.paused:
                 continue
-            prefilling = req.is_prefilling
+            prefilling = self.kv.prefilling(req)
             if prefilling:
-                n = min(req.num_tokens - req.num_computed, budget, prefill_left)
+                n = min(req.num_tokens - self.kv.computed(req), budget, prefill_left)
                 if n <= 0:
                     continue
             else:
                 n = 1
-            if not self._grow(req, req.num_computed + n, scheduled):
+            if not self._grow(req, self.kv.computed(req) + n, scheduled):
                 continue
             drafts = self._drafts(req, budget - n) if not prefilling else []
             self._add_chunk(plan, req, n, drafts)
@@ -96,15 +89,16 @@ class Scheduler:
                 continue
             if q.num_running + 1 + len(req.forks_pending) > self.config.max_num_seqs:
                 break
-            if self.kv.admit_need(req) > self.kv.pool.num_blocks:
+            if not self.kv.fits(req.num_tokens, len(req.forks_pending)):
+                need = self.kv.admit_need(req.num_tokens, len(req.forks_pending))
                 self.lifecycle.fail(req, FinishReason.ERROR,
-                                    f"request needs {self.kv.admit_need(req)} KV blocks of "
+                                    f"request needs {need} KV blocks of "
                                     f"{self.kv.block_size} tokens; the pool has {self.kv.pool.num_blocks}")
                 continue
             if not self._admit(req, growth):
                 break
             growth += self._growth(req) * (1 + len(req.forks_pending))
-            n = min(req.num_tokens - req.num_computed, budget, prefill_left)
+            n = min(req.num_tokens - self.kv.computed(req), budget, prefill_left)
             self._add_chunk(plan, req, n)
             scheduled.add(req.internal_id)
             budget -= n
@@ -116,7 +110,7 @@ class Scheduler:
     def _growth(self, req: Request) -> int:
         """Blocks req will need for its next admission_lookahead tokens, beyond its table."""
         upto = min(req.num_tokens + self.config.admission_lookahead, req.prompt_len + req.max_tokens)
-        have = max(len(req.block_ids), self.kv.blocks_for(req.num_tokens))
+        have = max(len(self.kv.table(req)), self.kv.blocks_for(req.num_tokens))
         return max(0, self.kv.blocks_for(upto) - have)
 
     def _drafts(self, req: Request, room: int) -> list[int]:
@@ -127,18 +121,20 @@ class Scheduler:
         drafts = self.drafts.propose(req, room)
         if not drafts:
             return []
-        need = self.kv.blocks_for(req.num_computed + 1 + len(drafts)) - len(req.block_ids)
+        upto = self.kv.computed(req) + 1 + len(drafts)
+        need = self.kv.need(req, upto)
         # A block of room left per running request: the drafts' slots must not be the ones
         # the others grow into this step.
         if need > 0 and self.kv.num_available - need < len(self.queues.running):
             return []
-        if not self.kv.grow(req, req.num_computed + 1 + len(drafts)):
+        if not self.kv.grow(req, upto):
             return []
         return drafts
 
     def _add_chunk(self, plan: StepPlan, req: Request, n: int, drafts: list[int] | None = None) -> None:
         drafts = drafts or []
-        start, end = req.num_computed, req.num_computed + n
+        start = self.kv.computed(req)
+        end = start + n
         p = req.prompt_len
         if end <= p:
             tokens = req.prompt_token_ids[start:end]
@@ -152,12 +148,11 @@ class Scheduler:
             end += len(drafts)
             n += len(drafts)
             self.drafts.scheduled(req, drafts)
-        req.num_computed = end
+        self.kv.advance(req, n)
         req.inflight_samples = (1 + len(req.forks_pending)) if sample else 0
-        req.inflight_tokens = n
         first = time.monotonic() if req.first_scheduled is None else None
         for r in (req, *req.forks_pending):  # samples waiting to fork share the leader's step
-            r.last_scheduled_step = plan.step_id
+            self.kv.fence_at(r, plan.step_id)
             if first is not None:
                 r.first_scheduled = first
         score_from = num_scored = 0
@@ -165,7 +160,7 @@ class Scheduler:
             score_from = max(start, len(req.prompt_logprobs))
             num_scored = max(0, min(end, p - 1) - score_from)
         plan.chunks.append(ScheduledChunk(req, start, n, sample, tokens,
-                                          req.block_ids[:self.kv.blocks_for(end)], req.epoch, drafts,
+                                          list(self.kv.table(req)[:self.kv.blocks_for(end)]), req.epoch, drafts,
                                           score_from, num_scored))
 
     def _grow(self, req: Request, upto: int, scheduled: set[int]) -> bool:
@@ -178,15 +173,15 @@ class Scheduler:
             cands = [r for r in q.running
                      if r is not req and r.internal_id not in scheduled
                      and r.fork_leader is None and not r.forks_pending]
-            deficit = self.kv.blocks_for(upto) - len(req.block_ids) - self.kv.num_available
-            victim = pick_victim(self.config.victim_policy, cands, deficit, self.kv.pool.refcount)
+            deficit = self.kv.need(req, upto) - self.kv.num_available
+            victim = pick_victim(self.config.victim_policy, cands, deficit, self.kv)
             if victim is None:
                 break
             self.lifecycle.preempt(victim)
             self.headroom = min(0.5, self.headroom + 0.05)
         else:
             return True
-        if any(r.block_ids for r in q.running if r is not req and r.fork_leader is not req):
+        if any(self.kv.table(r) for r in q.running if r is not req and r.fork_leader is not req):
             # Others hold the blocks it needs (scheduled this step, or a family waiting to
             # fork): they finish or fork and make room; it resumes then.
             self.lifecycle.preempt(req)
@@ -214,13 +209,17 @@ class Scheduler:
             reserve = math.ceil(self.headroom * self.kv.pool.num_blocks) + lookahead if q.running else 0
             if not self.kv.admit(req, reserve):
                 return False
-            if req.status is RequestStatus.WAITING:
-                req.num_cached = req.num_computed
-            else:
-                redo = req.num_tokens - req.num_computed
-                req.num_recomputed += redo
-                self.lifecycle.stats.recomputed_tokens += redo
+            if req.status is not RequestStatus.WAITING:
+                self.lifecycle.stats.recomputed_tokens += req.num_tokens - self.kv.computed(req)
         q.start(req)
         for r in (req, *req.forks_pending):
             r.move_to(RequestStatus.RUNNING)
         return True
+
+
+# The scheduler's per-request mark (Request.inflight_samples) changes only here and in
+# _add_chunk: the applier calls this when a step's results arrive. (The tokens in flight
+# and the fence are the KV manager's: KVManager.landed, KVManager.fork.)
+def landed(req: Request) -> None:
+    """The step that scheduled req has come back: it samples nothing in flight any more."""
+    req.inflight_samples = 0

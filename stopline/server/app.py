@@ -12,9 +12,9 @@ from fastapi.responses import JSONResponse, Response
 
 from stopline import __version__
 from stopline.request import AbortSource
-from stopline.server import batch, console, errors, memtrace, stops, tokenize
+from stopline.server import batch, console, errors, memtrace, responses, stops, tokenize
 from stopline.server.errors import ApiError
-from stopline.server.protocol import CancelRequest, parse
+from stopline.server.protocol import CancelRequest, LoadLoraRequest, UnloadLoraRequest, parse
 from stopline.server.serving import create, read_body
 from stopline.server.state import ServerState
 
@@ -28,6 +28,8 @@ def build_app(state: ServerState) -> FastAPI:
         loading = asyncio.create_task(state.start_engine(), name="stopline-start")
         yield
         loading.cancel()
+        # Background responses still going end as failed (shutdown), before the engine goes.
+        await state.responses.close("the server shut down")
         await state.engine.close()
 
     app = FastAPI(title="stopline", version=__version__, lifespan=lifespan,
@@ -37,6 +39,7 @@ def build_app(state: ServerState) -> FastAPI:
     console.install(app, state)
     memtrace.install(app)  # STOPLINE_TRACEMALLOC only
     stops.install(app, state)  # pause, resume, sleep, wake_up, update_weights
+    responses.install(app, state)  # /v1/responses (responses.py)
     engine = state.engine
 
     @app.get("/health")
@@ -80,16 +83,39 @@ def build_app(state: ServerState) -> FastAPI:
             out["max_model_len"] = engine.info.max_model_len
         return out
 
+    def lora_card(name: str) -> dict:
+        return card() | {"id": name, "parent": state.model_name, "root": state.loras[name]}
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         state.authorize(request)
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [card(), *(lora_card(n) for n in sorted(state.loras))]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> dict:
         state.authorize(request)
-        state.check_model(model_id)
-        return card()
+        lora = state.check_model(model_id)
+        return card() if lora is None else lora_card(lora)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> dict:
+        """vLLM's body: {lora_name, lora_path}. 400 naming the problem if the adapter is bad."""
+        state.authorize(request)
+        req = parse(LoadLoraRequest, await read_body(request, state.settings.max_body_bytes))
+        _ready(engine)
+        got = await state.load_lora(req.lora_name, req.lora_path)
+        return {"object": "lora_adapter", "id": req.lora_name, "status": "loaded",
+                "message": got["message"]}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> dict:
+        """vLLM's body: {lora_name}; `policy` (wait, abort, refuse) is stopline's."""
+        state.authorize(request)
+        req = parse(UnloadLoraRequest, await read_body(request, state.settings.max_body_bytes))
+        _ready(engine)
+        got = await state.unload_lora(req.lora_name, req.policy)
+        return {"object": "lora_adapter", "id": req.lora_name,
+                "status": "unloading" if got.get("pending") else "unloaded", "message": got["message"]}
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict:
@@ -147,3 +173,8 @@ def build_app(state: ServerState) -> FastAPI:
                 "cancelled": was_open and "abort" in reasons, "finish_reasons": reasons}
 
     return app
+
+
+def _ready(engine) -> None:  # noqa: ANN001 - the AsyncEngine
+    if not engine.ready:
+        raise ApiError(503, engine.unavailable_why(), code="unavailable", headers={"Retry-After": "1"})

@@ -99,7 +99,8 @@ class Group:
             self.end(self.ended)
 
     def end(self, source: AbortSource, t0: float | None = None) -> None:
-        """Abort every member still open (the first end decides the source)."""
+        """Abort every member still open (the first end decides the source); t0: when the
+        abort was asked (default: now)."""
         if self.ended is None:
             self.ended = source
         t0 = time.monotonic() if t0 is None else t0

@@ -62,7 +62,11 @@ def console_snapshot(state: ServerState) -> dict[str, Any]:
                  "cached_ids": s.cached_block_ids},
         "counts": {"running": s.running, "waiting": s.waiting, "preempted": s.preempted},
         "live": [{"id": q.incarnation, "index": q.index, "state": q.state, "tokens": q.tokens,
-                  "blocks": q.num_blocks, "block_ids": q.block_ids} for q in s.live],
+                  "blocks": q.num_blocks, "block_ids": q.block_ids, "adapter": q.lora or "base"}
+                 for q in s.live],
+        # LoRA adapters: name -> references now, requests, tokens, loads, unloads
+        "adapters": {n: dict(zip(("references", "requests", "tokens", "loads", "unloads"), v, strict=True))
+                     for n, v in s.loras.items()},
         "finished": s.finished,
         "aborts": [{"source": src, "state": st, "n": n} for src, st, n in s.aborts],
         "preemptions": s.preemptions,

@@ -260,6 +260,20 @@ class _EngineCollector(Collector):
             masks.add_metric(key(r), buckets + [("+Inf", cum[-1])], s.grammar_mask_sum)
         yield masks
 
+        lora = {name: (GaugeMetricFamily if i == 0 else CounterMetricFamily)(
+            f"stopline_lora_{name}", doc, labels=lab + ["adapter"]) for i, (name, doc) in enumerate([
+                ("references", "Live requests holding each LoRA adapter (0 when idle)."),
+                ("requests", "Requests admitted under each LoRA adapter."),
+                ("tokens", "Tokens generated under each LoRA adapter (ended requests)."),
+                ("loads", "Loads of each LoRA adapter."),
+                ("unloads", "Unloads of each LoRA adapter (done: its last request ended)."),
+            ])}
+        for r, s in snaps.items():
+            for adapter, values in s.loras.items():
+                for fam, v in zip(lora.values(), values, strict=True):
+                    fam.add_metric(key(r) + [adapter], v)
+        yield from lora.values()
+
         def rate(s: Snapshot) -> float:
             verified = s.spec_accepted + s.spec_rejected
             return s.spec_accepted / verified if verified else 0.0

@@ -94,6 +94,17 @@ class CancelRequest(_Strict):
     ids: list[str] | None = None  # None: every open request
 
 
+class LoadLoraRequest(_Strict):  # vLLM's body
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(_Strict):  # vLLM's body, plus what to do with the adapter's requests
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; ignored
+    policy: str | None = None  # wait, abort or refuse; None: the server's --lora-unload-policy
+
+
 def parse(model: type[_Strict], body: bytes) -> Any:
     """Validate a JSON body: 400 for malformed JSON or a missing field, 422 for wrong types."""
     try:

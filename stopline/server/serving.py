@@ -74,7 +74,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
     srv.authorize(request)
     body = await read_body(request, srv.settings.max_body_bytes)
     req = parse(ChatRequest if chat else CompletionRequest, body)
-    srv.check_model(req.model)
+    lora = srv.check_model(req.model)
     engine = srv.engine
     if not engine.ready or engine.tokenizer is None:
         raise _unavailable(str(EngineUnavailable(engine.unavailable_why())))
@@ -85,6 +85,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
                              default_max_tokens=None if chat else COMPLETION_DEFAULT_MAX_TOKENS)
     tools = tools_of(req)
     params.grammar = grammar_of(req, tools)
+    params.lora = lora
     prompts = await _prompt_ids(req, engine.tokenizer, tools)
     if len(prompts) > 1 and engine.info is not None:
         _precheck(prompts, engine.info.vocab_size, engine.info.max_model_len)
@@ -101,6 +102,8 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
         if isinstance(exc, InvalidRequest):
             msg = str(exc)
             param = param_of(msg)
+            if param == "model":  # its adapter was unloaded meanwhile
+                raise ApiError(404, msg, param="model", code="model_not_found") from None
             if chat and param == "prompt":
                 param, msg = "messages", "messages" + msg.removeprefix("prompt")
             raise ApiError(400, msg, param=param, code="invalid_value") from None
@@ -115,7 +118,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
              len(prompts), prompt_len, params.n)
     opts = req.stream_options if req.stream else None
     include_usage = bool(opts and opts.include_usage)
-    fmt = Formatter(chat=chat, request_id=rid, created=int(time.time()), model=srv.model_name,
+    fmt = Formatter(chat=chat, request_id=rid, created=int(time.time()), model=lora or srv.model_name,
                     n=params.n * len(prompts), token_text=srv.token_text, include_usage=include_usage,
                     tool_calls=tools.parses_calls,
                     continuous_usage=bool(opts and opts.continuous_usage_stats),
@@ -123,7 +126,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
                     logprobs=params.logprobs is not None)
     fmt.prompt_tokens = prompt_len
 
-    def abort(t0: float) -> None:
+    def disconnected(t0: float) -> None:
         log.info("%s: client disconnected (request id %s)", rid, trace)
         group.end(AbortSource.DISCONNECT, t0)
         group.detach()
@@ -134,7 +137,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
             # A grammar compiles in the engine; one that can't be (invalid, too big, too slow)
             # is a 400 before the stream's first byte, as without streaming, not a 200 stream
             # that ends in an error. So the response starts with the first output.
-            peeked = await _first_output(request, group, abort)
+            peeked = await _first_output(request, group, disconnected)
             if peeked is None:
                 return Response(status_code=499)  # client closed the request
             first = peeked.first
@@ -145,9 +148,9 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
                 group.detach()
                 raise refused
             outputs = peeked
-        return SSEResponse(_events(outputs, fmt, srv, trace), on_disconnect=abort, wake=group.detach,
+        return SSEResponse(_events(outputs, fmt, srv, trace), on_disconnect=disconnected, wake=group.detach,
                            headers=_headers(rid, trace, engine.weight_version))
-    return await _whole(request, group, fmt, abort, _headers(rid, trace, engine.weight_version))
+    return await _whole(request, group, fmt, disconnected, _headers(rid, trace, engine.weight_version))
 
 
 _TRACE_CHARS = 128

@@ -8,13 +8,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
 from stopline.engine.async_engine import Admission, AsyncEngine
+from stopline.engine.messages import Utility
 from stopline.server.errors import ApiError
 from stopline.server.format import TokenText
 from stopline.server.metrics import ServerMetrics
+from stopline.server.store import ResponseStore
 
 log = logging.getLogger("stopline.server")
 
@@ -35,6 +38,12 @@ class ServerSettings:
     # What a request arriving while the engine is paused or asleep gets: "queue" (it waits
     # for the resume, at most its queue timeout) or "reject" (503 with Retry-After).
     paused_admission: str = "queue"
+    # /v1/responses: stored responses kept at most (oldest ended first; also the most
+    # background runs at once), and seconds one is kept after it ended.
+    responses_max_stored: int = 1000
+    responses_ttl_s: float = 3600.0
+    loras: dict[str, str] | None = None  # adapters to load at start: name -> path
+    lora_unload_policy: str = "wait"  # an unload's policy when its body names none
 
 
 class ServerState:
@@ -51,6 +60,11 @@ class ServerState:
         self.request_exit: Callable[[int], None] = lambda code: None  # set by the runner
         self.created = int(time.time())
         self._token_text: TokenText | None = None
+        self.responses = ResponseStore(settings.responses_max_stored, settings.responses_ttl_s)
+        # The adapters served as models: name -> path. The core's set is the truth (it refuses
+        # a request whose adapter went meanwhile); this is the front end's copy for /v1/models
+        # and the 404 before anything is queued.
+        self.loras: dict[str, str] = {}
 
     @property
     def model_name(self) -> str:
@@ -78,10 +92,50 @@ class ServerState:
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves "
-                           f"{self.model_name!r}", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names, or None for the base model; 404 for anything else."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.loras:
+            return model
+        served = ", ".join(repr(m) for m in [self.model_name, *self.loras])
+        raise ApiError(404, f"model {model!r} does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+    async def load_lora(self, name: str, path: str) -> dict:
+        """Load an adapter in the core (between steps); ApiError (400 naming the problem) if
+        it is refused, and nothing changes."""
+        if name == self.model_name:
+            raise ApiError(400, f"lora_name: {name!r} is the base model's name", param="lora_name")
+        got = _one(await self.engine.utility(Utility.LOAD_LORA, name, path))
+        if got["status"] != 200:
+            raise ApiError(got["status"], got["message"], param="lora_path" if "already" not in
+                           got["message"] else "lora_name", code="invalid_lora")
+        self.loras[name] = path
+        return got
+
+    async def unload_lora(self, name: str, policy: str | None) -> dict:
+        """Unload an adapter with a policy (engine/adapters.py): 404 unknown, 409 in use
+        (refuse). New requests for it get 404 from now on."""
+        got = _one(await self.engine.utility(Utility.UNLOAD_LORA, name,
+                                             policy or self.settings.lora_unload_policy))
+        if got["status"] != 200:
+            code = {404: "model_not_found", 409: "lora_in_use"}.get(got["status"], "invalid_value")
+            raise ApiError(got["status"], got["message"], param="lora_name" if got["status"] != 400
+                           else "policy", code=code)
+        self.loras.pop(name, None)
+        return got
+
+    async def _load_start_loras(self) -> bool:
+        for name, path in (self.settings.loras or {}).items():
+            try:
+                await self.load_lora(name, path)
+            except ApiError as exc:
+                log.error("--lora %s=%s: %s", name, path, exc.message)
+                return False
+            log.info("LoRA adapter %r loaded from %s", name, path)
+        return True
 
     # ---- engine life ------------------------------------------------------------------------
     async def start_engine(self) -> None:
@@ -92,6 +146,9 @@ class ServerState:
             log.error("the engine failed to start: %s", exc)
             self.exit(EXIT_START_FAILED)
             return
+        if not await self._load_start_loras():
+            self.exit(EXIT_START_FAILED)
+            return
         log.info("ready: %s (%d KV blocks of %d tokens, context %d) in %.1f s", info.source,
                  info.num_blocks, info.block_size, info.max_model_len, time.monotonic() - t0)
 
@@ -100,3 +157,11 @@ class ServerState:
         log.error("engine core died: %s. /health is unhealthy and new requests get 503; "
                   "exiting with status %d in %.1f s", reason, EXIT_CORE_DIED, delay)
         asyncio.get_running_loop().call_later(delay, self.exit, EXIT_CORE_DIED)
+
+
+def _one(got: Any) -> dict:
+    """A utility's answer; with replicas (a list, one per replica), the first that failed."""
+    if isinstance(got, list):
+        bad = [g for g in got if g["status"] != 200]
+        return bad[0] if bad else got[0]
+    return got

@@ -10,6 +10,7 @@ enter the acceptance the auto mode steers by (docs/speculative.md).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from stopline.config import EngineConfig, SpecMode
@@ -150,9 +151,14 @@ class Drafts:
             self.stats.spec_discarded[reason] += n
             req.spec_discarded += n
 
-    def observe(self, decodes: int, drafts: int, ms: float) -> None:
-        """A processed step of only decode and verify rows, and what it cost."""
-        self.costs.observe(decodes, drafts, ms, self.step)
+    def observe(self, rows: list[tuple[int, int]], t0: float) -> None:
+        """A processed step, as (tokens, drafts) per row, begun at perf_counter() t0. The auto
+        mode learns the cost of steps of decode and verify rows only (a prefill's rows cost
+        otherwise), sampling included: a verify samples its rows one by one."""
+        if not self.enabled or any(n > 1 + d for n, d in rows):
+            return
+        ms = (time.perf_counter() - t0) * 1000
+        self.costs.observe(len(rows), sum(d for _, d in rows), ms, self.step)
 
     # ---- holder -------------------------------------------------------------------------
     def release(self, req: Request) -> None:

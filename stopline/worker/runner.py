@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stopline.config import EngineConfig
+from stopline.config import AttentionBackend, EngineConfig
 from stopline.kv.decode_rows import DecodeRows
 from stopline.kv.kv_cache import KVCache
 from stopline.model.attention import KEY_TILE
@@ -15,6 +15,7 @@ from stopline.model.batch_invariant import threads_pinned
 from stopline.model.kernels.paged_attention import PagedRows
 from stopline.model.llama import DecodeBatch, LlamaModel, PrefillSeq, StepInputs
 from stopline.model.loaders.loader import LoadedModel
+from stopline.model.lora import Groups
 from stopline.sched.plan import ScheduledChunk, StepPlan
 from stopline.worker.cpu_share import CpuShare, ThreadPolicy
 
@@ -54,7 +55,7 @@ class ModelRunner:
         # attention never pads the gathered keys and values with another copy.
         self.tile_blocks = KEY_TILE // self.bs if KEY_TILE % self.bs == 0 else 1
         self.rows: DecodeRows | None = None
-        self.paged = model.attention == "native"  # reads the cache in place: no rows to keep
+        self.paged = model.attention is AttentionBackend.NATIVE  # reads the cache in place: no rows to keep
         share = CpuShare() if config.adapt_threads and self.device == "cpu" else None
         self.threads = ThreadPolicy(torch.get_num_threads(), share)
         if config.decode_rows and not self.paged:
@@ -62,7 +63,8 @@ class ModelRunner:
             pool_bytes = sum(t.numel() * t.element_size() for t in kv.k + kv.v)
             self.rows = DecodeRows(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.bs, KEY_TILE,
                                    max_rows=config.max_num_seqs, max_bytes=2 * pool_bytes,
-                                   verify=config.debug, device=self.device)
+                                   verify=config.debug, device=self.device,
+                                   null_block=kv.null_block)
 
     @classmethod
     def for_model(cls, loaded: LoadedModel, kv: KVCache, config: EngineConfig) -> ModelRunner:
@@ -80,6 +82,11 @@ class ModelRunner:
                            numerics=cfg.numerics)
         model.calibrate()
         return model
+
+    def _table(self, ch: ScheduledChunk, nb: int) -> list[int]:
+        """ch's first nb table entries; those a sliding window passed (HOLE, given back) point
+        at the zero block: the window masks them, and a given-back block may be anyone's."""
+        return [b if b >= 0 else self.kv.null_block for b in ch.block_ids[:nb]]
 
     def _width(self, nb: int) -> int:
         return -(-nb // self.tile_blocks) * self.tile_blocks
@@ -133,9 +140,21 @@ class ModelRunner:
             r.tokens, r.positions, r.slots, r.logit_rows = r.tokens * 2, r.positions * 2, r.slots * 2, r.logit_rows * 2
             r.starts = [0, 1]
         chunks = plan.chunks * 2 if twice else plan.chunks
-        if self.paged:
-            return self._prepare_paged(r, chunks), r
-        return self._prepare_torch(r, chunks), r
+        inputs = self._prepare_paged(r, chunks) if self.paged else self._prepare_torch(r, chunks)
+        inputs.lora = self._adapters(chunks, r.starts)
+        return inputs, r
+
+    def _adapters(self, chunks: list[ScheduledChunk], starts: list[int]) -> Groups | None:
+        """The step's rows by LoRA adapter, adapters in name order; None: all rows are base."""
+        rows: dict[str, list[int]] = {}
+        for ch, row0 in zip(chunks, starts, strict=True):
+            if ch.req.params.lora is not None:
+                rows.setdefault(ch.req.params.lora, []).extend(range(row0, row0 + ch.num_tokens))
+        if not rows:
+            return None
+        # The engine holds every adapter a live request names (engine/adapters.py).
+        return [(torch.tensor(rows[n], dtype=torch.long, device=self.device), self.model.adapters[n])
+                for n in sorted(rows)]
 
     def _prepare_paged(self, r: _Rows, chunks: list[ScheduledChunk]) -> StepInputs:
         """Inputs for the native attention: each row attends its sequence's keys up to its own
@@ -144,8 +163,9 @@ class ModelRunner:
         table_at: list[int] = []
         for ch in chunks:
             table_at += [len(tables)] * ch.num_tokens
-            tables += ch.block_ids[: (ch.start + ch.num_tokens + self.bs - 1) // self.bs]
-        if tables and not 0 <= min(tables) <= max(tables) < self.kv.num_blocks:
+            tables += self._table(ch, (ch.start + ch.num_tokens + self.bs - 1) // self.bs)
+        # The zero block (num_blocks: holes a sliding window left) is inside the tensors.
+        if tables and not 0 <= min(tables) <= max(tables) <= self.kv.num_blocks:
             # The kernel reads where the tables point: a bad entry would read out of bounds.
             raise RuntimeError(f"a block table points outside the KV pool of {self.kv.num_blocks} blocks")
         return self._inputs(r, prefills=[], decode=None,
@@ -164,13 +184,13 @@ class ModelRunner:
             end = ch.start + ch.num_tokens
             if ch.num_tokens == 1:
                 dec_rows.append(row0)
-                dec_tables.append(ch.block_ids[: (end + bs - 1) // bs])
+                dec_tables.append(self._table(ch, (end + bs - 1) // bs))
                 dec_lens.append(end)
                 dec_keys.append(ch.req.internal_id)
             else:
                 nb = (end + bs - 1) // bs
                 width = self._width(nb)
-                table = torch.tensor(ch.block_ids[:nb] + [self.kv.null_block] * (width - nb), dtype=torch.long)
+                table = torch.tensor(self._table(ch, nb) + [self.kv.null_block] * (width - nb), dtype=torch.long)
                 row_pos = torch.arange(ch.start, end)
                 masked = torch.arange(width * bs)[None, :] > row_pos[:, None]  # causal
                 prefills.append(PrefillSeq(row0, row0 + ch.num_tokens, table.to(self.device),

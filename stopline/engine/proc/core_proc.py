@@ -240,7 +240,7 @@ def _serve_input(inp: zmq.Socket, abort: zmq.Socket, loop: CoreLoop,
         elif isinstance(msg, PauseMsg):
             loop.pause(msg.incarnations, msg.paused)
         elif isinstance(msg, UtilityMsg):
-            loop.call(msg.method, msg.args).add_done_callback(_reply(msg.call_id, send))
+            loop.call(msg.method, *msg.args).add_done_callback(_reply(msg.call_id, send))
         elif isinstance(msg, ShutdownMsg):
             loop.stop()
             return

@@ -57,7 +57,7 @@ from stopline.engine.messages import (
 )
 from stopline.engine.snapshot import Snapshot
 from stopline.engine.streams import EngineDead, EngineUnavailable
-from stopline.request import AbortSource, InvalidRequest, SamplingParams
+from stopline.request import AbortSource, InvalidRequest, SamplingParams, UnknownAdapter
 
 if TYPE_CHECKING:
     from stopline.config import EngineConfig
@@ -281,14 +281,14 @@ class ProcCore:
     def pause(self, incarnations: list[str], paused: bool) -> None:
         self._send(self._in, PauseMsg(list(incarnations), paused))
 
-    async def utility(self, method: Utility, args: dict[str, Any] | None = None) -> Any:
+    async def utility(self, method: Utility, *args: Any) -> Any:
         if self.stuck is not None:
             raise EngineUnavailable(self.stuck)
         call_id = next(self._call_ids)
         fut = self._aloop.create_future()
         self._calls[call_id] = fut
         try:
-            self._send(self._in, UtilityMsg(call_id, method, args))
+            self._send(self._in, UtilityMsg(call_id, method, list(args)))
             result = await fut
         finally:
             self._calls.pop(call_id, None)
@@ -341,7 +341,9 @@ class ProcCore:
         if fut is None or fut.done():
             return
         if msg.error is not None:
-            fut.set_exception(InvalidRequest(msg.error))
+            # The core's UnknownAdapter names the model (its adapter went): the server's 404.
+            kind = UnknownAdapter if msg.error.startswith("model:") else InvalidRequest
+            fut.set_exception(kind(msg.error))
         else:
             fut.set_result(None)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from stopline.config import Numerics
 from stopline.model.kernels.native import amx_ready, has_amx, has_bf16, kernels
 from stopline.model.kernels.quant_linear import _f16_by_panel, can_pack
 
@@ -186,13 +187,13 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def resolve(numerics: str, device: str) -> str:
-    """The numerics a model on `device` runs: "fast" only where the bf16 kernel can run (a CPU
-    with AVX512-BF16 and the C kernels built); otherwise "exact", with a loud warning, so the
+def resolve(numerics: Numerics | str, device: str) -> Numerics:
+    """The numerics a model on `device` runs: FAST only where the bf16 kernel can run (a CPU
+    with AVX512-BF16 and the C kernels built); otherwise EXACT, with a loud warning, so the
     results stay correct everywhere. On CUDA fast falls back to exact too: torch's bf16 matmul
     there would not be batch-invariant."""
-    if str(numerics) != "fast":
-        return "exact"
+    if Numerics(numerics) is not Numerics.FAST:
+        return Numerics.EXACT
     why = None
     if torch.device(device).type != "cpu":
         why = f"the model is on {device} (the fast kernel is CPU-only)"
@@ -206,8 +207,8 @@ def resolve(numerics: str, device: str) -> str:
         except NativeUnavailable as e:
             why = f"the C kernels are off ({e})"
     if why is None:
-        return "fast"
+        return Numerics.FAST
     warnings.warn(f"numerics 'fast' is not available: {why}; running 'exact' (float32) instead",
                   RuntimeWarning, stacklevel=2)
     log.warning("numerics 'fast' unavailable (%s): running exact", why)
-    return "exact"
+    return Numerics.EXACT

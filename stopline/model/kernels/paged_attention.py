@@ -57,7 +57,7 @@ def supports(head_dim: int, device: str | torch.device) -> str | None:
     return None
 
 
-def pick(backend: str, head_dim: int, device: str | torch.device) -> AttentionBackend:
+def pick(backend: AttentionBackend | str, head_dim: int, device: str | torch.device) -> AttentionBackend:
     """NATIVE or TORCH for EngineConfig.attention_backend; NATIVE where it can't run is an
     error naming the reason."""
     why = None if backend == AttentionBackend.TORCH else supports(head_dim, device)

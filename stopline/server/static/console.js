@@ -415,7 +415,7 @@ function drawRequests(s) {
     if (live.mine.has(q.id)) tr.className = "mine";
     const who = live.mine.has(q.id) ? " (this tab)" : "";
     const idx = q.index ? `#${q.index}` : "";
-    const cells = [`<i class="sw" style="background:${colorOf(q.id)}"></i>`, "", q.state, q.tokens, q.blocks];
+    const cells = [`<i class="sw" style="background:${colorOf(q.id)}"></i>`, "", q.adapter || "base", q.state, q.tokens, q.blocks];
     cells.forEach((v, i) => {
       const td = document.createElement("td");
       if (i === 0) td.innerHTML = v; else td.textContent = String(v);
@@ -424,7 +424,7 @@ function drawRequests(s) {
     });
     body.appendChild(tr);
   }
-  if (!s.live.length) body.innerHTML = '<tr><td></td><td class="dim" colspan="4">idle</td></tr>';
+  if (!s.live.length) body.innerHTML = '<tr><td></td><td class="dim" colspan="5">idle</td></tr>';
 }
 
 const ms = (v) => (v === null || v === undefined ? "–" : `${(v * 1000).toFixed(v < 0.01 ? 2 : 1)} ms`);
