@@ -16,7 +16,7 @@ import pytest
 
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
-from stopline.request import SamplingParams
+from stopline.request import AbortSource, SamplingParams
 from tests.server_harness import ServerProcess
 from tests.tiny_model import make_tiny_llama_dir
 
@@ -319,7 +319,7 @@ def test_prefix_cache_never_serves_old_weights(tiny_model_dir, other_weights_sma
             out[o.request_id] += o.new_token_ids
             if o.finished and o.request_id == "b":
                 cached = o.usage.cached_tokens
-                core.abort(inc_a)
+                core.abort([inc_a], AbortSource.CANCEL, time.monotonic())
         core.audit()
     assert cached == 0
     assert out["b"] == _solo(other_weights_small, prompt, 6)[0]
