@@ -64,7 +64,21 @@ class AbortSource(str, enum.Enum):
     DEADLINE = "deadline"  # queue timeout or total deadline passed
     STALLED = "stalled"  # the client read nothing for the stall timeout
     SIBLING = "sibling"  # another engine request of the same HTTP request failed
+    # The engine's own stops (docs/engine-stops.md): the client gets an error, not a success.
+    PAUSE = "pause"  # POST /pause?mode=abort
+    SLEEP = "sleep"  # POST /sleep with mode abort
+    UPDATE = "update"  # POST /update_weights with mode abort
+    REPLICA = "replica"  # the replica or role serving it died
     UNLOAD = "unload"  # its LoRA adapter was unloaded with the abort policy
+
+    @property
+    def engine_initiated(self) -> bool:
+        """The engine ended it on its own (not the client, not its deadline): an error."""
+        return self in _ENGINE_SOURCES
+
+
+_ENGINE_SOURCES = frozenset({AbortSource.SHUTDOWN, AbortSource.PAUSE, AbortSource.SLEEP,
+                             AbortSource.UPDATE, AbortSource.REPLICA})
 
 
 class InvalidRequest(ValueError):

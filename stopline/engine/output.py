@@ -43,6 +43,9 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_detail: str | None = None
     usage: Usage | None = None  # set on the terminal output
+    # The weights its tokens came from (EngineCore.weight_version), stamped as it leaves the
+    # core; a request that spans a weight update sees it change between outputs.
+    weight_version: int = 0
 
 
 class OutputProcessor:

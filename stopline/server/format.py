@@ -54,6 +54,24 @@ class Choice:
     prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_detail: str | None = None
+    # [weight version, index of its first token] per run of tokens from one version: a
+    # request that a weight update (mode keep) crossed has several.
+    versions: list[list[int]] = field(default_factory=list)
+
+
+def note_version(spans: list[list[int]], out: RequestOutput, before: int) -> None:
+    """Add out's tokens (the sample had `before` tokens) to the runs of weight versions."""
+    if (out.new_token_ids or not spans) and (not spans or spans[-1][0] != out.weight_version):
+        spans.append([out.weight_version, before])
+
+
+def version_fields(item: dict[str, Any], spans: list[list[int]]) -> None:
+    """`weight_version`: the weights of the sample's last token; `weight_versions`, only when a
+    weight update fell inside the sample: [[version, first token index], ...]."""
+    if spans:
+        item["weight_version"] = spans[-1][0]
+    if len(spans) > 1:
+        item["weight_versions"] = spans
 
 
 @dataclass(frozen=True)
@@ -125,6 +143,8 @@ class Formatter:
         self.continuous_usage = continuous_usage and include_usage
         self.prompt_tokens = 0  # set by the caller for continuous usage
         self.streamed = 0  # completion tokens sent so far (continuous usage)
+        self._versions: dict[int, list[list[int]]] = {}  # sample -> runs of weight versions
+        self._counts: dict[int, int] = {}  # sample -> tokens so far
         self._offsets = [0] * n  # text offset per sample, for completion logprobs
         self.echo = echo if echo and not chat else None
         self.logprobs = logprobs
@@ -155,6 +175,9 @@ class Formatter:
 
     def chunk(self, out: RequestOutput) -> dict[str, Any] | None:
         self.streamed += len(out.new_token_ids)
+        spans = self._versions.setdefault(out.index, [])
+        note_version(spans, out, self._counts.get(out.index, 0))
+        self._counts[out.index] = self._counts.get(out.index, 0) + len(out.new_token_ids)
         if not out.new_text and not out.new_token_ids and not out.finished and not out.new_reasoning:
             return None
         choice: dict[str, Any] = {"index": out.index}
@@ -191,6 +214,8 @@ class Formatter:
             choice["logprobs"] = self._logprobs(out.index, out.new_logprobs) if out.new_logprobs else None
         choice["finish_reason"] = reason
         self._detail(choice, out.finish_reason.value if out.finish_reason else None, out.stop_detail)
+        if out.finished:
+            version_fields(choice, spans)
         return self._chunk([choice])
 
     def usage_chunk(self, usage: UsageSum) -> dict[str, Any]:
@@ -226,10 +251,15 @@ class Formatter:
                 item["logprobs"] = self._logprobs(i, c.logprobs) if c.logprobs else None
             item["finish_reason"] = reason
             self._detail(item, c.finish_reason, c.stop_detail)
+            version_fields(item, c.versions)
             body.append(item)
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": body,
-                "usage": usage.body()}
+        out = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": body,
+               "usage": usage.body()}
+        versions = [c.versions[-1][0] for c in choices if c.versions]
+        if versions:
+            out["weight_version"] = max(versions)
+        return out
 
     def check_outcome(self, choices: list[Choice]) -> None:
         """A non-streaming request that ended abnormally gets an HTTP error, not a 200."""

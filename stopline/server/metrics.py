@@ -112,6 +112,14 @@ class ServerMetrics(EngineObserver):
                                 ["reason"], registry=r)
         for reason in FinishReason:
             self.finished.labels(reason.value)
+        # Terminal 'abort' outputs by who ended them: the engine's own stops (pause, sleep,
+        # update, shutdown, replica) reach their client as errors (docs/engine-stops.md).
+        self.aborted = Counter("stopline_aborted_sequences",
+                               "Sequences whose terminal output was an abort, by source and whether "
+                               "the engine initiated it (then the client got an error).",
+                               ["source", "engine_initiated"], registry=r)
+        for src in AbortSource:
+            self.aborted.labels(src.value, str(src.engine_initiated).lower())
         self.prompt_tokens = Counter("stopline_prompt_tokens", "Prompt tokens of admitted requests.",
                                      registry=r)
         self.generation_tokens = Counter("stopline_generation_tokens",
@@ -158,6 +166,9 @@ class ServerMetrics(EngineObserver):
         if usage is not None:
             self.generation_tokens.inc(usage.completion_tokens)
             self.reasoning_tokens.inc(usage.reasoning_tokens)
+
+    def on_aborted(self, source: str) -> None:
+        self.aborted.labels(source, str(AbortSource(source).engine_initiated).lower()).inc()
 
     def on_request_end(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

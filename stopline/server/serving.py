@@ -19,12 +19,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from stopline.engine.output import RequestOutput
-from stopline.engine.streams import EngineDead, EngineOverloaded, EngineUnavailable
+from stopline.engine.streams import EngineDead, EngineOverloaded, EngineStopped, EngineUnavailable
 from stopline.request import AbortSource, InvalidRequest
 from stopline.server import batch, limits, reasoning
 from stopline.server.disconnect import watch_disconnect
 from stopline.server.errors import ApiError, param_of
-from stopline.server.format import SSE_DONE, Choice, Echo, Formatter, UsageSum, sse
+from stopline.server.format import SSE_DONE, Choice, Echo, Formatter, UsageSum, note_version, sse
 from stopline.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -157,8 +157,8 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
                 raise refused
             outputs = peeked
         return SSEResponse(_events(outputs, fmt, srv, trace), on_disconnect=disconnected, wake=group.detach,
-                           headers=_headers(rid, trace))
-    return await _whole(request, group, fmt, disconnected, _headers(rid, trace))
+                           headers=_headers(rid, trace, engine.weight_version))
+    return await _whole(request, group, fmt, disconnected, _headers(rid, trace, engine.weight_version))
 
 
 _TRACE_CHARS = 128
@@ -174,10 +174,17 @@ def _client_id(request: Request) -> str | None:
     return value
 
 
-def _headers(rid: str, trace: str) -> dict[str, str]:
+def _headers(rid: str, trace: str, version: int = 0) -> dict[str, str]:
     # X-Request-Id: the client's id when it sent one (tracing), else ours; X-Stopline-Id: ours,
-    # always (the id the cancel endpoint takes, also the response body's `id`).
-    return {"X-Request-Id": trace, "X-Stopline-Id": rid}
+    # always (the id the cancel endpoint takes, also the response body's `id`); X-Weight-Version:
+    # the weights served when it was admitted (the body says which its tokens came from).
+    return {"X-Request-Id": trace, "X-Stopline-Id": rid, "X-Weight-Version": str(version)}
+
+
+def stopped(exc: EngineStopped) -> ApiError:
+    """What a client gets for a request the engine ended on its own: a 503 (or that body as
+    an SSE error event) whose code names the reason, engine_pause, engine_sleep, ..."""
+    return ApiError(503, str(exc), code=f"engine_{exc.source.value}", headers={"Retry-After": "1"})
 
 
 def _unavailable(why: str) -> ApiError:
@@ -255,8 +262,12 @@ async def _events(stream: batch.Group, fmt: Formatter, srv: ServerState | None =
             if chunk is not None:
                 yield sse(chunk)
     except EngineDead as exc:
-        # The terminal message of a stream whose engine died: an error event, then [DONE].
-        yield sse(ApiError(500, f"the engine core died: {exc}", code="engine_dead").body())
+        # The terminal message of a stream whose engine died or ended it on its own (pause,
+        # sleep, update, shutdown): an error event, then [DONE]. The openai client raises
+        # APIError at the error event (docs/api.md).
+        err = stopped(exc) if isinstance(exc, EngineStopped) else \
+            ApiError(500, f"the engine core died: {exc}", code="engine_dead")
+        yield sse(err.body())
         if fmt.include_usage:  # what was generated before the death, still billed
             usage.completion_tokens = max(usage.completion_tokens, fmt.streamed)
             yield sse(fmt.usage_chunk(usage))
@@ -314,6 +325,8 @@ async def _unless_client_leaves(request: Request, work: Awaitable[Any], abort: A
         return _LEFT
     try:
         return task.result()
+    except EngineStopped as exc:
+        raise stopped(exc) from None
     except EngineDead as exc:
         raise ApiError(500, f"the engine core died: {exc}", code="engine_dead") from None
 
@@ -367,6 +380,7 @@ async def _collect(stream: batch.Group, fmt: Formatter) -> tuple[list[Choice], U
     usage = fmt.usage_sum(stream.prompt_tokens)
     async for out in stream:
         c = choices[out.index]
+        note_version(c.versions, out, c.tokens)
         c.text += out.new_text
         c.reasoning += out.new_reasoning
         c.tokens += len(out.new_token_ids)

@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import Request
 
-from stopline.engine.async_engine import AsyncEngine
+from stopline.engine.async_engine import Admission, AsyncEngine
 from stopline.engine.messages import Utility
 from stopline.server import reasoning
 from stopline.server.errors import ApiError
@@ -37,6 +37,9 @@ class ServerSettings:
     # open streams get their error event and probes see why, then exit EXIT_CORE_DIED.
     dead_exit_delay: float = 2.0
     reasoning_parser: str = "auto"  # server/reasoning.py `markers`
+    # What a request arriving while the engine is paused or asleep gets: "queue" (it waits
+    # for the resume, at most its queue timeout) or "reject" (503 with Retry-After).
+    paused_admission: str = "queue"
     # /v1/responses: stored responses kept at most (oldest ended first; also the most
     # background runs at once), and seconds one is kept after it ended.
     responses_max_stored: int = 1000
@@ -54,6 +57,7 @@ class ServerState:
         self.metrics.bind(engine)
         engine.observer = self.metrics
         engine.on_dead.append(self._core_died)
+        engine.admission = Admission(settings.paused_admission)
         self.exit_code: int | None = None
         self.request_exit: Callable[[int], None] = lambda code: None  # set by the runner
         self.created = int(time.time())
