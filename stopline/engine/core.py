@@ -455,6 +455,7 @@ class EngineCore:
             assert self._weights_path is not None and isinstance(self.runner, ModelRunner)
             loaded = load_model(self._weights_path[0], progress=False)
             self.runner.model = self.model = ModelRunner.build_model(loaded, self.config)
+            self.model.adapters = self.adapters.loaded  # loaded adapters outlive the network
             self.loaded = loaded
         self.kv.restore_memory()
         self.asleep = 0
@@ -486,6 +487,7 @@ class EngineCore:
         loaded, self._staged = self._staged, None
         assert isinstance(self.runner, ModelRunner)
         self.runner.model = self.model = ModelRunner.build_model(loaded, self.config)
+        self.model.adapters = self.adapters.loaded  # loaded adapters outlive the network
         self.loaded = loaded
         self._weights_path = (loaded.source,)
         self.kv_manager.new_weights()
