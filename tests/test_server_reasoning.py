@@ -145,3 +145,17 @@ def test_responses_carry_the_thinking_as_a_reasoning_item(client) -> None:
                                 extra_body=ONLY_A)
     assert r.output[0].type == "reasoning" and r.output[0].content[0].text == " a a a a"
     assert r.usage.output_tokens_details.reasoning_tokens == 4
+
+
+def test_responses_stream_the_thinking_within_its_budget_then_the_answer(client) -> None:
+    events = list(client.responses.create(model=MODEL, input="Think, then answer.", max_output_tokens=6,
+                                          stream=True, temperature=0,
+                                          extra_body={**ONLY_A, "max_thinking_tokens": 3}))
+    thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert thinking == " a a a" and answer == " a a"
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert kinds[-1] == "response.incomplete" and sum(k.startswith("response.in") and k != "response.in_progress"
+                                                      for k in kinds) == 1
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 4

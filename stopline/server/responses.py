@@ -40,7 +40,7 @@ from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
 from stopline.engine.output import RequestOutput
-from stopline.engine.streams import EngineDead, EngineOverloaded, EngineUnavailable
+from stopline.engine.streams import EngineDead, EngineOverloaded, EngineStopped, EngineUnavailable
 from stopline.grammar import tool_format
 from stopline.request import AbortSource, FinishReason, InvalidRequest
 from stopline.server import batch, limits, reasoning
@@ -63,6 +63,7 @@ from stopline.server.serving import (
     _unless_client_leaves,
     chat_text,
     read_body,
+    template_kwargs,
 )
 from stopline.server.sse import SSEResponse
 from stopline.server.store import TERMINAL, ResponseStore, Run, Stored
@@ -77,7 +78,8 @@ SHUTDOWN = {"code": "server_shutdown", "message": "the server shut down before t
 # stopline's sampling extensions a client may send (the openai client's extra_body=)
 _EXTENSIONS = ("top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop", "seed",
                "stop_token_ids", "queue_timeout", "deadline", "priority", "presence_penalty",
-               "frequency_penalty", "logit_bias", "skip_special_tokens")
+               "frequency_penalty", "logit_bias", "skip_special_tokens", "max_thinking_tokens",
+               "chat_template_kwargs")
 _TERMINAL_EVENT = {s: f"response.{s}" for s in TERMINAL}
 
 
@@ -384,6 +386,7 @@ class Pump:
         self.reasoning_tokens = 0
         self.last: RequestOutput | None = None  # the terminal output
         self.dead: str | None = None
+        self.stopped: AbortSource | None = None  # the engine ended it on its own (pause, ...)
         self.closed = False
 
     async def frames(self) -> AsyncIterator[bytes]:
@@ -402,8 +405,9 @@ class Pump:
                         out.finish_reason.value if out.finish_reason else None
                 for ev in self.writer.feed(out, reason):
                     yield self.run.emit(ev)
-        except EngineDead as exc:
+        except EngineDead as exc:  # its death, or one of the engine's own stops
             self.dead = str(exc)
+            self.stopped = exc.source if isinstance(exc, EngineStopped) else None
         except BaseException:
             self.close()
             raise
@@ -425,6 +429,8 @@ class Pump:
         source = self.group.streams[0].cancelled if self.group.streams else None
         if source is AbortSource.SHUTDOWN or self.srv.responses.closed:
             return "failed", SHUTDOWN, None
+        if self.stopped is not None:
+            return "failed", {"code": self.stopped.value, "message": self.dead}, None
         if self.dead is not None:
             if "shut down" in self.dead:
                 return "failed", SHUTDOWN, None
@@ -493,7 +499,7 @@ async def _create(request: Request, srv: ServerState) -> Response:
     arrival = time.monotonic()
     srv.authorize(request)
     req = parse(ResponsesRequest, await read_body(request, srv.settings.max_body_bytes))
-    srv.check_model(req.model)
+    lora = srv.check_model(req.model)
     store = srv.responses
     if req.background and not req.store:
         raise _bad("background", "a background response must be stored (store: true)")
@@ -519,10 +525,12 @@ async def _create(request: Request, srv: ServerState) -> Response:
         params = sampling_params(chat, queue_timeout=srv.settings.queue_timeout, default_max_tokens=None)
         tools = tools_of(chat)
         params.grammar = grammar_of(chat, tools)
+        params.lora = lora
         # A thinking model thinks here too (server/reasoning.py); reasoning.effort is its budget.
         effort = req.reasoning.get("effort") if isinstance(req.reasoning, dict) else None
-        limit = reasoning.budget(effort, None, "reasoning.effort")
-        text = chat_text(engine.tokenizer, chat_messages(chat, tools))
+        limit = reasoning.budget(effort, chat.max_thinking_tokens, "reasoning.effort")
+        text = chat_text(engine.tokenizer, chat_messages(chat, tools),
+                         template_kwargs(chat.chat_template_kwargs))
         prompt = await _encode(engine.tokenizer, text, add_special_tokens=False)
         params.reasoning = reasoning.spec(srv.reasoning_markers, engine.tokenizer, text, limit)
     except ApiError as exc:
