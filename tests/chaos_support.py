@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
 from stopline.lifecycle import state_name
-from stopline.request import AbortSource, FinishReason, SamplingParams, UnknownAdapter
+from stopline.request import (
+    AbortSource,
+    FinishReason,
+    ReasoningSpec,
+    SamplingParams,
+    UnknownAdapter,
+)
 
 TARGET_STATES = ["waiting", "prefilling", "running", "preempted", "swapped", "any"]
 STOPS = ["e", "th", " a", "o", "in", "\n"]
@@ -99,7 +105,16 @@ def _params(rng: random.Random) -> SamplingParams:
     return SamplingParams(**kw)
 
 
+def _reasoning(rng: random.Random) -> ReasoningSpec:
+    """A thinking request: markers of plain ids (the end one two tokens long, so the budget's
+    end may finish one the model began), opened by the prompt or not, a budget or none."""
+    return ReasoningSpec([5], [6, 7], opened=rng.random() < 0.7,
+                         max_thinking_tokens=rng.choice([None, 0, 1, 3, 6]))
+
+
 def make_workload(seed: int, count: int, vocab: int) -> list[Job]:
+    # Thinking requests are drawn apart, so that the rest stays as it was drawn before.
+    think = random.Random(seed * 45 + 1)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 20))] for _ in range(8)]
     jobs: list[Job] = []
@@ -108,6 +123,8 @@ def make_workload(seed: int, count: int, vocab: int) -> list[Job]:
         prompt = base + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 24))]
         caller = f"r{i}" if not jobs or rng.random() > 0.15 else rng.choice(jobs).caller_id
         job = Job(f"k{i}", caller, prompt, _params(rng))
+        if think.random() < 0.25:
+            job.params.reasoning = _reasoning(think)
         if rng.random() < 0.45:
             job.abort = (rng.choice(TARGET_STATES), rng.randrange(0, 12))
         elif rng.random() < 0.06:

@@ -119,6 +119,27 @@ def test_in_process_disconnect_and_queue_full(inproc):
     inproc.wait_idle(timeout=1.0)
 
 
+def test_a_client_gone_before_its_body_arrived_is_not_an_internal_error(inproc):
+    """Found by the marathon (bench/marathon.py): a client that drops its connection while the
+    server still reads its body was a 500 with a traceback in the log. It is a quiet 499 now,
+    nothing admitted, and the server serves on."""
+    import socket
+
+    before = inproc.output().count("Traceback")
+    for _ in range(3):
+        s = socket.create_connection(("127.0.0.1", inproc.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
+        time.sleep(0.3)  # the handler is waiting for the rest of the body
+        s.close()
+    r = httpx.post(inproc.base + "/v1/completions", json={"prompt": "z", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+    time.sleep(0.5)
+    out = inproc.output()
+    assert out.count("Traceback") == before and "internal error" not in out, out[-3000:]
+    assert inproc.metrics()["stopline_requests_open"] == 0
+
+
 def test_sigterm_drains_then_ends_the_rest_with_a_shutdown_error(inproc):
     short: list = []
     long: list = []

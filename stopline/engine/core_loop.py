@@ -52,6 +52,10 @@ class CoreLoop:
         self._lock = threading.Lock()  # orders abort acceptance against step starts
         self._step_no = 0
         self._step_started: float | None = None  # monotonic start of the step running now
+        # When the loop last left an idle wait or began an iteration; None while it waits idle
+        # (no work, or every request paused). A loop stuck anywhere else (a step, a utility
+        # call, a lock) grows the age a heartbeat reports: liveness is progress.
+        self._busy_since: float | None = None
         self._pending: dict[str, _AbortClock] = {}  # accepted, not yet seen to end
         self._reclaiming: dict[str, _AbortClock] = {}  # ended, blocks maybe behind the fence
         self._calls: list[tuple[str, tuple, Future]] = []
@@ -113,9 +117,12 @@ class CoreLoop:
             tokenizer_state=core.tokenizer.to_state() if with_tokenizer else {}, pid=os.getpid())
 
     def step_age(self) -> float:
-        """Seconds inside the current step, 0 between steps: a heartbeat's answer (a process
-        that has work and does not step is stuck, see engine/liveness.py)."""
+        """Seconds inside the current iteration of the loop (a step, and the utility calls
+        before it), 0 while it waits idle: a heartbeat's answer (a process that has work and
+        does not step is stuck, see engine/liveness.py)."""
         started = self._step_started
+        if started is None:
+            started = self._busy_since
         return 0.0 if started is None else max(time.monotonic() - started, 1e-6)
 
     def stop(self) -> None:
@@ -129,6 +136,7 @@ class CoreLoop:
         core = self.core
         self.emit(Batch(snapshot=take_snapshot(core)))
         while not self._stopping:
+            self._busy_since = time.monotonic()
             self._run_calls()
             if self.halted or core.asleep:
                 # Paused (keep) or asleep: no step; an abort that came in still ends its
@@ -141,6 +149,7 @@ class CoreLoop:
                 self._work.clear()
                 continue
             if not core.has_unfinished():
+                self._busy_since = None
                 self._work.wait()
                 self._work.clear()
                 continue
@@ -148,8 +157,10 @@ class CoreLoop:
                 # Every request waits for its client to read, or for the other role of a
                 # split (whose link wakes us): no step to take. Wake for a message, at the
                 # core's own deadline (wake_at), or after a second for request deadlines.
+                self._busy_since = None
                 self._work.wait(max(0.0, min(1.0, core.wake_at() - time.monotonic())))
                 self._work.clear()
+                self._busy_since = time.monotonic()
                 if (core.all_paused() and not self._deadline_passed()
                         and time.monotonic() < core.wake_at()):
                     continue

@@ -8,7 +8,8 @@ a block is never returned to the pool while a step that may write it is in fligh
 blocks wait in `deferred` until `step_processed` reaches the step that fenced them.
 
 The manager is also the one owner and writer of each request's KV state (`SeqKV`): its
-block table, its computed, cached and hashed counts, its prefix hashes and its swap slots.
+block table, its computed, in-flight, cached and hashed counts, its prefix hashes, its fence
+step and its swap slots.
 Others read them through it (`table`, `computed`, `cached`, `prefilling` ...); the rule
 for whether a request can ever fit the pool (`fits`) lives here only.
 

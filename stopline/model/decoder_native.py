@@ -90,7 +90,8 @@ class DecoderLoop:
         one a fast-mode bf16 weight with K even and N a multiple of 32 (no padding to cut)."""
         lins = [layer[name] for layer in model.layers for name in _LINEARS]
         if all(lin.fast is not None for lin in lins):
-            return all(lin.in_features % 2 == 0 and lin.out_features % 32 == 0 for lin in lins)
+            return all(lin.in_features % 2 == 0 and lin.out_features % 32 == 0 for lin in lins) and all(
+                lin.fast.fmt in _INT8 for lin in lins if isinstance(lin.fast, Int8Weight))
         return all(lin.quant is not None and lin.quant.fmt in _FMT and lin.kc() is not None for lin in lins)
 
     def _table(self, kv: KVCache) -> ctypes.Array:

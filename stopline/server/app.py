@@ -1,5 +1,5 @@
-"""The FastAPI app: routes of the OpenAI-compatible API plus health, metrics, cancel and the
-web console (console.py)."""
+"""The FastAPI app: routes of the OpenAI-compatible API, Anthropic's /v1/messages
+(anthropic.py), health, metrics, cancel and the web console (console.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from stopline import __version__
 from stopline.request import AbortSource
-from stopline.server import batch, console, errors, memtrace, responses, stops, tokenize
+from stopline.server import anthropic, batch, console, errors, memtrace, responses, stops, tokenize
 from stopline.server.errors import ApiError
 from stopline.server.protocol import CancelRequest, LoadLoraRequest, UnloadLoraRequest, parse
 from stopline.server.serving import create, read_body
@@ -132,6 +132,14 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create(request, chat=True)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await anthropic.messages(request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await anthropic.count_tokens(request)
 
     @app.post("/v1/requests/cancel")
     async def cancel_many(request: Request) -> dict:

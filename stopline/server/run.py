@@ -90,6 +90,8 @@ def serve(model: str | None, config: EngineConfig, settings: ServerSettings, *,
     mode = "in-process" if in_process else "engine core in its own process"
     if hasattr(engine.backend, "slots"):
         mode = f"{engine.backend.n} Ray replicas"
+    if hasattr(engine.backend, "restarts") and not hasattr(engine.backend, "split"):
+        mode += ", restarted when it dies"
     if hasattr(engine.backend, "split"):
         mode = "prefill and decode engines in two processes"
     print(f"stopline: serving {settings.model_name!r} at http://{host}:{port} ({mode}); "
