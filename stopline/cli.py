@@ -132,7 +132,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="outputs a stream holds unread before its request is paused")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds open requests may run before they are aborted")
+    g.add_argument("--paused-admission", choices=["queue", "reject"], default="queue",
+                   help="while paused or asleep (POST /pause, /sleep), new requests wait for the "
+                        "resume (at most --queue-timeout) or get 503 with Retry-After")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    g.add_argument("--reasoning-parser", default="auto",
+                   help="the markers of the model's thinking: 'auto' (the pair its chat template "
+                        "writes, <think>...</think>), 'none' (no thinking), or 'START,END'")
     g.add_argument("--responses-max-stored", type=int, default=1000,
                    help="/v1/responses: stored responses kept at most, oldest ended first (also "
                         "the most background responses running at once)")
@@ -170,13 +176,20 @@ def _loras(specs: list[str]) -> dict[str, str]:
 
 @command("serve", "OpenAI-compatible HTTP server (engine core in its own process)", _serve_args)
 def serve(args: argparse.Namespace) -> int:
+    from stopline.server.reasoning import markers
     from stopline.server.run import serve as run_server
     from stopline.server.state import ServerSettings
 
+    try:
+        markers(args.reasoning_parser, None)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     settings = ServerSettings(
         model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, queue_timeout=args.queue_timeout,
-        drain_timeout=args.drain_timeout, responses_max_stored=args.responses_max_stored,
+        drain_timeout=args.drain_timeout, reasoning_parser=args.reasoning_parser,
+        paused_admission=args.paused_admission,
+        responses_max_stored=args.responses_max_stored,
         responses_ttl_s=args.responses_ttl_s, loras=_loras(args.lora),
         lora_unload_policy=args.lora_unload_policy)
     if args.responses_max_stored < 1 or args.responses_ttl_s <= 0:
@@ -276,6 +289,8 @@ def role(args: argparse.Namespace) -> int:
 # imports can't break another's parser (the base install builds every one: test_dependencies).
 _BENCHES: list[tuple[str, str, str]] = [
     ("stop", "cost of stopping: cancel storm and preemption storm (in-process)", "stopline.bench.stop"),
+    ("pause", "engine-wide pause with N streams in flight: time to pause and to resume, tokens "
+     "discarded, per mode (abort, keep, wait)", "stopline.bench.pause"),
     ("replicas", "Ray replicas: abort latency through the router, routing overhead, prefix hit rate, "
      "head-of-line, replica kill (run it in a network namespace)", "stopline.bench.replicas"),
     ("disagg", "prefill/decode split: head-of-line after cancelled long prompts, cancel-to-reclaim on "

@@ -140,7 +140,7 @@ def test_a_client_gone_before_its_body_arrived_is_not_an_internal_error(inproc):
     assert inproc.metrics()["stopline_requests_open"] == 0
 
 
-def test_sigterm_drains_then_aborts_with_shutdown(inproc):
+def test_sigterm_drains_then_ends_the_rest_with_a_shutdown_error(inproc):
     short: list = []
     long: list = []
     started = [threading.Event(), threading.Event()]
@@ -163,6 +163,9 @@ def test_sigterm_drains_then_aborts_with_shutdown(inproc):
         t.join(15)
     assert short[-1] == "[DONE]" and short[-2]["choices"][0]["finish_reason"] == "length"
     assert long[-1] == "[DONE]"
-    final = long[-2]["choices"][0]
-    assert final["finish_reason"] == "abort" and final["stop_detail"] == "shutdown"
+    # Ended by the engine, not by its client: an error event naming the reason (issue 46),
+    # not finish_reason "abort" + [DONE] that a client would count as a success.
+    final = long[-2]["error"]
+    assert final["code"] == "engine_shutdown" and final["type"] == "service_unavailable_error", final
+    assert all("choices" in c and c["choices"][0]["finish_reason"] is None for c in long[:-2])
     assert inproc.proc.wait(15) == 0

@@ -68,6 +68,8 @@ class CoreLoop:
         core.output_sink = self._sink
         core.taken_sink = self._taken
         core.wake = self._work.set
+        # Engine-wide pause, mode keep (Utility.HALT): no step runs, aborts still apply.
+        self.halted = False
 
     # ---- any thread -----------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -136,6 +138,16 @@ class CoreLoop:
         while not self._stopping:
             self._busy_since = time.monotonic()
             self._run_calls()
+            if self.halted or core.asleep:
+                # Paused (keep) or asleep: no step; an abort that came in still ends its
+                # request now (nothing is in flight, so its blocks go back at once).
+                outputs = core.halted_tick()
+                if outputs:
+                    self._note_ended(outputs)
+                    self._send(Batch(outputs, self._timings(), take_snapshot(core)))
+                self._work.wait()
+                self._work.clear()
+                continue
             if not core.has_unfinished():
                 self._busy_since = None
                 self._work.wait()
@@ -160,8 +172,15 @@ class CoreLoop:
             outputs = core.step()
             self._step_started = None
             self._note_ended(outputs)
-            self.emit(Batch(outputs, self._timings(), take_snapshot(core)))
+            self._send(Batch(outputs, self._timings(), take_snapshot(core)))
         self._run_calls()
+
+    def _send(self, batch: Batch) -> None:
+        # Stamped as they leave: a weight update runs between steps, after the outputs
+        # computed before it were flushed (Utility.COMMIT_WEIGHTS).
+        for o in batch.outputs:
+            o.weight_version = self.core.weight_version
+        self.emit(batch)
 
     def _deadline_passed(self) -> bool:
         now = time.monotonic()
@@ -172,12 +191,34 @@ class CoreLoop:
         with self._lock:
             calls, self._calls = self._calls, []
         for method, args, fut in calls:
+            if not fut.set_running_or_notify_cancel():
+                continue  # its caller gave up (a cancelled await): nobody wants the result
             try:
                 fut.set_result(self._utility(method, args))
             except Exception as exc:  # a failing utility call fails only its caller
                 fut.set_exception(exc)
 
     def _utility(self, method: Utility, args: tuple) -> Any:
+        core = self.core
+        kw: dict[str, Any] = args[0] if args and isinstance(args[0], dict) else {}  # engine stops' args
+        if method is Utility.HALT:
+            core.flush_text()
+            self.halted = core.halted = bool(kw.get("on", True))
+            return self.halted
+        if method is Utility.SLEEP:
+            return core.sleep(int(kw.get("level", 1)))
+        if method is Utility.WAKE:
+            return core.wake_up()
+        if method is Utility.STAGE_WEIGHTS:
+            try:
+                return core.stage_weights(str(kw["path"]))
+            except (ValueError, OSError) as exc:  # the caller's 400, across every transport
+                return {"error": str(exc)}
+        if method is Utility.COMMIT_WEIGHTS:
+            core.flush_text()  # what the old weights computed leaves stamped with their version
+            return core.commit_weights()
+        if method is Utility.DROP_STAGED:
+            return core.drop_staged()
         if method is Utility.SNAPSHOT:
             return take_snapshot(self.core)
         if method is Utility.AUDIT:
@@ -197,7 +238,7 @@ class CoreLoop:
     def _sink(self, outputs: list[RequestOutput]) -> None:
         if outputs:
             self._note_ended(outputs)
-            self.emit(Batch(outputs))
+            self._send(Batch(outputs))
 
     def _taken(self, incarnations: list[str]) -> None:
         self.emit(Batch(taken=incarnations))

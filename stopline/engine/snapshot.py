@@ -78,6 +78,11 @@ class Snapshot(msgspec.Struct, frozen=True):
     # unloaded), requests admitted, tokens of ended requests, loads, unloads].
     loras: dict[str, list[int]] = msgspec.field(default_factory=dict)
     taken_at: float = 0.0  # time.monotonic()
+    # Engine-wide stops (docs/engine-stops.md): the weights served, halted (pause mode keep),
+    # the sleep level.
+    weight_version: int = 0
+    halted: bool = False
+    asleep: int = 0
 
 
 def take_snapshot(core: EngineCore) -> Snapshot:
@@ -134,6 +139,7 @@ def take_snapshot(core: EngineCore) -> Snapshot:
         audit_seconds=stats.audit_seconds,
         loras=_loras(core),
         taken_at=time.monotonic(),
+        weight_version=core.weight_version, halted=core.halted, asleep=core.asleep,
     )
 
 
