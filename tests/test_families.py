@@ -3,7 +3,7 @@ HF transformers' greedy output token for token (exact numerics) and to batch inv
 
 Per family: each prompt alone, then all of them in one batch with a prefill budget of 7 tokens
 a step and a pool small enough to preempt, on both attention backends (the C one where its
-kernels build). An ablation (the HF model without the family's feature) must change the
+kernels build); and 24 requests at once, each with the tokens it gets alone. An ablation (the HF model without the family's feature) must change the
 reference, so a model that ignored the feature would fail.
 """
 
@@ -126,6 +126,19 @@ def test_hf_dir_matches_oracle_alone_and_batched(family: str, tmp_path_factory, 
         gathered = _engine(str(d), attention_backend="torch", decode_rows=False, max_num_batched_tokens=7)
         assert _run(gathered, prompts) == ref
         assert_idle(gathered.engine)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_alone_equals_24_concurrent(family: str, tmp_path_factory, prompts) -> None:
+    """24 requests at once (the prompts over and over, each new copy a request of its own),
+    every one admitted in the first step: each gets the tokens HF gives it alone, which the
+    engine gives it alone too (test above)."""
+    d = family_dir(tmp_path_factory, family)
+    ref = reference(tmp_path_factory, family, prompts)
+    many = [prompts[i % len(prompts)] for i in range(24)]
+    llm = _engine(str(d), max_num_seqs=24, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    assert _run(llm, many) == [ref[i % len(prompts)] for i in range(24)], family
+    assert_idle(llm.engine)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

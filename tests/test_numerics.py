@@ -18,7 +18,7 @@ from stopline.model.kernels.int8_linear import Int8Weight, has_vnni
 from stopline.model.kernels.int8_linear import reference as int8_reference
 from stopline.model.kernels.native import amx_ready, has_bf16, try_kernels
 from tests.engine_support import greedy, random_prompts, record_plans, sharp_tiny_dir
-from tests.tiny_model import make_tiny_gguf
+from tests.tiny_model import kquant_blocks, make_tiny_gguf
 
 FAST = has_bf16() and try_kernels() is not None
 needs_fast = pytest.mark.skipif(not FAST, reason="no AVX512-BF16 or no C kernels on this host")
@@ -153,14 +153,22 @@ def _blocks(fmt: str, n: int, k: int, seed: int):
     import numpy as np
 
     qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    raw = gguf.quants.quantize(w, qtype)
+    if fmt in ("q4_k", "q6_k"):
+        raw = kquant_blocks(fmt, n, k, seed)
+    else:
+        w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+        raw = gguf.quants.quantize(w, qtype)
     return raw, torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qtype)))
 
 
+INT8_CASES = [(fmt, *shape) for fmt in ("q4_1", "q8_0")
+              for shape in [(1, 32, 32), (7, 96, 64), (13, 960, 576), (40, 64, 1536)]] + [
+    # the K-quants' rows are whole super-blocks of 256: Gemma 3 270M's o and down shapes too
+    (fmt, *shape) for fmt in ("q4_k", "q6_k") for shape in [(1, 32, 256), (7, 640, 1024), (13, 640, 2048)]]
+
+
 @needs_int8
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("m,n,k", [(1, 32, 32), (7, 96, 64), (13, 960, 576), (40, 64, 1536)])
+@pytest.mark.parametrize("fmt,m,n,k", INT8_CASES)
 def test_int8_kernel_equals_reference(fmt: str, m: int, n: int, k: int) -> None:
     """Block weights against int8 activations (the fast mode's kernel for them on VNNI): the
     torch reference's bits, every row the same alone as in the batch, and close to (not equal
@@ -177,6 +185,27 @@ def test_int8_kernel_equals_reference(fmt: str, m: int, n: int, k: int) -> None:
     full = x @ deq.T
     assert not torch.equal(y, full)
     assert (y - full).abs().max() <= 0.02 * full.abs().max()
+
+
+@needs_int8
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_fast_kquant_weight_follows_what_the_cpu_grants(fmt: str, monkeypatch) -> None:
+    """A K-quant linear in fast mode: the int8 kernel where VNNI runs; with it refused
+    (STOPLINE_INT8=0, as on a CPU without VNNI) the bf16 kernel on the bf16 copy. Either way
+    a row's bits do not depend on the batch."""
+    from stopline.model.llama import fast_weight
+
+    raw, deq = _blocks(fmt, 64, 512, seed=5)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(2))
+    int8 = fast_weight(deq, {fmt: torch.from_numpy(raw)})
+    assert isinstance(int8, Int8Weight) and int8.fmt == fmt
+    assert torch.equal(int8(x), int8_reference(x, fmt, raw))
+    monkeypatch.setenv("STOPLINE_INT8", "0")
+    bf16 = fast_weight(deq, {fmt: torch.from_numpy(raw)})
+    assert not isinstance(bf16, Int8Weight)
+    y = bf16(x)
+    assert torch.equal(torch.cat([bf16(x[i:i + 1]) for i in range(9)]), y)
+    assert torch.equal(torch.cat([bf16(x[:4]), bf16(x[4:])]), y)
 
 
 @needs_int8

@@ -12,8 +12,14 @@ from stopline import LLM, SamplingParams
 from stopline.config import EngineConfig
 from stopline.model.batch_invariant import InvariantLinear
 from stopline.model.kernels import native
-from stopline.model.kernels.quant_linear import QuantWeight, can_pack
-from tests.tiny_model import make_tiny_gguf
+from stopline.model.kernels.quant_linear import (
+    SUPER,
+    QuantWeight,
+    can_pack,
+    kquant_dequantize,
+    q5_0_as_q8_0,
+)
+from tests.tiny_model import kquant_blocks, make_tiny_gguf
 
 BACKENDS = ["blas"] + (["onednn"] if bi.onednn_available("cpu") else [])
 
@@ -27,18 +33,28 @@ def c_kernels() -> None:
 
 
 def _quantized(fmt: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
-    """GGML blocks of a random weight and gguf's own dequantization of them."""
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[fmt.upper()])
-    deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt.upper()])
+    """GGML blocks of a random weight and gguf's own dequantization of them. gguf cannot
+    quantize to the K-quants, so theirs are random bytes with finite f16 scales."""
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType[fmt.upper()]
+    if fmt in SUPER:
+        raw = kquant_blocks(fmt, n, k, seed)
+    else:
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+        raw = gguf.quants.quantize(w, qtype)
+    deq = gguf.quants.dequantize(raw, qtype)
     return raw, torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32))
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("shape", [(32, 32), (96, 64), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("shape", [(32, 32), (96, 64), (960, 576), (576, 1536), (64, 1024)])
 def test_the_kernel_dequantizes_exactly_like_gguf(fmt, shape):
     n, k = shape
+    if not can_pack(fmt, n, k):
+        pytest.skip(f"{fmt} takes no {n} x {k} weight (K-quants: K a multiple of 256)")
     raw, deq = _quantized(fmt, n, k)
+    if fmt in SUPER:  # the test's own reading of the blocks, in gguf's order of operations
+        assert np.array_equal(kquant_dequantize(fmt, raw, k), deq.numpy())
     qw = QuantWeight.from_raw(fmt, raw, k)
     # The identity's rows pick out one input each: every output is one weight, unrounded.
     assert torch.equal(qw(torch.eye(k), kc=k).t(), deq)
@@ -61,6 +77,57 @@ def test_kernel_rows_carry_the_library_bits_at_every_batch_size(fmt, backend, sh
     # 13..24: two, ..., 61..72: six); 73 and up: the library.
     for rows in (2, 3, 8, 9, 11, 12, 13, 15, 16, 23, 24, 25, 31, 36, 37, 47, 49, 56, 64, 71, 72, 73, 96):
         assert torch.equal(lin(x[:rows]), library[:rows]), rows
+
+
+# "auto" gives BLAS up to oneDNN where the kernel cannot match BLAS's order (MKL at K = 1024
+# and 2048 on the Zen 4 host), so Gemma's shapes are asked of "auto" and oneDNN, not BLAS.
+KQUANT_CASES = [("auto", (640, 1024)), ("auto", (640, 2048)), ("auto", (64, 256)), ("blas", (64, 256))] + (
+    [("onednn", (640, 1024)), ("onednn", (640, 2048))] if bi.onednn_available("cpu") else [])
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+@pytest.mark.parametrize(("backend", "shape"), KQUANT_CASES)
+def test_kquant_rows_carry_the_library_bits_at_every_batch_size(fmt, backend, shape):
+    """Gemma 3 270M's o (Q4_K, 1024 -> 640) and down (Q6_K, 2048 -> 640) shapes: a row's
+    bits are the library's on the dequantized weight, alone or among up to 72 rows."""
+    n, k = shape
+    raw, deq = _quantized(fmt, n, k, seed=1)
+    lin = InvariantLinear(deq, max_rows=96, backend=backend,
+                          quant=QuantWeight.from_raw(fmt, raw, k), quant_max_rows=72)
+    assert lin.kc() is not None, "no block order of the kernel matched the library"
+    x = torch.randn(96, k)
+    library = lin._library(x)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(13)])
+    assert torch.equal(alone, library[:13])
+    for rows in (2, 5, 12, 13, 25, 37, 72):
+        assert torch.equal(lin(x[:rows]), library[:rows]), rows
+        # A row's result does not depend on its place in the batch either.
+        assert torch.equal(lin(x[rows:2 * rows].flip(0)).flip(0), library[rows:2 * rows]), rows
+
+
+def test_kquant_kernel_sums_like_a_plain_reference():
+    """The kernel's arithmetic written plainly: the weights as gguf dequantizes them, each
+    output one fma chain over k from zero per block of kc, the blocks' sums added in order."""
+    n, k, kc = 64, 512, 256
+    for fmt in ("q4_k", "q6_k"):
+        raw, deq = _quantized(fmt, n, k, seed=2)
+        x = torch.randn(5, k)
+        got = QuantWeight.from_raw(fmt, raw, k)(x, kc)
+        xd, wd = x.double(), deq.double()
+        want = torch.zeros(5, n)
+        for k0 in range(0, k, kc):
+            acc = torch.zeros(5, n)
+            for j in range(k0, k0 + kc):  # fma: the exact product plus acc, rounded once
+                acc = (xd[:, j:j + 1] * wd[:, j] + acc.double()).float()
+            want = acc if k0 == 0 else want + acc
+        assert torch.equal(got, want), fmt
+
+
+def test_q5_0_blocks_are_q8_0_blocks_of_the_same_weights():
+    raw, deq = _quantized("q5_0", 64, 256, seed=3)
+    q8 = q5_0_as_q8_0(raw)
+    assert np.array_equal(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0), deq.numpy())
+    assert torch.equal(QuantWeight.from_raw("q8_0", q8, 256)(torch.eye(256), kc=256).t(), deq)
 
 
 def test_a_library_order_the_kernel_cannot_match_keeps_the_library():
@@ -88,7 +155,10 @@ def test_shapes_the_kernel_does_not_take():
         qw(torch.zeros(2, 32), kc=48)
 
 
-def test_turned_off_the_library_runs_everything(monkeypatch):
+@pytest.mark.parametrize(("fmt", "k"), [("q4_1", 64), ("q4_k", 256), ("q6_k", 256)])
+def test_turned_off_the_library_runs_everything(monkeypatch, fmt, k):
+    """The fallback where the CPU grants no AVX-512 (or STOPLINE_NATIVE=0): every row on the
+    library with the dequantized weights, K-quants too."""
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     native.reset()
     try:
@@ -96,11 +166,12 @@ def test_turned_off_the_library_runs_everything(monkeypatch):
             native.kernels()
         with pytest.warns(UserWarning, match="kernels are off"):
             assert native.try_kernels() is None
-        raw, deq = _quantized("q4_1", 64, 64)
-        lin = InvariantLinear(deq, max_rows=8, quant=QuantWeight.from_raw("q4_1", raw, 64))
+        raw, deq = _quantized(fmt, 64, k)
+        lin = InvariantLinear(deq, max_rows=8, quant=QuantWeight.from_raw(fmt, raw, k))
         assert lin.kc() is None
-        x = torch.randn(3, 64)
+        x = torch.randn(3, k)
         assert torch.equal(lin(x), lin._library(x))
+        assert torch.equal(lin(x[1:2]), lin._library(x)[1:2])
     finally:
         monkeypatch.delenv(native.ENV_SWITCH)
         native.reset()
@@ -210,3 +281,19 @@ def test_the_gemm_timer_runs_and_compares_two_builds(kernel: str) -> None:
     assert done.returncode == 0, done.stderr
     lines = [ln for ln in done.stdout.splitlines() if " rows: " in ln]
     assert len(lines) == 2 and all("same bits" in ln for ln in lines), done.stdout
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0"])
+def test_the_gguf_loader_keeps_the_gemma_formats_blocks(fmt):
+    """A GGUF tensor of each format the Gemma 3 Q4_K_M file holds besides Q8_0 comes out of the
+    loader as blocks a kernel reads (Q5_0 as Q8_0), giving the loader's float32 weights."""
+    from stopline.model.loaders.gguf import GGUFTensorInfo, dequantize, raw_blocks
+
+    n, k = 64, 512
+    raw, _ = _quantized(fmt, n, k, seed=4)
+    qtype = gguf.GGMLQuantizationType[fmt.upper()]
+    t = GGUFTensorInfo("blk.0.ffn_down.weight", int(qtype), (n, k), np.ascontiguousarray(raw).reshape(-1))
+    got_fmt, blocks = raw_blocks(t)
+    assert got_fmt == ("q8_0" if fmt == "q5_0" else fmt)
+    w = torch.from_numpy(dequantize(t))
+    assert torch.equal(QuantWeight.from_raw(got_fmt, blocks, k)(torch.eye(k), kc=k).t(), w)

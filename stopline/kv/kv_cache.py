@@ -28,8 +28,27 @@ class KVCache:
         self.block_size = block_size
         self.null_block = num_blocks
         shape = (num_kv_heads, (num_blocks + 1) * block_size, head_dim)
+        self._layout = (num_layers, shape, dtype, device)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def free_memory(self) -> int:
+        """Drop the tensors (the engine sleeps: no block is owned or cached). Returns the
+        bytes dropped; `restore_memory` allocates them again, zeroed."""
+        freed = self.nbytes
+        self.k, self.v = [], []
+        return freed
+
+    def restore_memory(self) -> None:
+        if self.k:
+            return
+        layers, shape, dtype, device = self._layout
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -206,7 +206,15 @@ class InvariantLinear:
             return
         self.device, self.dtype = w.device, w.dtype
         self.max_rows = max(2, max_rows)
-        self.backend = pick_backend(w, backend)
+        self.quant = quant if quant is not None and w.device.type == "cpu" and quant_max_rows > 0 else None
+        self.quant_max_rows = quant_max_rows
+        # With blocks and the backend left to us, a BLAS whose order the kernel cannot match
+        # (MKL at K = 1024 and 2048 on a Zen 4 host) gives way to oneDNN (see _find_kc).
+        self._w = w if backend == "auto" and self.quant is not None and onednn_available(w.device) else None
+        self._use(w, pick_backend(w, backend))
+
+    def _use(self, w: torch.Tensor, backend: str) -> None:
+        self.backend = backend
         if self.backend == "onednn":
             # Packed once into oneDNN's blocked layout (hinted with the largest batch); the
             # plain weight is not kept.
@@ -217,8 +225,6 @@ class InvariantLinear:
             w_t = w.t().contiguous()
             self._mm = lambda x: x @ w_t
         self._heights: dict[int, tuple[int, ...]] = {}
-        self.quant = quant if quant is not None and w.device.type == "cpu" and quant_max_rows > 0 else None
-        self.quant_max_rows = quant_max_rows
         self._kc: dict[int, int | None] = {}
 
     def heights(self) -> tuple[int, ...]:
@@ -241,7 +247,13 @@ class InvariantLinear:
             return None
         threads = _threads()
         if threads not in self._kc:
-            self._kc[threads] = self._find_kc(threads)
+            found = self._find_kc(threads)
+            if found is None and self._w is not None and self.backend == "blas" and not self._kc:
+                # No thread count has used BLAS's bits yet, so switching costs no row its bits.
+                self._use(self._w, "onednn")
+                found = self._find_kc(threads)
+            self._w = None  # decided: the plain weight is not kept
+            self._kc[threads] = found
         return self._kc[threads]
 
     def _find_kc(self, threads: int) -> int | None:

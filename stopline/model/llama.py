@@ -72,8 +72,8 @@ class StepInputs:
 
 
 def fast_weight(full: torch.Tensor, raw: dict[str, torch.Tensor]) -> BF16Weight | Int8Weight:
-    """A fast-mode linear: block weights (raw: Q4_1 or Q8_0 blocks of `full`) on the int8
-    kernel where it runs, everything else on bf16 (which reads Q4_1/Q8_0 blocks for few rows,
+    """A fast-mode linear: block weights (raw: Q4_1, Q8_0, Q4_K or Q6_K blocks of `full`) on the
+    int8 kernel where it runs, everything else on bf16 (which reads Q4_1/Q8_0 blocks for few rows,
     with the same bits as its bf16 copy). Fixed per weight at load, never by the row count."""
     if raw and int8_ready():
         fmt, blocks = next(iter(raw.items()))
@@ -119,7 +119,7 @@ class LlamaModel:
             if self.numerics is Numerics.FAST:
                 found = [blocks.get(n) for n in names]
                 raw = {}
-                for fmt in ("q4_1", "q8_0"):
+                for fmt in ("q4_1", "q8_0", "q4_k", "q6_k"):
                     if all(f is not None and f[0] == fmt for f in found) and can_pack(fmt, *full.shape):
                         raw[fmt] = torch.cat([f[1] for f in found if f is not None])
                 return InvariantLinear(full, rows, fast=fast_weight(full, raw))

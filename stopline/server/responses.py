@@ -43,13 +43,14 @@ from stopline.engine.output import RequestOutput
 from stopline.engine.streams import EngineDead, EngineOverloaded, EngineUnavailable
 from stopline.grammar import tool_format
 from stopline.request import AbortSource, FinishReason, InvalidRequest
-from stopline.server import batch, limits
+from stopline.server import batch, limits, reasoning
 from stopline.server.errors import ApiError, param_of
 from stopline.server.format import UsageSum
 from stopline.server.protocol import (
     ChatRequest,
     _Strict,
     _validation_error,
+    chat_messages,
     grammar_of,
     parse,
     sampling_params,
@@ -57,9 +58,10 @@ from stopline.server.protocol import (
 )
 from stopline.server.serving import (
     _LEFT,
+    _encode,
     _first_output,
-    _prompt_ids,
     _unless_client_leaves,
+    chat_text,
     read_body,
 )
 from stopline.server.sse import SSEResponse
@@ -517,7 +519,12 @@ async def _create(request: Request, srv: ServerState) -> Response:
         params = sampling_params(chat, queue_timeout=srv.settings.queue_timeout, default_max_tokens=None)
         tools = tools_of(chat)
         params.grammar = grammar_of(chat, tools)
-        prompt = (await _prompt_ids(chat, engine.tokenizer, tools))[0]
+        # A thinking model thinks here too (server/reasoning.py); reasoning.effort is its budget.
+        effort = req.reasoning.get("effort") if isinstance(req.reasoning, dict) else None
+        limit = reasoning.budget(effort, None, "reasoning.effort")
+        text = chat_text(engine.tokenizer, chat_messages(chat, tools))
+        prompt = await _encode(engine.tokenizer, text, add_special_tokens=False)
+        params.reasoning = reasoning.spec(srv.reasoning_markers, engine.tokenizer, text, limit)
     except ApiError as exc:
         raise _renamed(exc) from None
     if req.background and store.closed:

@@ -23,7 +23,17 @@ import numpy as np
 import torch
 
 from stopline.model.kernels.native import _cpu_flags, kernels
-from stopline.model.kernels.quant_linear import BLOCK_BYTES, GROUP, PANEL, _f16_by_panel, can_pack
+from stopline.model.kernels.quant_linear import (
+    BLOCK_BYTES,
+    GROUP,
+    PANEL,
+    SUPER,
+    _f16_by_panel,
+    _f32_by_panel,
+    block_shape,
+    can_pack,
+    kquant_parts,
+)
 
 # STOPLINE_INT8=0 keeps block weights on the bf16 kernels in fast mode (as float weights are).
 INT8_SWITCH = "STOPLINE_INT8"
@@ -42,20 +52,30 @@ def int8_ready() -> bool:
 def pack(fmt: str, raw: np.ndarray, in_features: int) -> torch.Tensor:
     """The kernel's layout (csrc/int8_gemm.c) of GGML blocks [out_features, groups * bytes]."""
     n, k = raw.shape[0], in_features
-    if not can_pack(fmt, n, k) or raw.shape[1] != k // GROUP * BLOCK_BYTES[fmt]:
+    if not can_pack(fmt, n, k) or raw.shape[1] != k // block_shape(fmt)[0] * block_shape(fmt)[1]:
         raise ValueError(f"cannot pack a {fmt} weight of {tuple(raw.shape)} bytes for {n} x {k}")
     panels, groups = n // PANEL, k // GROUP
-    b = raw.reshape(n, groups, BLOCK_BYTES[fmt])
-    parts = [_f16_by_panel(b, 0, panels, groups)]
-    if fmt == "q4_1":
-        parts.append(_f16_by_panel(b, 2, panels, groups))
-        qs = b[..., 4:]
-        q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [N, G, 32] in k order
+    if fmt in SUPER:  # float32 scales (and minima) multiplied out as gguf does (quant_linear)
+        sc, mn, kq = kquant_parts(fmt, raw, k)
+        if mn is not None:  # Q4_K: dw = d * sc, mw = -(dmin * m), nibbles as Q4_1's
+            parts = [_f32_by_panel(sc, panels, groups), _f32_by_panel(-mn, panels, groups)]
+            q = kq.reshape(n, groups, GROUP)
+        else:  # Q6_K: the scales of k 0-15 and of k 16-31, quants + 128 as Q8_0's
+            halves = sc.reshape(n, groups, 2)
+            parts = [_f32_by_panel(halves[..., 0], panels, groups), _f32_by_panel(halves[..., 1], panels, groups)]
+            q = (kq.astype(np.int16) + 128).astype(np.uint8).reshape(n, groups, GROUP)
     else:
-        q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        b = raw.reshape(n, groups, BLOCK_BYTES[fmt])
+        parts = [_f16_by_panel(b, 0, panels, groups)]
+        if fmt == "q4_1":
+            parts.append(_f16_by_panel(b, 2, panels, groups))
+            qs = b[..., 4:]
+            q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [N, G, 32] in k order
+        else:
+            q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     # [P, 2 halves, 16 columns, G, 8 steps, 4 k] -> [P, G, 8 steps, 2 halves, 16 columns, 4 k]
     q = q.reshape(panels, 2, 16, groups, 8, 4).transpose(0, 3, 4, 1, 2, 5)
-    if fmt == "q4_1":  # half 0 in the low nibble, half 1 in the high one
+    if fmt in ("q4_1", "q4_k"):  # half 0 in the low nibble, half 1 in the high one
         q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)
     parts.append(np.ascontiguousarray(q).reshape(panels, groups, -1))
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(-1))
@@ -63,11 +83,12 @@ def pack(fmt: str, raw: np.ndarray, in_features: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Int8Weight:
-    """A [out_features, in_features] weight in Q4_1 or Q8_0 blocks, in the int8 kernel's layout."""
+    """A [out_features, in_features] weight in Q4_1, Q8_0, Q4_K or Q6_K blocks, in the int8
+    kernel's layout."""
 
     out_features: int
     in_features: int
-    fmt: str  # "q4_1" or "q8_0"
+    fmt: str  # "q4_1", "q8_0", "q4_k" or "q6_k"
     packed: torch.Tensor  # uint8, flat
 
     @classmethod
@@ -93,6 +114,8 @@ class Int8Weight:
             s = torch.empty(m, k // GROUP, dtype=torch.int32)
             lib = kernels()
             lib.stopline_quantize_rows(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr(), ds.data_ptr(), s.data_ptr())
+            if self.fmt == "q6_k":  # one sum a scale: per 16 k (exact in int32)
+                s = q.view(m, k // 16, 16).sum(-1, dtype=torch.int32)
             self._fn(q.data_ptr(), d.data_ptr(), ds.data_ptr(), s.data_ptr(), self.packed.data_ptr(),
                      y.data_ptr(), m, k, self.out_features)
         return y
@@ -101,8 +124,7 @@ class Int8Weight:
     def _fn(self):  # looked up once: called ~120 times a step
         if not has_vnni():
             raise RuntimeError("this CPU lacks AVX512-VNNI; the int8 kernel cannot run")
-        lib = kernels()
-        return lib.stopline_q4_1_i8_gemm if self.fmt == "q4_1" else lib.stopline_q8_0_i8_gemm
+        return getattr(kernels(), f"stopline_{self.fmt}_i8_gemm")
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,6 +161,8 @@ def reference(x: torch.Tensor, fmt: str, raw: np.ndarray) -> torch.Tensor:
     blocks raw [N, K / 32 * bytes]."""
     n, k = raw.shape[0], x.shape[1]
     groups = k // GROUP
+    if fmt in SUPER:
+        return _kquant_reference(x, fmt, raw)
     b = torch.from_numpy(np.ascontiguousarray(raw)).reshape(n, groups, BLOCK_BYTES[fmt])
     dw = b[..., 0:2].contiguous().view(torch.float16)[..., 0].float()  # [N, G]
     if fmt == "q4_1":
@@ -155,4 +179,27 @@ def reference(x: torch.Tensor, fmt: str, raw: np.ndarray) -> torch.Tensor:
         acc = _fma(isum, dw[None, :, g] * d[:, g, None], acc)
         if fmt == "q4_1":
             acc = _fma(mw[None, :, g].expand_as(acc), ds[:, g, None].expand_as(acc), acc)
+    return acc
+
+
+def _kquant_reference(x: torch.Tensor, fmt: str, raw: np.ndarray) -> torch.Tensor:
+    """reference() for Q4_K (Q4_1's steps with its float32 scale and minimum) and Q6_K (a
+    step per 16 k: its integer sum times scale * d)."""
+    n, k = raw.shape[0], x.shape[1]
+    groups = k // GROUP
+    sc, mn, kq = (torch.from_numpy(np.ascontiguousarray(a)) if a is not None else None
+                  for a in kquant_parts(fmt, raw, k))
+    u = kq.to(torch.int64)  # [N, K]
+    q, d, ds, _ = quantize_rows(x)
+    q = q.to(torch.int64)
+    acc = torch.zeros(x.shape[0], n)
+    for g in range(groups):
+        if mn is not None:
+            isum = (q[:, g * GROUP:(g + 1) * GROUP] @ u[:, g * GROUP:(g + 1) * GROUP].T).float()
+            acc = _fma(isum, sc[None, :, g] * d[:, g, None], acc)
+            acc = _fma((-mn[None, :, g]).expand_as(acc), ds[:, g, None].expand_as(acc), acc)
+            continue
+        for h in (2 * g, 2 * g + 1):
+            isum = (q[:, h * 16:(h + 1) * 16] @ u[:, h * 16:(h + 1) * 16].T).float()
+            acc = _fma(isum, sc[None, :, h] * d[:, g, None], acc)
     return acc

@@ -135,7 +135,7 @@ def _load() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(_build(_compiler(), default_cache_dir() / "native")))
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"could not build or load the kernels: {e}") from e
-    for fn in (lib.stopline_q4_1_gemm, lib.stopline_q8_0_gemm):
+    for fn in (lib.stopline_q4_1_gemm, lib.stopline_q8_0_gemm, lib.stopline_q4_k_gemm, lib.stopline_q6_k_gemm):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         fn.restype = None
@@ -172,7 +172,8 @@ def _load() -> ctypes.CDLL:
         fn.restype = None
     lib.stopline_quantize_rows.argtypes = [ptr, c_int, c_int, ptr, ptr, ptr, ptr]
     lib.stopline_quantize_rows.restype = None
-    for fn in (lib.stopline_q4_1_i8_gemm, lib.stopline_q8_0_i8_gemm):
+    for fn in (lib.stopline_q4_1_i8_gemm, lib.stopline_q8_0_i8_gemm, lib.stopline_q4_k_i8_gemm,
+               lib.stopline_q6_k_i8_gemm):
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int, c_int, c_int]
         fn.restype = None
     lib.stopline_amx_init.argtypes = []

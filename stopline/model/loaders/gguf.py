@@ -23,7 +23,15 @@ from stopline.model.config import (
     ModelConfig,
     UnsupportedModelError,
 )
-from stopline.model.kernels.quant_linear import BLOCK_BYTES, GGML_TYPES, GROUP, Blocks
+from stopline.model.kernels.quant_linear import (
+    GGML_TYPES,
+    GROUP,
+    Q5_0,
+    Q5_0_BYTES,
+    Blocks,
+    block_shape,
+    q5_0_as_q8_0,
+)
 from stopline.model.loaders.weights_cache import as_float32
 from stopline.tokenizer.tokenizer import Tokenizer
 
@@ -323,11 +331,17 @@ def _config_from_fields(fields: dict[str, Any], tensor_names: set[str], tokenize
 
 def raw_blocks(t: GGUFTensorInfo) -> tuple[str, np.ndarray] | None:
     """(format, [rows, bytes] copy of the GGML blocks) for a 2-D tensor in a format the
-    quantized-weight kernel reads (see quant_linear.py), else None."""
+    quantized-weight kernels read (see quant_linear.py), else None. Q5_0 comes back as the
+    Q8_0 blocks of the same weights."""
+    if t.ggml_type == Q5_0 and len(t.shape) == 2 and t.shape[1] % GROUP == 0:
+        return "q8_0", q5_0_as_q8_0(t.data.reshape(t.shape[0], t.shape[1] // GROUP * Q5_0_BYTES))
     fmt = GGML_TYPES.get(t.ggml_type)
-    if fmt is None or len(t.shape) != 2 or t.shape[1] % GROUP:
+    if fmt is None or len(t.shape) != 2:
         return None
-    return fmt, np.array(t.data.reshape(t.shape[0], t.shape[1] // GROUP * BLOCK_BYTES[fmt]))
+    per, size = block_shape(fmt)
+    if t.shape[1] % per:
+        return None
+    return fmt, np.array(t.data.reshape(t.shape[0], t.shape[1] // per * size))
 
 
 def load_gguf(

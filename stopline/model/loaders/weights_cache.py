@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 # Bump when the cached content changes meaning (layout, unpermute, tokenizer state, ...).
-FORMAT_VERSION = 2  # 2: the GGML blocks of quantized weights too
+FORMAT_VERSION = 3  # 2: the GGML blocks of quantized weights too; 3: Q4_K, Q6_K, Q5_0 (as Q8_0) too
 
 _META_PREFIX = "stopline."
 

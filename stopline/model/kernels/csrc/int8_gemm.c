@@ -27,6 +27,12 @@
  *         c's v + 128 at k = 4t + j, of the second 64 column 16 + c's              (1088 B)
  * (Q8_0 is stored offset to unsigned, vpdpbusd's unsigned operand; the offset's 128 * s is
  * taken off the exact integer sum.)
+ *   Q4_K: Q4_1's with dw[32] and mw[32] float32: d * sc and -(dmin * m) of the group's
+ *         sub-block (quant_linear.kquant_parts), then Q4_1's 8 steps             (768 B)
+ *   Q6_K: s0[32], s1[32] float32 (d * sc of k 0-15, of k 16-31), then Q8_0's 8 steps of
+ *         q + 128 (q in -32..31). Each half has its own scale, so its own integer sum and
+ *         offset (the caller passes x's sums per 16 k as s):                   (1280 B)
+ *             acc = fma(float(sum_lo v * q), s0 * d, acc); acc = fma(float(sum_hi v * q), s1 * d, acc)
  *
  * Compiled for VNNI by attribute, as bf16_gemm.c is for BF16; the caller checks the CPU flag.
  */
@@ -39,6 +45,9 @@
 #define GROUP 32
 #define Q4_REC (PANEL * 2 * 2 + GROUP / 2 * PANEL)
 #define Q8_REC (PANEL * 2 + GROUP * PANEL)
+#define Q4K_REC (PANEL * 4 * 2 + GROUP / 2 * PANEL)
+#define Q6K_REC (PANEL * 4 * 2 + GROUP * PANEL)
+enum { F_Q4_1, F_Q8_0, F_Q4_K, F_Q6_K };
 /* Rows a pass carries: per row two int32 group sums and two fp32 accumulators (16 columns
  * each), so 6 rows take 24 of the 32 vector registers, the rest the weights and scales. */
 #define MR 6
@@ -86,35 +95,38 @@ static inline TARGET __m512 f16x16(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 }
 
-/* One panel (32 columns) for rows [0, mr); q8 selects the record format. The group sums of
+/* One panel (32 columns) for rows [0, mr); fmt selects the record format. The group sums of
  * all mr rows are finished before any is scaled, so the weights are unpacked once a pass. */
 static inline TARGET __attribute__((always_inline)) void
 i8_panel(const int8_t* xq, const float* xd, const float* xds, const int32_t* xs, int K,
-         const uint8_t* P, float* y, long ldy, int mr, int q8) {
+         const uint8_t* P, float* y, long ldy, int mr, int fmt) {
     const int groups = K / GROUP;
-    const long rec_bytes = q8 ? Q8_REC : Q4_REC;
+    const int q8 = fmt == F_Q8_0 || fmt == F_Q6_K, k6 = fmt == F_Q6_K, f32 = fmt >= F_Q4_K;
+    const long rec_bytes = fmt == F_Q4_1 ? Q4_REC : fmt == F_Q8_0 ? Q8_REC : fmt == F_Q4_K ? Q4K_REC : Q6K_REC;
+    const int head = f32 ? 256 : q8 ? 64 : 128;  /* bytes of scales before the quants */
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[MR][2];
     UNROLL for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
         const uint8_t* rec = P + g * rec_bytes;
         /* Few rows leave too few vpdpbusd chains to hide its latency: they sum the even and
-         * the odd steps apart and add the two at the end (integer sums: the same bits). */
+         * the odd steps apart and add the two at the end (integer sums: the same bits). Q6_K
+         * sums its two halves (steps 0-3, 4-7) apart, as "sum" and "odd", for their scales. */
         __m512i sum[MR][2], odd[MR][2];
         UNROLL for (int r = 0; r < mr; r++) sum[r][0] = sum[r][1] = odd[r][0] = odd[r][1] = _mm512_setzero_si512();
         _Pragma("GCC unroll 8") for (int t = 0; t < GROUP / 4; t++) {
             __m512i w0, w1;
             if (q8) {
-                w0 = _mm512_loadu_si512((const void*)(rec + 64 + t * 128));
-                w1 = _mm512_loadu_si512((const void*)(rec + 64 + t * 128 + 64));
+                w0 = _mm512_loadu_si512((const void*)(rec + head + t * 128));
+                w1 = _mm512_loadu_si512((const void*)(rec + head + t * 128 + 64));
             } else {
-                __m512i v = _mm512_loadu_si512((const void*)(rec + 128 + t * 64));
+                __m512i v = _mm512_loadu_si512((const void*)(rec + head + t * 64));
                 w0 = _mm512_and_si512(v, low);
                 w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
             UNROLL for (int r = 0; r < mr; r++) {
                 __m512i xv = _mm512_set1_epi32(*(const int32_t*)(xq + (long)r * K + g * GROUP + 4 * t));
-                if (mr <= SPLIT_ROWS && (t & 1)) {
+                if (k6 ? t >= 4 : mr <= SPLIT_ROWS && (t & 1)) {
                     odd[r][0] = _mm512_dpbusd_epi32(odd[r][0], w0, xv);
                     odd[r][1] = _mm512_dpbusd_epi32(odd[r][1], w1, xv);
                 } else {
@@ -123,13 +135,29 @@ i8_panel(const int8_t* xq, const float* xd, const float* xds, const int32_t* xs,
                 }
             }
         }
-        if (mr <= SPLIT_ROWS)
+        if (!k6 && mr <= SPLIT_ROWS)
             UNROLL for (int r = 0; r < mr; r++) {
                 sum[r][0] = _mm512_add_epi32(sum[r][0], odd[r][0]);
                 sum[r][1] = _mm512_add_epi32(sum[r][1], odd[r][1]);
             }
-        __m512 d0 = f16x16(rec), d1 = f16x16(rec + 32);
-        if (q8) {
+        const float* fs = (const float*)rec;
+        __m512 d0 = f32 ? _mm512_loadu_ps(fs) : f16x16(rec), d1 = f32 ? _mm512_loadu_ps(fs + 16) : f16x16(rec + 32);
+        if (k6) {
+            __m512 e0 = _mm512_loadu_ps(fs + 32), e1 = _mm512_loadu_ps(fs + 48);
+            UNROLL for (int r = 0; r < mr; r++) {
+                long i = (long)r * groups + g;
+                __m512i off_lo = _mm512_set1_epi32(128 * xs[2 * i]), off_hi = _mm512_set1_epi32(128 * xs[2 * i + 1]);
+                __m512 xdr = _mm512_set1_ps(xd[i]);
+                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][0], off_lo)),
+                                            _mm512_mul_ps(d0, xdr), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][1], off_lo)),
+                                            _mm512_mul_ps(d1, xdr), acc[r][1]);
+                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(odd[r][0], off_hi)),
+                                            _mm512_mul_ps(e0, xdr), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(odd[r][1], off_hi)),
+                                            _mm512_mul_ps(e1, xdr), acc[r][1]);
+            }
+        } else if (q8) {
             UNROLL for (int r = 0; r < mr; r++) {
                 long i = (long)r * groups + g;
                 __m512i off = _mm512_set1_epi32(128 * xs[i]);
@@ -140,7 +168,8 @@ i8_panel(const int8_t* xq, const float* xd, const float* xds, const int32_t* xs,
                                             _mm512_mul_ps(d1, xdr), acc[r][1]);
             }
         } else {
-            __m512 m0 = f16x16(rec + 64), m1 = f16x16(rec + 96);
+            __m512 m0 = f32 ? _mm512_loadu_ps(fs + 32) : f16x16(rec + 64);
+            __m512 m1 = f32 ? _mm512_loadu_ps(fs + 48) : f16x16(rec + 96);
             UNROLL for (int r = 0; r < mr; r++) {
                 long i = (long)r * groups + g;
                 __m512 xdr = _mm512_set1_ps(xd[i]), xdsr = _mm512_set1_ps(xds[i]);
@@ -172,14 +201,17 @@ typedef void (*PanelFn)(const int8_t* xq, const float* xd, const float* xds, con
     static const PanelFn kind##_panels[MR + 1] = {0, kind##_panel_1, kind##_panel_2,            \
                                                   kind##_panel_3, kind##_panel_4,               \
                                                   kind##_panel_5, kind##_panel_6};
-PANEL_FNS(q4, 0)
-PANEL_FNS(q8, 1)
+PANEL_FNS(q4, F_Q4_1)
+PANEL_FNS(q8, F_Q8_0)
+PANEL_FNS(q4k, F_Q4_K)
+PANEL_FNS(q6k, F_Q6_K)
 
 /* Each thread takes whole panels (guided, as quant_gemm.c, for neighbours); a panel runs its
  * rows in chunks of at most MR, as even as possible. The chunking changes which registers hold
  * a row's sums, never their order. */
 static void gemm(const PanelFn* panels, long rec_bytes, const int8_t* xq, const float* xd,
-                 const float* xds, const int32_t* xs, const uint8_t* w, float* y, int M, int K, int N) {
+                 const float* xds, const int32_t* xs, const uint8_t* w, float* y, int M, int K, int N,
+                 int sums_a_group) {
     long panel_bytes = (long)(K / GROUP) * rec_bytes;
     int groups = K / GROUP, chunks = (M + MR - 1) / MR;
 #pragma omp parallel for schedule(guided)
@@ -188,7 +220,8 @@ static void gemm(const PanelFn* panels, long rec_bytes, const int8_t* xq, const 
         for (int c = 0; c < chunks; c++) {
             int m0 = (int)((long)M * c / chunks), mr = (int)((long)M * (c + 1) / chunks) - m0;
             long o = (long)m0 * groups;
-            panels[mr](xq + (long)m0 * K, xd + o, xds + o, xs + o, K, P, y + (long)m0 * N + p * PANEL, N);
+            panels[mr](xq + (long)m0 * K, xd + o, xds + o, xs + o * sums_a_group, K, P,
+                       y + (long)m0 * N + p * PANEL, N);
         }
     }
 }
@@ -197,10 +230,21 @@ static void gemm(const PanelFn* panels, long rec_bytes, const int8_t* xq, const 
  * multiples of 32. */
 void stopline_q4_1_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
                            const uint8_t* w, float* y, int M, int K, int N) {
-    gemm(q4_panels, Q4_REC, q, d, ds, s, w, y, M, K, N);
+    gemm(q4_panels, Q4_REC, q, d, ds, s, w, y, M, K, N, 1);
 }
 
 void stopline_q8_0_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
                            const uint8_t* w, float* y, int M, int K, int N) {
-    gemm(q8_panels, Q8_REC, q, d, ds, s, w, y, M, K, N);
+    gemm(q8_panels, Q8_REC, q, d, ds, s, w, y, M, K, N, 1);
+}
+
+void stopline_q4_k_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
+                           const uint8_t* w, float* y, int M, int K, int N) {
+    gemm(q4k_panels, Q4K_REC, q, d, ds, s, w, y, M, K, N, 1);
+}
+
+/* s here: x's quant sums per 16 k (M x K/16), one per Q6_K scale. */
+void stopline_q6_k_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
+                           const uint8_t* w, float* y, int M, int K, int N) {
+    gemm(q6k_panels, Q6K_REC, q, d, ds, s, w, y, M, K, N, 2);
 }

@@ -15,7 +15,11 @@
  * Packed layouts (built by stopline/model/quant_linear.py), in panels of 32 output columns,
  * panel-major, then one record per group of 32 k:
  *   Q4_1: d[32] f16, m[32] f16, then 16 k-pairs x 32 bytes (low nibble k even, high k odd)
- *   Q8_0: d[32] f16, then 32 k x 32 int8
+ *   Q8_0: d[32] f16, then 32 k x 32 int8 (a GGUF's Q5_0 too, its quants q - 16)
+ *   Q4_K: s[32] f32 (d * sc), n[32] f32 (-(dmin * m)), then Q4_1's 16 k-pairs x 32 bytes;
+ *         w = fma(s, q, n), which is gguf's (d * sc) * q - dmin * m because s * q is exact
+ *   Q6_K: s0[32] f32 (d * sc of k 0-15), s1[32] f32 (of k 16-31), then 32 k x 32 int8 (q - 32);
+ *         w = s * q, gguf's own product
  */
 #include <immintrin.h>
 #include <stddef.h>
@@ -27,6 +31,8 @@
 #define GROUP 32
 #define Q4_REC (PANEL * 2 * 2 + GROUP / 2 * PANEL)
 #define Q8_REC (PANEL * 2 + GROUP * PANEL)
+#define Q4K_REC (PANEL * 4 * 2 + GROUP / 2 * PANEL)
+#define Q6K_REC (PANEL * 4 * 2 + GROUP * PANEL)
 
 /* Rows a panel pass carries: 12 rows x 2 vectors of 16 columns = 24 accumulators, which with
  * the dequantized weights and their scales fill the 32 vector registers, and each x broadcast
@@ -49,9 +55,9 @@
  * at one row, 0.94-0.97x at two; at eight rows and more it cost 2-11%, so they skip it. */
 #define FAR_ROWS 2
 
-static inline void q4_deq(const uint8_t* rec, int pair, __m512 d0, __m512 d1, __m512 m0, __m512 m1,
+static inline void q4_deq(const uint8_t* nibbles, int pair, __m512 d0, __m512 d1, __m512 m0, __m512 m1,
                           __m512* we0, __m512* we1, __m512* wo0, __m512* wo1) {
-    const __m128i* v = (const __m128i*)(rec + 128 + pair * PANEL);
+    const __m128i* v = (const __m128i*)(nibbles + pair * PANEL);
     __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(v));
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(v + 1));
     /* The low nibble's float(q) by table: permutexvar reads only an index's low 4 bits, so one
@@ -98,7 +104,7 @@ q4_panel(const float* x, long ldx, const uint8_t* P, float* y, long ldy, int mr,
             const float* xk = x + g * GROUP;
             for (int p = 0; p < GROUP / 2; p++) {
                 __m512 we0, we1, wo0, wo1;
-                q4_deq(rec, p, d0, d1, m0, m1, &we0, &we1, &wo0, &wo1);
+                q4_deq(rec + 128, p, d0, d1, m0, m1, &we0, &we1, &wo0, &wo1);
                 UNROLL for (int r = 0; r < mr; r++) {
                     __m512 xe = _mm512_set1_ps(xk[r * ldx + 2 * p]);
                     acc[r][0] = _mm512_fmadd_ps(xe, we0, acc[r][0]);
@@ -139,6 +145,67 @@ q8_panel(const float* x, long ldx, const uint8_t* P, float* y, long ldy, int mr,
     }
 }
 
+/* Q4_K: Q4_1's loop with float32 scales and negated minima (see the header). */
+static inline __attribute__((always_inline)) void
+q4k_panel(const float* x, long ldx, const uint8_t* P, float* y, long ldy, int mr, int K, int kc) {
+    __m512 acc[MR][2];
+    for (int k0 = 0; k0 < K; k0 += kc) {
+        int k1 = k0 + kc < K ? k0 + kc : K;
+        UNROLL for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int g = k0 / GROUP; g < k1 / GROUP; g++) {
+            const uint8_t* rec = P + (long)g * Q4K_REC;
+            fetch_record(rec, Q4K_REC, mr <= FAR_ROWS);
+            const float* f = (const float*)rec;
+            __m512 d0 = _mm512_loadu_ps(f), d1 = _mm512_loadu_ps(f + 16);
+            __m512 m0 = _mm512_loadu_ps(f + 32), m1 = _mm512_loadu_ps(f + 48);
+            const float* xk = x + g * GROUP;
+            for (int p = 0; p < GROUP / 2; p++) {
+                __m512 we0, we1, wo0, wo1;
+                q4_deq(rec + 256, p, d0, d1, m0, m1, &we0, &we1, &wo0, &wo1);
+                UNROLL for (int r = 0; r < mr; r++) {
+                    __m512 xe = _mm512_set1_ps(xk[r * ldx + 2 * p]);
+                    acc[r][0] = _mm512_fmadd_ps(xe, we0, acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(xe, we1, acc[r][1]);
+                    __m512 xo = _mm512_set1_ps(xk[r * ldx + 2 * p + 1]);
+                    acc[r][0] = _mm512_fmadd_ps(xo, wo0, acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(xo, wo1, acc[r][1]);
+                }
+            }
+        }
+        add_block(acc, y, ldy, mr, k0 == 0);
+    }
+}
+
+/* Q6_K: Q8_0's loop with a float32 scale a 16 k (see the header). */
+static inline __attribute__((always_inline)) void
+q6k_panel(const float* x, long ldx, const uint8_t* P, float* y, long ldy, int mr, int K, int kc) {
+    __m512 acc[MR][2];
+    for (int k0 = 0; k0 < K; k0 += kc) {
+        int k1 = k0 + kc < K ? k0 + kc : K;
+        UNROLL for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int g = k0 / GROUP; g < k1 / GROUP; g++) {
+            const uint8_t* rec = P + (long)g * Q6K_REC;
+            fetch_record(rec, Q6K_REC, mr <= FAR_ROWS);
+            const float* f = (const float*)rec;
+            const float* xk = x + g * GROUP;
+            for (int h = 0; h < 2; h++) {
+                __m512 d0 = _mm512_loadu_ps(f + 32 * h), d1 = _mm512_loadu_ps(f + 32 * h + 16);
+                for (int k = 16 * h; k < 16 * h + 16; k++) {
+                    const __m128i* v = (const __m128i*)(rec + 256 + k * PANEL);
+                    __m512 w0 = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(v))));
+                    __m512 w1 = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(v + 1))));
+                    UNROLL for (int r = 0; r < mr; r++) {
+                        __m512 xv = _mm512_set1_ps(xk[r * ldx + k]);
+                        acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+                        acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+                    }
+                }
+            }
+        }
+        add_block(acc, y, ldy, mr, k0 == 0);
+    }
+}
+
 /* One function per row count, each compiled on its own with the count a constant, so its
  * accumulators stay in registers; the entry points pick one from a table. */
 typedef void (*PanelFn)(const float* x, long ldx, const uint8_t* P, float* y, long ldy, int K, int kc);
@@ -157,6 +224,8 @@ typedef void (*PanelFn)(const float* x, long ldx, const uint8_t* P, float* y, lo
         kind##_panel_11, kind##_panel_12};
 PANEL_FNS(q4)
 PANEL_FNS(q8)
+PANEL_FNS(q4k)
+PANEL_FNS(q6k)
 
 /* The entry points. x: M x K float32 rows (contiguous), y: M x N; K and kc multiples of 32,
  * N of 32. Each thread takes whole panels, so a panel's bits never depend on which thread
@@ -185,4 +254,12 @@ void stopline_q4_1_gemm(const float* x, const uint8_t* w, float* y, int M, int K
 
 void stopline_q8_0_gemm(const float* x, const uint8_t* w, float* y, int M, int K, int N, int kc) {
     gemm(q8_panels, Q8_REC, x, w, y, M, K, N, kc);
+}
+
+void stopline_q4_k_gemm(const float* x, const uint8_t* w, float* y, int M, int K, int N, int kc) {
+    gemm(q4k_panels, Q4K_REC, x, w, y, M, K, N, kc);
+}
+
+void stopline_q6_k_gemm(const float* x, const uint8_t* w, float* y, int M, int K, int N, int kc) {
+    gemm(q6k_panels, Q6K_REC, x, w, y, M, K, N, kc);
 }
