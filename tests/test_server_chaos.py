@@ -275,6 +275,7 @@ async def solo(http: httpx.AsyncClient, job: Job) -> dict[int, str]:
         for p, prompt in enumerate(job.body["prompt"]):
             body = {**job.body, "prompt": prompt, "n": 1, "stream": False}
             r = (await http.post("/v1/completions", json=body)).json()
+            assert "choices" in r, (body, r)
             for j in range(job.body["n"]):
                 want[p * job.body["n"] + j] = r["choices"][0]["text"]
         return want
@@ -283,6 +284,7 @@ async def solo(http: httpx.AsyncClient, job: Job) -> dict[int, str]:
         await run_messages(http, alone)
         return {0: alone.choices[0]}
     r = (await http.post("/v1/chat/completions", json={**job.body, "stream": False})).json()
+    assert "choices" in r, (job.body, r)
     msg = r["choices"][0]["message"]
     if job.kind == "reason":
         return {0: msg["reasoning_content"] + (ANSWER + msg["content"] if msg["content"] else "")}
