@@ -228,7 +228,7 @@ class DisaggCores:
             # rather than risk a prefix served across adapters (docs/lora.md).
             return [{"status": 400, "message": "LoRA adapters are not served with --disagg"}]
         live = [r for r in ROLES if self.state[r] == "healthy"]
-        return list(await asyncio.gather(*(self.cores[r].utility(method, args) for r in live)))
+        return list(await asyncio.gather(*(self.cores[r].utility(method, *args) for r in live)))
 
     def _forget(self, inc: str) -> None:
         self.samples.pop(inc, None)

@@ -37,8 +37,8 @@ from stopline.engine.grammars import GrammarHolder
 from stopline.engine.inbox import Inbox
 from stopline.engine.output import OutputProcessor, RequestOutput
 from stopline.engine.role import Role
-from stopline.kv.block_pool import BlockPool, LedgerError
-from stopline.kv.kv_cache import KVCache, SwapSpace
+from stopline.kv.block_pool import LedgerError
+from stopline.kv.kv_cache import make_cache
 from stopline.kv.manager import KVManager, group_window
 from stopline.lifecycle import Holder, Lifecycle
 from stopline.model.decoder_native import StepInterrupt
@@ -105,16 +105,7 @@ class EngineCore:
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
-        per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim)
-        num_blocks = cfg.num_blocks or max(1, int(cfg.kv_cache_memory_gb * 2**30) // per_block)
-        self.pool = BlockPool(num_blocks, cfg.block_size)
-        self.kv = KVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim,
-                          device=cfg.device)
-        if cfg.debug:
-            self.pool.on_garbage = self.kv.poison
-        swap = None
-        if cfg.preemption_mode is not PreemptionMode.RECOMPUTE:
-            swap = SwapSpace(cfg.swap_space_blocks or num_blocks)
+        self.pool, self.kv, swap = make_cache(cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim)
         self.model: LlamaModel | None = None
         if runner is None and worker is None:
             runner = ModelRunner.for_model(loaded, self.kv, cfg)
@@ -164,7 +155,6 @@ class EngineCore:
         self._interrupt = StepInterrupt()  # an Event the C decoder loop can read too
         self.steps = 0
         self.interrupted_steps = 0
-        self._ms_per_prefill_token: float | None = None
         # Async scheduling: the worker's step (the forward, then its sampling) runs on this
         # thread pool's one thread (torch releases the GIL) while this thread detokenizes
         # and emits the previous step's tokens.
@@ -278,9 +268,6 @@ class EngineCore:
         return self.outputs.collect()
 
     def _schedule(self) -> StepPlan:
-        if self._ms_per_prefill_token and self.config.target_step_ms:
-            self.scheduler.prefill_cap = max(self.config.block_size,
-                                             int(self.config.target_step_ms / self._ms_per_prefill_token))
         plan = self.scheduler.schedule()
         if self.config.debug and any(c.req.paused for c in plan.chunks):  # docs/stop-path.md
             raise LedgerError(f"a paused request is in step {plan.step_id}: "
@@ -318,20 +305,8 @@ class EngineCore:
         finally:
             with self.inbox.lock:
                 self._inflight_ids = set()
-        self._measure(plan, (time.perf_counter() - t0) * 1000)
+        self.scheduler.measured(plan, (time.perf_counter() - t0) * 1000)
         return outcome
-
-    def _measure(self, plan: StepPlan, elapsed_ms: float) -> None:
-        """Cost per row of the step, decode rows included: the cap gives the prefill rows about
-        target_step_ms on top of the decodes. Measured from 16 prefill rows up, or from the cap
-        itself: a threshold above the cap would freeze the estimate once one slow step had
-        pushed the cap below it."""
-        n_prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
-        if n_prefill >= min(16, self.scheduler.prefill_cap or 16):
-            per_tok = elapsed_ms / plan.num_tokens
-            prev = self._ms_per_prefill_token
-            self._ms_per_prefill_token = per_tok if prev is None else 0.7 * prev + 0.3 * per_tok
-            self.lifecycle.ms_per_recomputed_token = self._ms_per_prefill_token
 
     @property
     def _text_pending(self) -> list[Request]:
@@ -455,6 +430,7 @@ class EngineCore:
             assert self._weights_path is not None and isinstance(self.runner, ModelRunner)
             loaded = load_model(self._weights_path[0], progress=False)
             self.runner.model = self.model = ModelRunner.build_model(loaded, self.config)
+            self.model.adapters = self.adapters.loaded  # loaded adapters outlive the network
             self.loaded = loaded
         self.kv.restore_memory()
         self.asleep = 0
@@ -486,6 +462,7 @@ class EngineCore:
         loaded, self._staged = self._staged, None
         assert isinstance(self.runner, ModelRunner)
         self.runner.model = self.model = ModelRunner.build_model(loaded, self.config)
+        self.model.adapters = self.adapters.loaded  # loaded adapters outlive the network
         self.loaded = loaded
         self._weights_path = (loaded.source,)
         self.kv_manager.new_weights()

@@ -6,6 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
+from stopline.config import EngineConfig, PreemptionMode
+from stopline.kv.block_pool import BlockPool
+
 
 class KVCache:
     """Per layer, K and V as [num_kv_heads, (num_blocks + 1) * block_size, head_dim]: heads
@@ -130,3 +133,19 @@ class SwapSpace:
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_slots)
+
+
+def make_cache(cfg: EngineConfig, num_layers: int, num_kv_heads: int,
+               head_dim: int) -> tuple[BlockPool, KVCache, SwapSpace | None]:
+    """The block pool, its K/V tensors and host swap space (none when preemption only
+    recomputes), sized by cfg: num_blocks, or as many as kv_cache_memory_gb holds."""
+    per_block = KVCache.bytes_per_block(num_layers, cfg.block_size, num_kv_heads, head_dim)
+    num_blocks = cfg.num_blocks or max(1, int(cfg.kv_cache_memory_gb * 2**30) // per_block)
+    pool = BlockPool(num_blocks, cfg.block_size)
+    kv = KVCache(num_layers, num_blocks, cfg.block_size, num_kv_heads, head_dim, device=cfg.device)
+    if cfg.debug:
+        pool.on_garbage = kv.poison  # a freed block reads as NaN: a stale read fails loudly
+    swap = None
+    if cfg.preemption_mode is not PreemptionMode.RECOMPUTE:
+        swap = SwapSpace(cfg.swap_space_blocks or num_blocks)
+    return pool, kv, swap

@@ -337,7 +337,7 @@ async def _messages(request: Request, srv: ServerState) -> Response:
     msg = Message(rid, lora or srv.model_name, len(prompt), list(params.stop), plan.parses_calls)
     headers = _headers(rid, trace)
 
-    def abort(t0: float) -> None:
+    def disconnected(t0: float) -> None:
         log.info("%s: client disconnected (request id %s)", rid, trace)
         group.end(AbortSource.DISCONNECT, t0)
         group.detach()
@@ -346,7 +346,7 @@ async def _messages(request: Request, srv: ServerState) -> Response:
         outputs: Any = group
         if params.grammar is not None:
             # A tool grammar that can't be compiled is a 400 before the stream's first byte.
-            peeked = await _first_output(request, group, abort)
+            peeked = await _first_output(request, group, disconnected)
             if peeked is None:
                 return Response(status_code=499)
             refused = _grammar_error(peeked.first)
@@ -355,10 +355,10 @@ async def _messages(request: Request, srv: ServerState) -> Response:
                 group.detach()
                 raise refused
             outputs = peeked
-        return SSEResponse(_events(outputs, msg), on_disconnect=abort, wake=group.detach,
+        return SSEResponse(_events(outputs, msg), on_disconnect=disconnected, wake=group.detach,
                            headers=headers)
     try:
-        got = await _unless_client_leaves(request, _collect(group, msg), abort)
+        got = await _unless_client_leaves(request, _collect(group, msg), disconnected)
     finally:
         group.end(AbortSource.DISCONNECT)
         group.close()

@@ -583,7 +583,7 @@ async def _create(request: Request, srv: ServerState) -> Response:
             return _follow(run, -1, headers)
         return _json(response, headers)
 
-    def abort(t0: float) -> None:
+    def disconnected(t0: float) -> None:
         log.info("%s: client disconnected", rid)
         group.end(AbortSource.DISCONNECT, t0)
         group.detach()
@@ -591,7 +591,7 @@ async def _create(request: Request, srv: ServerState) -> Response:
     source: Any = group
     if params.grammar is not None and req.stream:
         # A grammar that can't be compiled is a 400 before the first byte (serving.py).
-        peeked = await _first_output(request, group, abort)
+        peeked = await _first_output(request, group, disconnected)
         if peeked is None:
             Pump(run, group, group, writer, srv, entry, messages).close()
             return Response(status_code=499)
@@ -606,14 +606,14 @@ async def _create(request: Request, srv: ServerState) -> Response:
         source = peeked
     pump = Pump(run, group, source, writer, srv, entry, messages)
     if req.stream:
-        return SSEResponse(pump.frames(), on_disconnect=abort, wake=group.detach, headers=headers)
+        return SSEResponse(pump.frames(), on_disconnect=disconnected, wake=group.detach, headers=headers)
 
     async def whole() -> None:
         async for _ in pump.frames():
             pass
 
     try:
-        got = await _unless_client_leaves(request, whole(), abort)
+        got = await _unless_client_leaves(request, whole(), disconnected)
     finally:
         pump.close()  # however it ended (the client left, our task was cancelled)
     if got is _LEFT:
