@@ -69,6 +69,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "AVX512-BF16 (fast); both batch-invariant (docs/numerics.md)")
 
 
+    g.add_argument("--audit-every", type=int, default=0, metavar="N",
+                   help="run the ownership audit (the ledger, every holder) on every Nth step "
+                        "while busy too; a failure is logged and counted (0: only in debug mode)")
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         kv_cache_memory_gb=args.kv_cache_gb, num_blocks=args.num_blocks, block_size=args.block_size,
@@ -82,6 +87,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         linear_backend=args.linear_backend,
         quant_max_rows=args.quant_max_rows, numerics=getattr(args, "numerics", Numerics.EXACT),
         speculative=args.speculative, speculative_tokens=args.speculative_tokens,
+        audit_every=getattr(args, "audit_every", 0),
         max_loras=getattr(args, "max_loras", EngineConfig.max_loras),
         max_lora_rank=getattr(args, "max_lora_rank", EngineConfig.max_lora_rank),
     )

@@ -116,6 +116,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stuck-kill-s", type=float, default=60.0,
                    help="seconds of the same before a stuck engine process is killed (a replica "
                         "is then restarted)")
+    g.add_argument("--restart-core", type=int, default=0, metavar="N",
+                   help="restart the engine-core process when it dies (or is killed for being "
+                        "stuck): its open requests end with an error, new ones are served once "
+                        "it is back; after N deaths within 300 s it stays dead and the server "
+                        "exits (0: never restart, the server exits at the first death)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="answer 429 while this many requests wait for their first step (default: no limit)")
     g.add_argument("--queue-timeout", type=float, default=None,
@@ -127,7 +132,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="outputs a stream holds unread before its request is paused")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds open requests may run before they are aborted")
+    g.add_argument("--paused-admission", choices=["queue", "reject"], default="queue",
+                   help="while paused or asleep (POST /pause, /sleep), new requests wait for the "
+                        "resume (at most --queue-timeout) or get 503 with Retry-After")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    g.add_argument("--reasoning-parser", default="auto",
+                   help="the markers of the model's thinking: 'auto' (the pair its chat template "
+                        "writes, <think>...</think>), 'none' (no thinking), or 'START,END'")
     g.add_argument("--responses-max-stored", type=int, default=1000,
                    help="/v1/responses: stored responses kept at most, oldest ended first (also "
                         "the most background responses running at once)")
@@ -165,13 +176,20 @@ def _loras(specs: list[str]) -> dict[str, str]:
 
 @command("serve", "OpenAI-compatible HTTP server (engine core in its own process)", _serve_args)
 def serve(args: argparse.Namespace) -> int:
+    from stopline.server.reasoning import markers
     from stopline.server.run import serve as run_server
     from stopline.server.state import ServerSettings
 
+    try:
+        markers(args.reasoning_parser, None)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     settings = ServerSettings(
         model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, queue_timeout=args.queue_timeout,
-        drain_timeout=args.drain_timeout, responses_max_stored=args.responses_max_stored,
+        drain_timeout=args.drain_timeout, reasoning_parser=args.reasoning_parser,
+        paused_admission=args.paused_admission,
+        responses_max_stored=args.responses_max_stored,
         responses_ttl_s=args.responses_ttl_s, loras=_loras(args.lora),
         lora_unload_policy=args.lora_unload_policy)
     if args.responses_max_stored < 1 or args.responses_ttl_s <= 0:
@@ -188,6 +206,11 @@ def serve(args: argparse.Namespace) -> int:
         liveness = Bounds(args.stuck_s, args.stuck_kill_s)
     except ValueError as exc:
         raise SystemExit(f"--stuck-s and --stuck-kill-s: {exc}") from None
+    if args.restart_core and (args.replicas is not None or args.disagg or args.in_process):
+        raise SystemExit("--restart-core is for the one engine-core process: replicas and the "
+                         "split's roles restart their own, and --in-process has no process")
+    if args.restart_core < 0:
+        raise SystemExit(f"--restart-core must be >= 0, got {args.restart_core}")
     if args.replicas is not None:
         require("ray", what="--replicas")  # before anything starts, so nothing needs undoing
         from stopline.cluster.frontend import ray_engine
@@ -209,6 +232,14 @@ def serve(args: argparse.Namespace) -> int:
                                listen=args.disagg_listen, liveness=liveness, restarts=restarts,
                                max_waiting=args.max_waiting,
                                stall_timeout=args.stall_timeout, max_buffered=args.max_buffered)
+    elif args.restart_core:
+        from stopline.engine.liveness import Restarts
+        from stopline.engine.proc.restart import restarting_engine
+
+        engine = restarting_engine(args.model, engine_config(args), core_threads=args.core_threads,
+                                   liveness=liveness, restarts=Restarts(limit=args.restart_core),
+                                   max_waiting=args.max_waiting, stall_timeout=args.stall_timeout,
+                                   max_buffered=args.max_buffered)
     return run_server(args.model, engine_config(args), settings, host=args.host, port=args.port,
                       engine=engine, liveness=liveness,
                       in_process=args.in_process, max_waiting=args.max_waiting,
@@ -258,6 +289,8 @@ def role(args: argparse.Namespace) -> int:
 # imports can't break another's parser (the base install builds every one: test_dependencies).
 _BENCHES: list[tuple[str, str, str]] = [
     ("stop", "cost of stopping: cancel storm and preemption storm (in-process)", "stopline.bench.stop"),
+    ("pause", "engine-wide pause with N streams in flight: time to pause and to resume, tokens "
+     "discarded, per mode (abort, keep, wait)", "stopline.bench.pause"),
     ("replicas", "Ray replicas: abort latency through the router, routing overhead, prefix hit rate, "
      "head-of-line, replica kill (run it in a network namespace)", "stopline.bench.replicas"),
     ("disagg", "prefill/decode split: head-of-line after cancelled long prompts, cancel-to-reclaim on "
@@ -272,6 +305,9 @@ _BENCHES: list[tuple[str, str, str]] = [
     ("spec", "speculative decoding off / on / auto: one repetitive stream, one free, N streams",
      "stopline.bench.spec"),
     ("offline", "offline tokens/s, 1 and N streams, next to HF transformers generate", "stopline.bench.offline"),
+    ("marathon", "the server under steady and burst load with client cancels while its engine "
+     "processes are paused and killed: canaries exact, recovery time, pool and RSS over time, "
+     "log scan", "stopline.bench.marathon"),
     ("soak", "server memory over many requests, half closed early: RSS bytes per request", "stopline.bench.soak"),
     ("neighbours", "decode step time quiet and beside a process taking a slice of our CPUs "
      "(phases alternate; --no-adapt-threads for the A/B)", "stopline.bench.neighbours"),

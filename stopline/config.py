@@ -129,6 +129,9 @@ class EngineConfig:
     speculative: SpecMode = SpecMode.AUTO
     speculative_tokens: int = 8  # most drafts a request verifies in one step
     debug: bool = False  # audit after every step and poison freed blocks
+    # The ownership audit on every Nth step while busy too (0: only in debug mode and through
+    # the audit utility). A failure is logged and counted, and the core keeps serving.
+    audit_every: int = 0
     device: str = "cpu"
     seed: int = 0
 
@@ -139,6 +142,8 @@ class EngineConfig:
             self.debug = True
         if self.max_preemptions < 0:
             raise ValueError(f"EngineConfig.max_preemptions must be >= 0, got {self.max_preemptions}")
+        if self.audit_every < 0:
+            raise ValueError(f"EngineConfig.audit_every must be >= 0, got {self.audit_every}")
         if self.quant_max_rows < 0:
             raise ValueError(f"EngineConfig.quant_max_rows must be >= 0, got {self.quant_max_rows}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):

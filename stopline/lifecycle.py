@@ -66,7 +66,7 @@ class Lifecycle:
         self.ms_per_swap: float | None = None  # fixed, whatever the blocks
         self.ms_per_swapped_block: float | None = None
         # Debug mode: requests ended since the last audit, to check that no holder kept any.
-        self.ended: list[Request] | None = [] if config.debug else None
+        self.ended: list[Request] | None = [] if config.debug or config.audit_every else None
 
     # ---- doors ----------------------------------------------------------------------------
     def finish(self, req: Request, reason: FinishReason, detail: str | None = None) -> None:

@@ -64,7 +64,21 @@ class AbortSource(str, enum.Enum):
     DEADLINE = "deadline"  # queue timeout or total deadline passed
     STALLED = "stalled"  # the client read nothing for the stall timeout
     SIBLING = "sibling"  # another engine request of the same HTTP request failed
+    # The engine's own stops (docs/engine-stops.md): the client gets an error, not a success.
+    PAUSE = "pause"  # POST /pause?mode=abort
+    SLEEP = "sleep"  # POST /sleep with mode abort
+    UPDATE = "update"  # POST /update_weights with mode abort
+    REPLICA = "replica"  # the replica or role serving it died
     UNLOAD = "unload"  # its LoRA adapter was unloaded with the abort policy
+
+    @property
+    def engine_initiated(self) -> bool:
+        """The engine ended it on its own (not the client, not its deadline): an error."""
+        return self in _ENGINE_SOURCES
+
+
+_ENGINE_SOURCES = frozenset({AbortSource.SHUTDOWN, AbortSource.PAUSE, AbortSource.SLEEP,
+                             AbortSource.UPDATE, AbortSource.REPLICA})
 
 
 class InvalidRequest(ValueError):
@@ -73,6 +87,20 @@ class InvalidRequest(ValueError):
 
 class UnknownAdapter(InvalidRequest):
     """The request names a model that is neither the base model nor a loaded LoRA adapter."""
+
+
+@dataclass
+class ReasoningSpec:
+    """A request whose model thinks before it answers: the thinking sits between `start_ids`
+    and `end_ids` (the markers as the tokenizer encodes them) and is delivered apart from the
+    answer. `opened`: the prompt ends inside the thinking (the template wrote the start
+    marker), else the output may open it. `max_thinking_tokens`: the budget; past it the
+    engine writes the end marker itself and the answer follows (None: no budget)."""
+
+    start_ids: Sequence[int]
+    end_ids: Sequence[int]
+    opened: bool = True
+    max_thinking_tokens: int | None = None
 
 
 @dataclass
@@ -107,6 +135,7 @@ class SamplingParams:
     grammar: str | None = None
     # token id -> added to its logit before sampling (OpenAI's logit_bias: <= 300, [-100, 100])
     logit_bias: Mapping[int, float] | None = None
+    reasoning: ReasoningSpec | None = None  # the model thinks first (see ReasoningSpec)
     # The LoRA adapter (its served model name) this request runs under; None: the base model.
     lora: str | None = None
 
@@ -153,6 +182,13 @@ class SamplingParams:
             for tok, v in self.logit_bias.items():
                 if not isinstance(tok, int) or tok < 0 or not (-100 <= v <= 100):
                     raise bad("logit_bias", f"token ids >= 0 with values in [-100, 100], got {tok!r}: {v!r}")
+        r = self.reasoning
+        if r is not None:
+            if not r.end_ids or (not r.opened and not r.start_ids):
+                raise bad("reasoning", "the thinking markers must be non-empty")
+            if r.max_thinking_tokens is not None and (not isinstance(r.max_thinking_tokens, int)
+                                                      or r.max_thinking_tokens < 0):
+                raise bad("max_thinking_tokens", f"must be an integer >= 0, got {r.max_thinking_tokens!r}")
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise bad("lora", f"must be an adapter's name, got {self.lora!r}")
         for name in ("queue_timeout", "deadline"):
@@ -193,6 +229,7 @@ class Usage:
     accepted_draft_tokens: int = 0
     rejected_draft_tokens: int = 0
     discarded_draft_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those of the thinking (markers included)
 
     @property
     def total_tokens(self) -> int:
@@ -200,6 +237,7 @@ class Usage:
 
 
 _internal_ids = itertools.count()
+NOT_YET = 1 << 62  # a reasoning boundary the output has not reached
 
 
 @dataclass(eq=False)
@@ -252,6 +290,15 @@ class Request:
     num_detokenized: int = 0  # output tokens already turned into text
     sent_text_len: int = 0
     sent_tokens: int = 0
+    # Reasoning (params.reasoning), written by the output processor alone: output tokens
+    # [think_begin, think_end) are the thinking, [answer_begin, ...) the answer, the rest
+    # markers. NOT_YET: that boundary is still ahead. Output tokens never change on
+    # preemption, so neither do these: a resumed request is in the phase it left.
+    think_begin: int = 0
+    think_end: int = 0
+    answer_begin: int = 0
+    reasoning_text: str = ""  # detokenized thinking
+    sent_reasoning_len: int = 0
     # n > 1: the first sample prefills the prompt; the others wait, holding references to
     # its blocks, and fork from it when it samples its first token.
     fork_leader: Request | None = None
@@ -296,7 +343,13 @@ class Request:
             accepted_draft_tokens=self.spec_accepted,
             rejected_draft_tokens=self.spec_rejected,
             discarded_draft_tokens=self.spec_discarded,
+            reasoning_tokens=min(self.sent_tokens, self.answer_begin),
         )
+
+    @property
+    def thinking(self) -> bool:
+        """In the thinking (or not yet past the place where it may open)."""
+        return self.answer_begin == NOT_YET
 
 
 @dataclass(eq=False)

@@ -80,3 +80,8 @@ class StopStats:
     spec_rejected: int = 0
     spec_discarded: Counter = field(default_factory=Counter)  # reason -> tokens
     spec_verify_steps: int = 0  # verify runs processed (one per speculating request and step)
+    # The ownership audit on sampled busy steps (EngineConfig.audit_every): runs, failures and
+    # the seconds they took (its cost, docs/soak.md).
+    audits: int = 0
+    audit_failures: int = 0
+    audit_seconds: float = 0.0

@@ -17,18 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import os
 import random
 import signal
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
 from stopline.lifecycle import state_name
-from stopline.request import AbortSource, FinishReason, SamplingParams, UnknownAdapter
+from stopline.request import (
+    AbortSource,
+    FinishReason,
+    ReasoningSpec,
+    SamplingParams,
+    UnknownAdapter,
+)
 
 TARGET_STATES = ["waiting", "prefilling", "running", "preempted", "swapped", "any"]
 STOPS = ["e", "th", " a", "o", "in", "\n"]
@@ -98,7 +105,16 @@ def _params(rng: random.Random) -> SamplingParams:
     return SamplingParams(**kw)
 
 
+def _reasoning(rng: random.Random) -> ReasoningSpec:
+    """A thinking request: markers of plain ids (the end one two tokens long, so the budget's
+    end may finish one the model began), opened by the prompt or not, a budget or none."""
+    return ReasoningSpec([5], [6, 7], opened=rng.random() < 0.7,
+                         max_thinking_tokens=rng.choice([None, 0, 1, 3, 6]))
+
+
 def make_workload(seed: int, count: int, vocab: int) -> list[Job]:
+    # Thinking requests are drawn apart, so that the rest stays as it was drawn before.
+    think = random.Random(seed * 45 + 1)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 20))] for _ in range(8)]
     jobs: list[Job] = []
@@ -107,6 +123,8 @@ def make_workload(seed: int, count: int, vocab: int) -> list[Job]:
         prompt = base + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 24))]
         caller = f"r{i}" if not jobs or rng.random() > 0.15 else rng.choice(jobs).caller_id
         job = Job(f"k{i}", caller, prompt, _params(rng))
+        if think.random() < 0.25:
+            job.params.reasoning = _reasoning(think)
         if rng.random() < 0.45:
             job.abort = (rng.choice(TARGET_STATES), rng.randrange(0, 12))
         elif rng.random() < 0.06:
@@ -176,6 +194,13 @@ class StormResult:
     freezes: int = 0  # SIGSTOP/SIGCONT of an engine process during the storm
     refused: set = dataclasses.field(default_factory=set)  # keys refused: their adapter was unloading
     unloads: int = 0  # LoRA unloads during the storm (each reloaded later)
+    # Engine-wide stops (run_async_storm's `stops`): what was drawn, the jobs an engine-
+    # initiated end reached (their stream raised EngineStopped), those a pause kept out past
+    # their queue timeout (never admitted), and the weight versions their outputs carried.
+    stops: dict = field(default_factory=lambda: defaultdict(int))
+    stopped: set = field(default_factory=set)
+    held_out: set = field(default_factory=set)
+    versions: set = field(default_factory=set)
 
 
 def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int,
@@ -283,6 +308,14 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
     longer than what it had at the abort). Returns the number of aborted samples."""
     n_abort = 0
     for job in work:
+        if job.key in res.held_out:  # a pause held it past its queue timeout: never admitted
+            assert not any(res.got[job.key][i] or res.terminals[(job.key, i)] for i in range(4)), job.key
+            continue
+        if job.key in res.stopped:  # ended by the engine: an error, with a prefix of its tokens
+            for i in range(job.params.n):
+                assert len(res.terminals[(job.key, i)]) <= 1, f"{job.key}[{i}]: two terminals"
+                tokens = res.got[job.key][i]
+                assert tokens == ref[job.key][i][: len(tokens)], f"{job.key}[{i}]: stopped, not a prefix"
         if job.key in res.refused:
             assert job.params.lora is not None and not any((job.key, i) in res.terminals for i in range(4))
             continue
@@ -307,14 +340,18 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
                 assert tokens == want[: len(tokens)], f"{job.key}[{i}]: timed-out output is not a prefix"
             else:
                 assert reason in (FinishReason.STOP, FinishReason.LENGTH), (job.key, i, term)
-                assert tokens == want, f"{job.key}[{i}]: survivor differs from its undisturbed run"
+                first = next((k for k, (a, b) in enumerate(zip(tokens, want, strict=False)) if a != b), min(len(tokens), len(want)))
+                assert tokens == want, (f"{job.key}[{i}]: survivor differs from its undisturbed run at "
+                                        f"token {first} of {len(tokens)} (want {len(want)}); {term}; "
+                                        f"stops {dict(res.stops)}")
     return n_abort
 
 
 def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed: int,
                     *, subprocess: bool = True, make=None, max_delay: float = 0.4,
                     slow: float = 0.0, max_buffered: int = 64, freeze: float = 0.0,
-                    adapters: dict[str, str] | None = None, churn: float = 0.0) -> StormResult:
+                    adapters: dict[str, str] | None = None, churn: float = 0.0,
+                    stops: float = 0.0) -> StormResult:
     """The storm through the async engine (the core in its own process, over ZMQ): each job
     streams in its own task; an aborted job's cancel goes out after a random wall-clock
     delay, so it lands between steps, mid-forward or mid-prefill as it happens. `make`:
@@ -327,8 +364,12 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
     moments of the storm, each followed by SIGCONT; kept under the stuck bound, a stopped
     process only delays its requests. adapters: LoRA adapters loaded at the start (messages to
     the core); churn: the longest pause (s) between unloads of one of them (policy abort or
-    wait, drawn), each loaded again from its files once gone."""
+    wait, drawn), each loaded again from its files once gone. stops: the longest gap (s)
+    between engine-wide stops drawn during the storm (docs/engine-stops.md): pause in every
+    mode then resume, sleep and wake, and weight updates in every mode to the same weights
+    (new versions, the same tokens: every request still equals its solo run)."""
     from stopline.engine.async_engine import AsyncEngine
+    from stopline.engine.streams import EngineStopped, EngineUnavailable
 
     rng = random.Random(seed)
     res = StormResult(defaultdict(lambda: defaultdict(list)), defaultdict(list), {},
@@ -347,18 +388,27 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
             cancel = asyncio.create_task(later())
         try:
             stream = await adding
+        except EngineUnavailable:  # held by a pause past its queue timeout
+            res.held_out.add(job.key)
+            if cancel is not None:
+                cancel.cancel()
+            return
         except UnknownAdapter:  # its adapter was unloading: refused, nothing queued
             res.refused.add(job.key)
             if cancel is not None:
                 cancel.cancel()
             return
-        async for out in stream:
-            res.got[job.key][out.index] += delivered(out)
-            if out.finished:
-                res.terminals[(job.key, out.index)].append(out)
-            if nap and sum(map(len, res.got[job.key].values())) >= 2:
-                await asyncio.sleep(nap)  # the reader stops; the engine runs on until it pauses
-                nap = 0.0
+        try:
+            async for out in stream:
+                res.got[job.key][out.index] += delivered(out)
+                res.versions.add(out.weight_version)
+                if out.finished:
+                    res.terminals[(job.key, out.index)].append(out)
+                if nap and sum(map(len, res.got[job.key].values())) >= 2:
+                    await asyncio.sleep(nap)  # the reader stops; the engine runs on until it pauses
+                    nap = 0.0
+        except EngineStopped:
+            res.stopped.add(job.key)
         if cancel is not None:
             cancel.cancel()
         if job.race:  # cancel after the natural end, then the same caller id again
@@ -401,6 +451,40 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                 res.freezes += 1
                 await asyncio.sleep(stop_s)
 
+        srng = random.Random(seed + 2)
+
+        async def stopper() -> None:
+            try:
+                await stops_drawn()
+            except Exception:
+                await engine.wake_up()  # the jobs held by the failed stop end; the storm fails
+                raise
+
+        # Every kind and mode in turn, those that keep the requests first (an abort ends many
+        # jobs, and the storm ends with its last job), at random moments.
+        drawn = ["pause:keep", "update:keep", "pause:wait", "update:wait", "sleep:wait",
+                 "pause:abort", "update:abort", "sleep:abort"]
+
+        async def stops_drawn() -> None:
+            for k in itertools.count():
+                await asyncio.sleep(srng.uniform(0.02, stops))
+                kind, _, mode = drawn[k % len(drawn)].partition(":")
+                if kind == "pause":
+                    await engine.pause(mode, timeout=0.5)
+                    await asyncio.sleep(srng.uniform(0, 0.1))
+                    await engine.resume()
+                elif kind == "sleep":
+                    mode = "wait" if mode == "wait" else "abort"
+                    try:
+                        await engine.sleep(1, mode, timeout=0.5)
+                        await asyncio.sleep(srng.uniform(0, 0.1))
+                        await engine.wake_up()
+                    except TimeoutError:  # still running after the wait: paused, not asleep
+                        await engine.resume()
+                else:
+                    await engine.update_weights(model_dir, mode, timeout=0.5)
+                res.stops[f"{kind}:{mode}"] += 1
+
         async def churner() -> None:
             names = sorted(adapters or {})
             while True:
@@ -420,6 +504,7 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
             assert got["status"] == 200, got
         churning = asyncio.create_task(churner()) if churn else None
         thawing = asyncio.create_task(freezer()) if freeze else None
+        stopping = asyncio.create_task(stopper()) if stops else None
         try:
             tasks = []
             for n, job in enumerate(work):
@@ -432,6 +517,12 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                 if n % 4 == 3:
                     await asyncio.sleep(rng.uniform(0, 0.02))
             await asyncio.gather(*tasks)
+            if stopping is not None:
+                if stopping.done():
+                    stopping.result()  # a stop that failed fails the storm
+                stopping.cancel()
+                await asyncio.gather(stopping, return_exceptions=True)
+                await engine.wake_up()  # whatever it was cut in, the engine admits again
             if churning is not None:
                 churning.cancel()
                 await asyncio.gather(churning, return_exceptions=True)
@@ -448,6 +539,8 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                 assert snap.kv_blocks_used == 0 and snap.running == snap.waiting == 0, snap
                 assert not any(v[0] for v in snap.loras.values()), f"adapter references when idle: {snap.loras}"
         finally:
+            if stopping is not None:
+                stopping.cancel()
             if churning is not None:
                 churning.cancel()
             if thawing is not None:

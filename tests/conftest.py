@@ -28,6 +28,13 @@ def tiny_long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_think_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama whose chat template thinks (<think> 3, </think> 4; 8,192-token context)."""
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny_think") / "model", seed=0,
+                               max_position=8192, thinking=True)
+
+
+@pytest.fixture(scope="session")
 def stopline_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Weights cache dir shared by a test session."""
     return tmp_path_factory.mktemp("stopline_cache")

@@ -33,7 +33,7 @@ def test_every_benchmark_module_owns_its_flags_and_run():
 
     from stopline.cli import _BENCHES
 
-    assert len(_BENCHES) == len({name for name, *_ in _BENCHES}) == 12
+    assert len(_BENCHES) == len({name for name, *_ in _BENCHES}) == 14
     for name, _help, module in _BENCHES:
         mod = importlib.import_module(module)
         p = argparse.ArgumentParser(prog=f"stopline bench {name}")

@@ -189,3 +189,44 @@ def test_eviction_under_pressure_keeps_the_ledger(model_dir: Path) -> None:
     assert pool.lookup(hash_blocks(first[0], BS)) == []
     last = random_prompts(2, [25, 11], seed=111)[0]
     assert len(pool.lookup(hash_blocks(last, BS))) == 25 // BS
+
+
+# ---- the sampled busy-time audit (EngineConfig.audit_every) ---------------------------------
+
+def test_sampled_audit_runs_on_every_nth_busy_step_and_changes_no_output(model_dir: Path) -> None:
+    work = _workload()
+    plain = drive(_llm(model_dir, max_preemptions=1000).engine, work, audit=False)
+    e = _llm(model_dir, max_preemptions=1000, audit_every=3).engine
+    sampled = drive(e, work, audit=False)
+    assert {k: r.token_ids for k, r in plain.items()} == {k: r.token_ids for k, r in sampled.items()}
+    st = e.lifecycle.stats
+    assert st.audits == (e.steps + 2) // 3 and st.audits > 3  # steps 0, 3, 6, ...
+    assert st.audit_failures == 0 and st.audit_seconds > 0
+
+
+def test_sampled_audit_logs_and_counts_a_leak_and_keeps_serving(model_dir: Path, caplog) -> None:
+    llm = _llm(model_dir, num_blocks=256, audit_every=1)
+    e = llm.engine
+    for rid, p, params in _workload()[:6]:
+        e.add_request(rid, p, params)
+    for _ in range(3):
+        e.step()
+    b = next(reversed(e.pool.free_queue))
+    del e.pool.free_queue[b]  # a lost free block, planted mid-run
+    with caplog.at_level("ERROR", logger="stopline.engine"):
+        e.step()
+    assert e.lifecycle.stats.audit_failures == 1
+    assert any("ownership audit failed" in r.getMessage() and "leak" in r.getMessage()
+               for r in caplog.records), caplog.text
+    e.pool.free_queue[b] = None  # found again: the next audits pass
+    while e.has_unfinished():
+        e.step()
+    assert e.lifecycle.stats.audit_failures == 1
+    assert e.lifecycle.stats.audits == e.steps
+
+
+def test_audit_every_must_not_be_negative() -> None:
+    from stopline.config import EngineConfig
+
+    with pytest.raises(ValueError, match="audit_every"):
+        EngineConfig(audit_every=-1)

@@ -288,3 +288,37 @@ def test_replicas_liveness_in_a_network_namespace():
     assert proc.returncode == 0, tail
     m = re.search(r"(\d+) passed", proc.stdout)
     assert m and int(m.group(1)) >= 1 and "failed" not in proc.stdout, tail
+
+
+def test_a_loop_stuck_outside_a_step_reports_its_age(tiny_model_dir):
+    """Liveness is progress (issue 47 item 2): the age a heartbeat reports grows while the
+    loop is held anywhere in an iteration (here a utility call that never returns), not only
+    inside a step; it is 0 while the loop waits idle."""
+    from stopline import LLM
+    from stopline.engine.core_loop import CoreLoop
+
+    core = LLM(model=str(tiny_model_dir), progress=False).engine
+    held, release = threading.Event(), threading.Event()
+
+    def wedged_audit() -> None:
+        held.set()
+        release.wait(10)
+
+    core.audit = wedged_audit
+    loop = CoreLoop(core, lambda batch: None)
+    t = threading.Thread(target=loop.run, daemon=True)
+    t.start()
+    try:
+        _wait(lambda: loop._busy_since is None, 5, "the loop never went idle")
+        assert loop.step_age() == 0.0
+        fut = loop.call("audit")
+        assert held.wait(5)
+        time.sleep(0.3)
+        assert loop.step_age() >= 0.25  # held between steps: the heartbeat says so
+        release.set()
+        fut.result(5)
+        _wait(lambda: loop.step_age() == 0.0, 5, "idle again, age 0")
+    finally:
+        release.set()
+        loop.stop()
+        t.join(5)

@@ -330,3 +330,19 @@ def test_a_gguf_lora_file_loads_as_its_peft_twin(tmp_path_factory, tmp_path, pro
     model_gguf = make_tiny_gguf(base_dir, tmp_path / "model.gguf")
     got = eng.engine.load_lora("model", str(model_gguf))
     assert got["status"] == 400 and "not a LoRA adapter" in got["message"], got
+
+
+def test_adapters_outlive_a_weight_update_and_a_deep_sleep(tmp_path_factory, prompts) -> None:
+    """The network is built again by commit_weights and by a wake from sleep level 2: the
+    loaded adapters serve on, with the same tokens."""
+    base_dir, adapters = family(tmp_path_factory, "llama")
+    llm = _engine(base_dir, {"qv": adapters["qv"]})
+    want = _run(llm, prompts[:2], [greedy(MAX_NEW, lora="qv")] * 2)
+    eng = llm.engine
+    eng.stage_weights(str(base_dir))
+    eng.commit_weights()
+    assert _run(llm, prompts[:2], [greedy(MAX_NEW, lora="qv")] * 2) == want
+    eng.sleep(2)
+    eng.wake_up()
+    assert _run(llm, prompts[:2], [greedy(MAX_NEW, lora="qv")] * 2) == want
+    assert_idle(eng)

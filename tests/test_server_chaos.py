@@ -1,9 +1,12 @@
-"""The stop path where the server's features meet (issue 41), drawn at random over real HTTP:
-batched prompts with n > 1, cancels by the response id on both endpoints (single and bulk)
-and by disconnect, tool-call streams cancelled or dropped mid-call, all at once on a pool
-small enough that requests are preempted, with async scheduling and the audit after every
-step (STOPLINE_DEBUG=1). Half the jobs run under one of two LoRA adapters (`model: NAME`), so
-rows of different adapters and the base share the storm's steps.
+"""The stop path where the server's features meet (issues 41, 45), drawn at random over real
+HTTP: batched prompts with n > 1, cancels by the response id on both endpoints (single and
+bulk) and by disconnect, tool-call streams cancelled or dropped mid-call, Anthropic
+/v1/messages streams with tools, thinking chat streams with budgets and stop strings, all at
+once on a pool small enough that requests are preempted, with async scheduling and the audit
+after every step (STOPLINE_DEBUG=1). Half the batch and tool jobs run under one of two LoRA
+adapters (`model: NAME`), so rows of different adapters and the base share the storm's steps.
+SmolLM2 does not think, so the server is told that its thinking runs from the generation
+prompt to its first "." (--reasoning-parser): a chat request thinks unless its budget is 0.
 
 Checked: every choice of every stream gets exactly one finish_reason and nothing after it,
 never `error`; a survivor's text (or tool call) equals the same prompt served alone; a
@@ -39,6 +42,13 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
                    "required": ["city"], "additionalProperties": False}}}
 ACTIONS = ("none", "none", "disconnect", "cancel", "bulk_cancel")
+REASONING = "<|im_start|>assistant,."  # the thinking: from the generation prompt to the first "."
+TOOL = {"name": "get_weather", "description": "Current weather in a city",
+        "input_schema": WEATHER["function"]["parameters"]}
+# Anthropic's ends, as the chat ends they are checked as
+ANTHROPIC_ENDS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
+                  "tool_use": "tool_calls"}
+THINK, ANSWER = "\x00", "\x01"  # where a streamed thinking or answer block starts, in `choices`
 RESPONSE_ACTIONS = ("none", "disconnect", "cancel", "cancel")
 TERMINAL = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
 ADAPTERS = ("fr", "de")  # random LoRA adapters the server loads with --lora
@@ -46,7 +56,9 @@ ADAPTERS = ("fr", "de")  # random LoRA adapters the server loads with --lora
 
 @dataclass
 class Job:
-    kind: str  # "batch": completions with several prompts; "tool": a chat stream calling a tool
+    # "batch": completions with several prompts; "tool": a chat stream calling a tool;
+    # "messages": an Anthropic stream calling a tool; "reason": a thinking chat stream
+    kind: str
     body: dict
     action: str
     after: int  # chunks read before the action
@@ -75,7 +87,7 @@ def make_jobs(seed: int, count: int) -> list[Job]:
         else:
             city = rng.choice(CITIES)
             body = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 40,
-                    "tools": [WEATHER], "tool_choice": "required",
+                    "tools": [WEATHER], "tool_choice": "required", "max_thinking_tokens": 0,
                     "messages": [{"role": "user", "content": f"What is the weather in {city}?"}]}
             jobs.append(Job("tool", body, action, after))
         jobs[-1].body["model"] = models.choice([MODEL, MODEL, *ADAPTERS])
@@ -136,9 +148,78 @@ async def run_response(http: httpx.AsyncClient, job: Job) -> None:
                     _response_event(job, json.loads(line[6:]))
 
 
+def make_api_jobs(seed: int, count: int) -> list[Job]:
+    """Anthropic /v1/messages streams with tools and thinking chat streams; drawn from a
+    generator of their own so the other jobs stay as they were."""
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(count):
+        action, after = rng.choice(ACTIONS), rng.randrange(1, 8)
+        ask = [{"role": "user", "content": rng.choice(PROMPTS)}]
+        if rng.random() < 0.5:
+            city = rng.choice(CITIES)
+            body = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 60,
+                    "messages": [{"role": "user", "content": f"What is the weather in {city}?"}],
+                    "tools": [TOOL], "tool_choice": {"type": rng.choice(["any", "auto"])},
+                    "thinking": rng.choice([{"type": "disabled"}, {"type": "enabled", "budget_tokens": 4}])}
+            jobs.append(Job("messages", body, action, after))
+        else:
+            body = {"model": MODEL, "stream": True, "temperature": 0, "messages": ask,
+                    "max_tokens": rng.randrange(8, 48), "max_thinking_tokens": rng.choice([2, 6, 30]),
+                    "stop": rng.choice([[], [" the"], ["a", "\n"]])}
+            jobs.append(Job("reason", body, action, after))
+    return jobs
+
+
+async def run_messages(http: httpx.AsyncClient, job: Job) -> None:
+    """An Anthropic stream: its blocks in order (in choices[0]), its one end (message_stop
+    with its stop_reason, or an error event), nothing after it."""
+    seen, cancelled, event, mid = 0, False, None, None
+    async with http.stream("POST", "/v1/messages", json=job.body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+                continue
+            if not line.startswith("data: "):
+                continue
+            data = json.loads(line[6:])
+            assert data["type"] == event, (event, data)
+            if job.finishes[0] and event != "message_stop":
+                job.late.append(data)
+            if event == "message_start":
+                mid = data["message"]["id"]
+            elif event == "content_block_start":
+                kind = data["content_block"]["type"]
+                job.choices[0] += {"thinking": THINK, "text": ANSWER}.get(kind, "")
+            elif event == "content_block_delta":
+                d = data["delta"]
+                piece = d.get("thinking") or d.get("text") or d.get("partial_json") or ""
+                if "<tool_call" in piece:
+                    job.markup.append(piece)
+                job.choices[0] += piece
+            elif event == "message_delta":
+                job.finishes[0].append(ANTHROPIC_ENDS[data["delta"]["stop_reason"]])
+            elif event == "error":
+                cancelled_end = "cancelled" in data["error"]["message"]
+                job.finishes[0].append("abort" if cancelled_end else f"error: {data['error']}")
+            seen += 1
+            if seen == job.after and job.action != "none" and not cancelled:
+                cancelled = True
+                if job.action == "disconnect":
+                    return
+                if job.action == "cancel":
+                    c = await http.post(f"/v1/requests/{mid}/cancel")
+                else:
+                    c = await http.post("/v1/requests/cancel", json={"ids": [mid]})
+                assert c.status_code == 200, c.text
+
+
 async def run_job(http: httpx.AsyncClient, job: Job) -> None:
     if job.kind == "response":
         return await run_response(http, job)
+    if job.kind == "messages":
+        return await run_messages(http, job)
     path = "/v1/completions" if job.kind == "batch" else "/v1/chat/completions"
     seen, cancelled = 0, False
     async with http.stream("POST", path, json=job.body) as r:
@@ -154,6 +235,13 @@ async def run_job(http: httpx.AsyncClient, job: Job) -> None:
                     job.late.append(chunk)
                 if job.kind == "batch":
                     job.choices[i] += c.get("text") or ""
+                elif job.kind == "reason":
+                    delta = c.get("delta") or {}
+                    if delta.get("reasoning_content"):
+                        assert ANSWER not in job.choices[i], f"thinking after the answer: {chunk}"
+                        job.choices[i] += delta["reasoning_content"]
+                    if delta.get("content"):
+                        job.choices[i] += ("" if ANSWER in job.choices[i] else ANSWER) + delta["content"]
                 else:
                     delta = c.get("delta") or {}
                     if "content" in delta and (delta["content"] == "" or "<tool_call" in (delta["content"] or "")):
@@ -190,8 +278,15 @@ async def solo(http: httpx.AsyncClient, job: Job) -> dict[int, str]:
             for j in range(job.body["n"]):
                 want[p * job.body["n"] + j] = r["choices"][0]["text"]
         return want
+    if job.kind == "messages":  # streamed alone, read the same way
+        alone = Job(job.kind, job.body, "none", 0)
+        await run_messages(http, alone)
+        return {0: alone.choices[0]}
     r = (await http.post("/v1/chat/completions", json={**job.body, "stream": False})).json()
-    return {0: "".join(tc["function"]["arguments"] for tc in r["choices"][0]["message"]["tool_calls"])}
+    msg = r["choices"][0]["message"]
+    if job.kind == "reason":
+        return {0: msg["reasoning_content"] + (ANSWER + msg["content"] if msg["content"] else "")}
+    return {0: "".join(tc["function"]["arguments"] for tc in msg["tool_calls"])}
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +299,7 @@ def server(smollm2_gguf, smollm2, stopline_cache_dir, tmp_path_factory):
     # preempts (and the largest job, 2 samples of 128 tokens, still fits alone).
     srv = ServerProcess("--num-blocks", "24", "--admission-lookahead", "0", "--async-scheduling",
                         "--preemption-mode", "auto", "--max-lora-rank", "8", "--lora", *loras,
+                        "--reasoning-parser", REASONING,
                         env={"STOPLINE_CACHE_DIR": str(stopline_cache_dir), "STOPLINE_DEBUG": "1"})
     try:
         srv.wait_ready(timeout=240)
@@ -213,7 +309,8 @@ def server(smollm2_gguf, smollm2, stopline_cache_dir, tmp_path_factory):
 
 
 def test_server_storm(server):
-    jobs = make_jobs(seed=41, count=24) + make_response_jobs(seed=45, count=8)
+    jobs = make_jobs(seed=41, count=24) + make_response_jobs(seed=45, count=8) + \
+        make_api_jobs(seed=46, count=8)
     baseline = server.metrics()["stopline_kv_blocks_used"]
 
     async def main() -> list[dict[int, str]]:
@@ -247,8 +344,11 @@ def test_server_storm(server):
                     f"{where}[{i}]: ended {reasons[0]} after its request was cancelled"
                 assert got == full, f"{where}[{i}]: {got!r} != alone {full!r}"
     assert aborted > 0
+    kinds = {j.kind for j in jobs}
+    assert {"messages", "reason"} <= kinds, kinds
     assert {j.body["model"] for j in jobs} == {MODEL, *ADAPTERS}
     m = server.metrics()
+    assert m['stopline_api_requests_total{api="messages"}'] > 0 < m["stopline_reasoning_tokens_total"]
     assert m["stopline_responses_background_running"] == 0
     assert m['stopline_responses_ended_total{status="cancelled"}'] > 0
     for name in ADAPTERS:

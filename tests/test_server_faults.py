@@ -119,7 +119,28 @@ def test_in_process_disconnect_and_queue_full(inproc):
     inproc.wait_idle(timeout=1.0)
 
 
-def test_sigterm_drains_then_aborts_with_shutdown(inproc):
+def test_a_client_gone_before_its_body_arrived_is_not_an_internal_error(inproc):
+    """Found by the marathon (bench/marathon.py): a client that drops its connection while the
+    server still reads its body was a 500 with a traceback in the log. It is a quiet 499 now,
+    nothing admitted, and the server serves on."""
+    import socket
+
+    before = inproc.output().count("Traceback")
+    for _ in range(3):
+        s = socket.create_connection(("127.0.0.1", inproc.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
+        time.sleep(0.3)  # the handler is waiting for the rest of the body
+        s.close()
+    r = httpx.post(inproc.base + "/v1/completions", json={"prompt": "z", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+    time.sleep(0.5)
+    out = inproc.output()
+    assert out.count("Traceback") == before and "internal error" not in out, out[-3000:]
+    assert inproc.metrics()["stopline_requests_open"] == 0
+
+
+def test_sigterm_drains_then_ends_the_rest_with_a_shutdown_error(inproc):
     short: list = []
     long: list = []
     started = [threading.Event(), threading.Event()]
@@ -142,6 +163,9 @@ def test_sigterm_drains_then_aborts_with_shutdown(inproc):
         t.join(15)
     assert short[-1] == "[DONE]" and short[-2]["choices"][0]["finish_reason"] == "length"
     assert long[-1] == "[DONE]"
-    final = long[-2]["choices"][0]
-    assert final["finish_reason"] == "abort" and final["stop_detail"] == "shutdown"
+    # Ended by the engine, not by its client: an error event naming the reason (issue 46),
+    # not finish_reason "abort" + [DONE] that a client would count as a success.
+    final = long[-2]["error"]
+    assert final["code"] == "engine_shutdown" and final["type"] == "service_unavailable_error", final
+    assert all("choices" in c and c["choices"][0]["finish_reason"] is None for c in long[:-2])
     assert inproc.proc.wait(15) == 0

@@ -421,14 +421,14 @@ def test_prefill_cap_recovers_after_one_slow_step(tiny):
     eng = engine(tiny, max_num_batched_tokens=256, target_step_ms=50.0, num_blocks=256)
     eng.add_request("d", PROMPT[:3], SamplingParams(max_tokens=60, ignore_eos=True, **GREEDY))
     eng.step()  # "d" decodes from now on
-    eng._ms_per_prefill_token = 1e4  # as if a step had taken seconds
+    eng.scheduler.ms_per_prefill_token = 1e4  # as if a step had taken seconds
     eng.add_request("long", list(range(3, 250)), SamplingParams(max_tokens=2, **GREEDY))
     caps = []
     for _ in range(30):
         eng.step()
         caps.append(eng.scheduler.prefill_cap)
     assert caps[0] == eng.config.block_size  # pinned at the floor by the slow step
-    assert eng._ms_per_prefill_token < 100 and caps[-1] > eng.config.block_size
+    assert eng.scheduler.ms_per_prefill_token < 100 and caps[-1] > eng.config.block_size
     drain(eng)
 
 
@@ -436,9 +436,9 @@ def test_prefill_cap_follows_measured_cost(tiny):
     eng = engine(tiny, max_num_batched_tokens=256, target_step_ms=50.0)
     eng.add_request("a", list(range(3, 200)), SamplingParams(max_tokens=2, **GREEDY))
     drain(eng)
-    assert eng._ms_per_prefill_token is not None
+    assert eng.scheduler.ms_per_prefill_token is not None
     eng.add_request("b", PROMPT, SamplingParams(max_tokens=2, **GREEDY))
     eng.step()
-    expected = max(eng.config.block_size, int(50.0 / eng._ms_per_prefill_token))
+    expected = max(eng.config.block_size, int(50.0 / eng.scheduler.ms_per_prefill_token))
     assert eng.scheduler.prefill_cap == expected
     drain(eng)

@@ -21,6 +21,17 @@ CHATML_TEMPLATE = (
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# A template that thinks, as Qwen3's and DeepSeek-R1's do: the generation prompt opens the
+# thinking (unless enable_thinking is false), and past assistant turns drop theirs.
+THINK_TEMPLATE = (
+    "{% for message in messages %}{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is not defined or enable_thinking %}{{ '<think>\n' }}{% endif %}{% endif %}"
+)
+THINK_TOKENS = ["<think>", "</think>"]  # ids 3 and 4 in a thinking model (added, not special)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, EOS_ID = 1, 2  # <|im_start|>, <|im_end|>: the SmolLM2 convention
 
@@ -47,7 +58,7 @@ Once upon a time there was a little robot who wanted to learn how to write poems
 """ * 3
 
 
-def _train_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer
+def _train_tokenizer(vocab_size: int, thinking: bool = False):  # -> tokenizers.Tokenizer
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
@@ -58,7 +69,8 @@ def _train_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=1,
-        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+        + [AddedToken(t, special=False, normalized=False) for t in (THINK_TOKENS if thinking else ())],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -88,11 +100,13 @@ def make_tiny_llama_dir(
     init_std: float = 0.02,
     add_bos_token: bool = False,
     chat_template: str | None = CHATML_TEMPLATE,
+    thinking: bool = False,
 ) -> Path:
     """Write a random-weight LlamaForCausalLM HF directory at `path` and return it.
 
     Deterministic for a given set of arguments. Token ids: 0 <|endoftext|>, 1 <|im_start|> (bos),
-    2 <|im_end|> (eos), then the byte alphabet and learned merges.
+    2 <|im_end|> (eos), then the byte alphabet and learned merges. thinking: 3 <think> and
+    4 </think> come before the alphabet, and the chat template thinks (THINK_TEMPLATE).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -128,7 +142,9 @@ def make_tiny_llama_dir(
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
 
-    tok = _train_tokenizer(vocab_size)
+    tok = _train_tokenizer(vocab_size, thinking)
+    if thinking:
+        chat_template = THINK_TEMPLATE
     tok.save(str(path / "tokenizer.json"))
     tcfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -162,6 +162,7 @@ def run(*, model: str | None, requests: int, concurrency: int, max_tokens: int,
     spec = stopline_spec(model, extra=["--kv-cache-gb", str(kv_cache_gb), *(serve_args or [])])
     if tracemalloc:
         spec.env[memtrace.ENV] = str(tracemalloc)
+    stamp = machine.stamp()  # the commit the server runs, before anything can change it
     eng = RunningEngine(spec, log_path, port=port)
     try:
         startup = eng.wait_ready()
@@ -173,7 +174,7 @@ def run(*, model: str | None, requests: int, concurrency: int, max_tokens: int,
     finally:
         eng.stop()
     res.update(
-        **machine.stamp(), command=command,
+        **stamp, command=command,
         model=model or "SmolLM2-135M-Instruct (embedded GGUF)", startup_s=round(startup, 2),
         config={"requests": requests, "concurrency": concurrency, "max_tokens": max_tokens,
                 "sample_every": every, "kv_cache_gb": kv_cache_gb, "seed": seed,

@@ -42,7 +42,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from stopline.config import EngineConfig
@@ -50,7 +49,7 @@ from stopline.disagg.decode_core import split_blocks
 from stopline.disagg.messages import RoleSpec
 from stopline.disagg.role import RoleFactory
 from stopline.engine.async_engine import AsyncEngine
-from stopline.engine.liveness import Bounds
+from stopline.engine.liveness import Bounds, Restarts
 from stopline.engine.messages import Batch, CoreInfo, Utility
 from stopline.engine.proc.remote import PORTS, RemoteCore, split_host_port
 from stopline.engine.proc.transport import ProcCore
@@ -61,28 +60,6 @@ from stopline.request import AbortSource, FinishReason, SamplingParams
 log = logging.getLogger("stopline.disagg")
 
 ROLES = ("prefill", "decode")
-
-
-@dataclass(frozen=True)
-class Restarts:
-    """When a local role that died is started again."""
-
-    limit: int = 5  # this many deaths within window_s: it stays dead
-    window_s: float = 300.0
-    first_s: float = 1.0  # the back-off before the second restart in the window; doubles
-    cap_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.limit < 0 or not self.window_s > 0 or self.first_s < 0 or self.cap_s < self.first_s:
-            raise ValueError(f"bad restart bounds: {self}")
-
-    def delay(self, deaths: int) -> float | None:
-        """Seconds to wait before restarting after the `deaths`-th death in the window (the
-        first restarts at once: a single crash should cost no more than the reload); None:
-        not at all."""
-        if deaths >= self.limit:
-            return None
-        return 0.0 if deaths <= 1 else min(self.cap_s, self.first_s * 2 ** (deaths - 2))
 
 
 def link_addresses(listen: str) -> tuple[str, str]:
@@ -251,7 +228,7 @@ class DisaggCores:
             # rather than risk a prefix served across adapters (docs/lora.md).
             return [{"status": 400, "message": "LoRA adapters are not served with --disagg"}]
         live = [r for r in ROLES if self.state[r] == "healthy"]
-        return list(await asyncio.gather(*(self.cores[r].utility(method) for r in live)))
+        return list(await asyncio.gather(*(self.cores[r].utility(method, *args) for r in live)))
 
     def _forget(self, inc: str) -> None:
         self.samples.pop(inc, None)
@@ -317,10 +294,8 @@ class DisaggCores:
             # Another host's process (that host restarts it: `stopline role`), or one that never
             # started: the start fails as a whole.
             return
-        now = time.monotonic()
-        deaths = [t for t in self._deaths[role] if now - t < self.restarts.window_s] + [now]
-        self._deaths[role] = deaths
-        delay = self.restarts.delay(len(deaths))
+        deaths = self._deaths[role]
+        delay = self.restarts.died(deaths, time.monotonic())
         if delay is None:
             log.error("the %s engine died %d times within %g s (--disagg-restarts %d): it is not "
                       "restarted again; the server answers 503 until it is restarted", role,

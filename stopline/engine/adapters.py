@@ -69,9 +69,6 @@ class Adapters:
     def serves(self, name: str) -> bool:
         return name in self.loaded and name not in self.draining
 
-    def names(self) -> list[str]:
-        return sorted(n for n in self.loaded if n not in self.draining)
-
     def load(self, name: str, path: str) -> dict[str, Any]:
         """Load (and check) an adapter; 400 naming the problem, and nothing changes, if bad."""
         if not name or not isinstance(name, str):

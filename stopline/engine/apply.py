@@ -87,12 +87,13 @@ class StepApplier:
         if isinstance(s, str):  # its grammar can't advance: end it now, never hang
             self.lifecycle.fail(req, FinishReason.ERROR, f"grammar: {s}")
             return
+        before = len(req.output_token_ids)
         try:
             stop = self.outputs.append(req, s.token_id, s.logprob)
         except Exception as exc:  # a stop check that fails ends only its own request
             self.lifecycle.fail(req, FinishReason.ERROR, f"output processing failed: {exc!r}")
             return
-        why = self.grammar.commit(req, s.token_id)
+        why = self.grammar.commit(req, before)
         if why is not None:
             self.lifecycle.fail(req, FinishReason.ERROR, f"grammar: {why}")
             return
@@ -113,12 +114,16 @@ class StepApplier:
         stop: Stop | None = None
         failed = None
         for j, s in enumerate(out.run):
+            before = len(req.output_token_ids)
             try:
                 stop = self.outputs.append(req, s.token_id, s.logprob)
             except Exception as exc:
                 failed = f"output processing failed: {exc!r}"
                 break
-            if j == len(drafts) or s.token_id != drafts[j]:
+            # The output check wrote other tokens than the sampler's (a thinking budget's end
+            # marker): the drafts' K/V from here on belong to tokens that are not the output.
+            written = req.output_token_ids[before:] != [s.token_id]
+            if written or j == len(drafts) or s.token_id != drafts[j]:
                 break
             accepted += 1
             if stop is not None:

@@ -49,8 +49,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stopline.async_engine")
 
-__all__ = ["AsyncEngine", "CoreBackend", "EngineDead", "EngineState", "EngineObserver", "EngineOverloaded",
+__all__ = ["Admission", "AsyncEngine", "CoreBackend", "EngineDead", "PauseMode", "EngineState", "EngineObserver", "EngineOverloaded",
            "EngineUnavailable", "LocalCore", "RequestStream"]
+
+
+class PauseMode(Choice):
+    """What an engine-wide pause does with the requests in flight (docs/engine-stops.md)."""
+
+    ABORT = "abort"  # end them now, as engine-initiated errors
+    KEEP = "keep"  # hold them in place: no step runs, KV kept, streams stay open
+    WAIT = "wait"  # let them finish
+
+
+class Admission(Choice):
+    """What a request that arrives while the engine is paused or asleep gets."""
+
+    QUEUE = "queue"  # it waits for the resume (at most its queue timeout, then 503)
+    REJECT = "reject"  # 503 with Retry-After at once
 
 
 class EngineState(Choice):
@@ -91,12 +106,14 @@ class EngineObserver:
     def on_sample_end(self, reason: str, usage: Usage | None) -> None: ...
     def on_request_end(self, prompt_tokens: int) -> None: ...
     def on_abort_timing(self, timing: AbortTiming) -> None: ...
+    def on_aborted(self, source: str) -> None: ...  # a sample's terminal 'abort', by source
 
 
 class AsyncEngine:
     def __init__(self, backend: CoreBackend, *, max_waiting: int | None = None,
                  observer: EngineObserver | None = None, remember_finished: int = 10_000,
-                 max_buffered: int = 64, stall_timeout: float = 60.0) -> None:
+                 max_buffered: int = 64, stall_timeout: float = 60.0,
+                 paused_admission: Admission | str = Admission.QUEUE) -> None:
         if max_buffered < 2:
             raise ValueError(f"max_buffered must be >= 2, got {max_buffered}")
         if not stall_timeout > 0:
@@ -118,6 +135,15 @@ class AsyncEngine:
         self._finished: OrderedDict[str, list[str | None]] = OrderedDict()
         self._remember = remember_finished
         self._incarnations = itertools.count()
+        # Engine-wide stops (docs/engine-stops.md): these are the front end's, not a request's.
+        self.admission = Admission(paused_admission)
+        self.paused: PauseMode | None = None
+        self.asleep = 0  # sleep level
+        self.weight_version = 0
+        self._halted = False  # the core runs no step (pause mode keep)
+        self._resumed = asyncio.Event()  # set while admitting: held adds wait on it
+        self._resumed.set()
+        self._control = asyncio.Lock()  # one pause, resume, sleep, wake or update at a time
         if hasattr(backend, "confirm_cancels"):  # it watches processes that can get stuck
             backend.confirm_cancels = self.confirm_cancels
 
@@ -189,6 +215,8 @@ class AsyncEngine:
             raise EngineUnavailable(self.unavailable_why())
         params = params or SamplingParams()
         params.validate()
+        if self.held:
+            await self._held(params)
         inc = incarnation if incarnation is not None else f"{request_id}#{next(self._incarnations)}"
         if inc in self._streams:
             raise InvalidRequest(f"incarnation {inc!r} is already in use")
@@ -294,6 +322,151 @@ class AsyncEngine:
             raise EngineUnavailable(self.unavailable_why())
         return await self.backend.utility(method, *args)
 
+    # ---- engine-wide stops (docs/engine-stops.md) ---------------------------------------
+    @property
+    def held(self) -> bool:
+        """Paused or asleep: new requests are not admitted (they wait or get 503)."""
+        return self.paused is not None or self.asleep > 0
+
+    async def _held(self, params: SamplingParams) -> None:
+        if self.admission is Admission.REJECT:
+            raise EngineUnavailable(self.unavailable_why())
+        end = None if params.queue_timeout is None else time.monotonic() + params.queue_timeout
+        # Never a hang: at most the queue timeout, and a drain or death wakes it. A loop: a
+        # pause that came right after the resume holds it again.
+        while self.held and self.state is EngineState.READY:
+            try:
+                await asyncio.wait_for(self._resumed.wait(),
+                                       None if end is None else max(0.0, end - time.monotonic()))
+            except TimeoutError:
+                raise EngineUnavailable(f"{self.unavailable_why()}; the request waited its queue "
+                                        f"timeout ({params.queue_timeout} s)") from None
+        if self.state is not EngineState.READY:
+            raise EngineUnavailable(self.unavailable_why())
+
+    def unreached(self) -> list[str]:
+        """Replicas or roles an engine-wide stop cannot reach now (dead, stuck, restarting)."""
+        health = getattr(self.backend, "health", None)
+        if health is None or not (hasattr(self.backend, "slots") or hasattr(self.backend, "split")):
+            return []
+        return [str(p.get("role", f"replica {p.get('replica', p.get('index', '?'))}"))
+                for p in health() if p.get("state") != "healthy"]
+
+    async def _all(self, method: Utility, args: dict[str, Any] | None = None) -> list[Any]:
+        """A utility on every part of the engine (each replica, each role): their results."""
+        if self.state is not EngineState.READY:
+            raise EngineUnavailable(self.unavailable_why())
+        got = await self.backend.utility(method, *([args] if args is not None else []))
+        return got if isinstance(got, list) else [got]
+
+    async def _halt(self, on: bool) -> None:
+        # Off is always sent (idempotent in the core): a halt whose caller was cancelled
+        # may have reached the core without this flag knowing it.
+        if self._halted != on or not on:
+            self._halted = on
+            await self._all(Utility.HALT, {"on": on})
+
+    async def _pause(self, mode: PauseMode, source: AbortSource, timeout: float | None) -> int:
+        """Stop admitting, then apply `mode` to the open requests; returns how many ended
+        by it (mode abort)."""
+        self._resumed.clear()
+        self.paused = mode
+        if mode is PauseMode.KEEP:
+            await self._halt(True)
+            return 0
+        await self._halt(False)  # a held request must be able to finish or end
+        if mode is PauseMode.ABORT:
+            return len(await self.abort_and_wait(None, source, timeout=timeout or 30.0))
+        pending = [s.done for s in self._streams.values()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        return 0
+
+    def _resume_admission(self) -> None:
+        self.paused = None
+        self._resumed.set()
+
+    async def pause(self, mode: PauseMode | str = PauseMode.KEEP, timeout: float | None = None) -> dict:
+        """Engine-wide pause (idempotent). abort: end every open request (an error for its
+        client); keep: run no step, keep their KV and streams; wait: let them finish (up to
+        `timeout`). In every mode nothing new is admitted until resume()."""
+        mode = PauseMode(mode)
+        async with self._control:
+            t0 = time.monotonic()
+            aborted = await self._pause(mode, AbortSource.PAUSE, timeout)
+            return {"paused": mode.value, "aborted": aborted, "open": self.num_open,
+                    "seconds": round(time.monotonic() - t0, 4), "unreached": self.unreached()}
+
+    async def resume(self) -> dict:
+        """Undo pause() (idempotent). Asleep: ValueError (wake_up resumes)."""
+        async with self._control:
+            if self.asleep:
+                raise ValueError(f"the engine is asleep (level {self.asleep}): POST /wake_up")
+            t0 = time.monotonic()
+            await self._halt(False)
+            self._resume_admission()
+            return {"paused": None, "open": self.num_open, "seconds": round(time.monotonic() - t0, 4),
+                    "unreached": self.unreached()}
+
+    async def sleep(self, level: int = 1, mode: PauseMode | str = PauseMode.ABORT,
+                    timeout: float | None = None) -> dict:
+        """Pause by `mode` (abort or wait: the KV of kept requests would be lost), then free
+        the KV pool and prefix cache (level 2: the weights too). Idempotent."""
+        mode = PauseMode(mode)
+        if level not in (1, 2):
+            raise ValueError(f"level: must be 1 or 2, got {level}")
+        if mode is PauseMode.KEEP:
+            raise ValueError("mode: sleep frees the KV of the requests in flight; use abort or wait")
+        async with self._control:
+            t0 = time.monotonic()
+            aborted = 0 if self.asleep else await self._pause(mode, AbortSource.SLEEP, timeout)
+            if self.num_open:
+                raise TimeoutError(f"{self.num_open} requests did not finish; the engine is "
+                                   "paused (mode wait), not asleep")
+            freed = sum(await self._all(Utility.SLEEP, {"level": level})) if self.asleep < level else 0
+            self.asleep = max(self.asleep, level)
+            return {"asleep": self.asleep, "aborted": aborted, "freed_bytes": freed,
+                    "seconds": round(time.monotonic() - t0, 4), "unreached": self.unreached()}
+
+    async def wake_up(self) -> dict:
+        """Allocate what sleep freed and admit again (idempotent)."""
+        async with self._control:
+            t0 = time.monotonic()
+            if self.asleep:
+                await self._all(Utility.WAKE)
+                self.asleep = 0
+            await self._halt(False)
+            self._resume_admission()
+            return {"asleep": 0, "seconds": round(time.monotonic() - t0, 4), "unreached": self.unreached()}
+
+    async def update_weights(self, path: str, mode: PauseMode | str = PauseMode.KEEP,
+                             timeout: float | None = None) -> dict:
+        """Serve the weights at `path` (same architecture): they are loaded and checked first
+        (ValueError naming a mismatch: nothing changed), then the open requests are paused by
+        `mode`, the weights swapped between steps, and the engine resumes unless it was
+        paused before. Every later output carries the new weight version."""
+        mode = PauseMode(mode)
+        async with self._control:
+            if self.asleep:
+                raise ValueError(f"the engine is asleep (level {self.asleep}): POST /wake_up first")
+            t0 = time.monotonic()
+            staged = await self._all(Utility.STAGE_WEIGHTS, {"path": path})
+            bad = [s["error"] for s in staged if isinstance(s, dict) and "error" in s]
+            if bad:
+                await self._all(Utility.DROP_STAGED)
+                raise ValueError(bad[0])
+            was_paused = self.paused
+            aborted = await self._pause(mode, AbortSource.UPDATE, timeout)
+            try:
+                self.weight_version = max(await self._all(Utility.COMMIT_WEIGHTS))
+            finally:
+                if was_paused is None:
+                    await self._halt(False)
+                    self._resume_admission()
+            return {"weight_version": self.weight_version, "path": path, "mode": mode.value,
+                    "aborted": aborted, "seconds": round(time.monotonic() - t0, 4),
+                    "unreached": self.unreached()}
+
     # ---- stopping -------------------------------------------------------------------------
     async def drain(self, timeout: float) -> int:
         """Stop admitting, let open requests finish for up to `timeout` seconds, then abort the
@@ -301,6 +474,7 @@ class AsyncEngine:
         aborted."""
         if self.state in (EngineState.STARTING, EngineState.READY):
             self.state = EngineState.DRAINING
+        self._resumed.set()  # requests held by a pause see the drain and get 503
         pending = [s.done for s in self._streams.values()]
         if pending and timeout > 0:
             await asyncio.wait(pending, timeout=timeout)
@@ -318,11 +492,16 @@ class AsyncEngine:
         if self.state is EngineState.CLOSED:
             return
         self.state = EngineState.CLOSED
+        self._resumed.set()
         for s in list(self._streams.values()):
             self._fail(s, EngineDead("the engine was shut down"))
         await self.backend.close()  # also after a death: sockets and threads must go
 
     def unavailable_why(self) -> str:
+        if self.state is EngineState.READY and self.asleep:
+            return f"the engine is asleep (level {self.asleep}) until POST /wake_up"
+        if self.state is EngineState.READY and self.paused is not None:
+            return f"the engine is paused (mode {self.paused.value}) until POST /resume"
         if self.state is EngineState.STARTING:
             return "the model is still loading"
         if self.state is EngineState.DRAINING:
@@ -352,6 +531,8 @@ class AsyncEngine:
             if s.push(out):
                 reason = out.finish_reason.value if out.finish_reason else FinishReason.ERROR.value
                 obs.on_sample_end(reason, out.usage)
+                if out.finish_reason is FinishReason.ABORT:
+                    obs.on_aborted(s.cancelled.value if s.cancelled else AbortSource.CANCEL.value)
                 if s.finished:
                     self._ended(s)
         for timing in batch.timings:
@@ -399,6 +580,7 @@ class AsyncEngine:
         log.error("engine core died: %s", reason)
         self.state = EngineState.DEAD
         self.dead_reason = reason
+        self._resumed.set()
         for s in list(self._streams.values()):
             self._fail(s, EngineDead(reason))
         for cb in self.on_dead:

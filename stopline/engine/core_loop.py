@@ -52,6 +52,10 @@ class CoreLoop:
         self._lock = threading.Lock()  # orders abort acceptance against step starts
         self._step_no = 0
         self._step_started: float | None = None  # monotonic start of the step running now
+        # When the loop last left an idle wait or began an iteration; None while it waits idle
+        # (no work, or every request paused). A loop stuck anywhere else (a step, a utility
+        # call, a lock) grows the age a heartbeat reports: liveness is progress.
+        self._busy_since: float | None = None
         self._pending: dict[str, _AbortClock] = {}  # accepted, not yet seen to end
         self._reclaiming: dict[str, _AbortClock] = {}  # ended, blocks maybe behind the fence
         self._calls: list[tuple[str, tuple, Future]] = []
@@ -64,6 +68,8 @@ class CoreLoop:
         core.output_sink = self._sink
         core.taken_sink = self._taken
         core.wake = self._work.set
+        # Engine-wide pause, mode keep (Utility.HALT): no step runs, aborts still apply.
+        self.halted = False
 
     # ---- any thread -----------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -111,9 +117,12 @@ class CoreLoop:
             tokenizer_state=core.tokenizer.to_state() if with_tokenizer else {}, pid=os.getpid())
 
     def step_age(self) -> float:
-        """Seconds inside the current step, 0 between steps: a heartbeat's answer (a process
-        that has work and does not step is stuck, see engine/liveness.py)."""
+        """Seconds inside the current iteration of the loop (a step, and the utility calls
+        before it), 0 while it waits idle: a heartbeat's answer (a process that has work and
+        does not step is stuck, see engine/liveness.py)."""
         started = self._step_started
+        if started is None:
+            started = self._busy_since
         return 0.0 if started is None else max(time.monotonic() - started, 1e-6)
 
     def stop(self) -> None:
@@ -127,8 +136,20 @@ class CoreLoop:
         core = self.core
         self.emit(Batch(snapshot=take_snapshot(core)))
         while not self._stopping:
+            self._busy_since = time.monotonic()
             self._run_calls()
+            if self.halted or core.asleep:
+                # Paused (keep) or asleep: no step; an abort that came in still ends its
+                # request now (nothing is in flight, so its blocks go back at once).
+                outputs = core.halted_tick()
+                if outputs:
+                    self._note_ended(outputs)
+                    self._send(Batch(outputs, self._timings(), take_snapshot(core)))
+                self._work.wait()
+                self._work.clear()
+                continue
             if not core.has_unfinished():
+                self._busy_since = None
                 self._work.wait()
                 self._work.clear()
                 continue
@@ -136,8 +157,10 @@ class CoreLoop:
                 # Every request waits for its client to read, or for the other role of a
                 # split (whose link wakes us): no step to take. Wake for a message, at the
                 # core's own deadline (wake_at), or after a second for request deadlines.
+                self._busy_since = None
                 self._work.wait(max(0.0, min(1.0, core.wake_at() - time.monotonic())))
                 self._work.clear()
+                self._busy_since = time.monotonic()
                 if (core.all_paused() and not self._deadline_passed()
                         and time.monotonic() < core.wake_at()):
                     continue
@@ -149,8 +172,15 @@ class CoreLoop:
             outputs = core.step()
             self._step_started = None
             self._note_ended(outputs)
-            self.emit(Batch(outputs, self._timings(), take_snapshot(core)))
+            self._send(Batch(outputs, self._timings(), take_snapshot(core)))
         self._run_calls()
+
+    def _send(self, batch: Batch) -> None:
+        # Stamped as they leave: a weight update runs between steps, after the outputs
+        # computed before it were flushed (Utility.COMMIT_WEIGHTS).
+        for o in batch.outputs:
+            o.weight_version = self.core.weight_version
+        self.emit(batch)
 
     def _deadline_passed(self) -> bool:
         now = time.monotonic()
@@ -161,12 +191,34 @@ class CoreLoop:
         with self._lock:
             calls, self._calls = self._calls, []
         for method, args, fut in calls:
+            if not fut.set_running_or_notify_cancel():
+                continue  # its caller gave up (a cancelled await): nobody wants the result
             try:
                 fut.set_result(self._utility(method, args))
             except Exception as exc:  # a failing utility call fails only its caller
                 fut.set_exception(exc)
 
     def _utility(self, method: Utility, args: tuple) -> Any:
+        core = self.core
+        kw: dict[str, Any] = args[0] if args and isinstance(args[0], dict) else {}  # engine stops' args
+        if method is Utility.HALT:
+            core.flush_text()
+            self.halted = core.halted = bool(kw.get("on", True))
+            return self.halted
+        if method is Utility.SLEEP:
+            return core.sleep(int(kw.get("level", 1)))
+        if method is Utility.WAKE:
+            return core.wake_up()
+        if method is Utility.STAGE_WEIGHTS:
+            try:
+                return core.stage_weights(str(kw["path"]))
+            except (ValueError, OSError) as exc:  # the caller's 400, across every transport
+                return {"error": str(exc)}
+        if method is Utility.COMMIT_WEIGHTS:
+            core.flush_text()  # what the old weights computed leaves stamped with their version
+            return core.commit_weights()
+        if method is Utility.DROP_STAGED:
+            return core.drop_staged()
         if method is Utility.SNAPSHOT:
             return take_snapshot(self.core)
         if method is Utility.AUDIT:
@@ -186,7 +238,7 @@ class CoreLoop:
     def _sink(self, outputs: list[RequestOutput]) -> None:
         if outputs:
             self._note_ended(outputs)
-            self.emit(Batch(outputs))
+            self._send(Batch(outputs))
 
     def _taken(self, incarnations: list[str]) -> None:
         self.emit(Batch(taken=incarnations))

@@ -99,8 +99,9 @@ class GrammarHolder:
         released meanwhile keeps its matcher object alive here until this returns."""
         out: dict[int, torch.Tensor] = {}
         stuck: dict[int, str] = {}
+        # A thinking request's grammar holds its answer only: no mask while it thinks.
         rows = [(i, m) for i, req in enumerate(reqs)
-                if (m := self.matchers.get(req.internal_id)) is not None]
+                if (m := self.matchers.get(req.internal_id)) is not None and not req.thinking]
         if not rows:
             return out, stuck
         t0 = time.perf_counter()
@@ -114,13 +115,15 @@ class GrammarHolder:
                 stuck[i] = f"the grammar cannot advance: {m.error or 'no token is allowed next'}"
         return out, stuck
 
-    def commit(self, req: Request, token: int) -> str | None:
-        """Consume a committed token; why it could not be, or None."""
+    def commit(self, req: Request, since: int) -> str | None:
+        """Consume the answer's tokens committed from output index `since` on (a thinking
+        request's thinking and markers are not the grammar's); why one could not be, or None."""
         m = self.matchers.get(req.internal_id)
         if m is None:
             return None
-        if not m.consume(token):
-            return f"the grammar refused token {token}: {m.error}"
+        for token in req.output_token_ids[max(since, req.answer_begin):]:
+            if not m.consume(token):
+                return f"the grammar refused token {token}: {m.error}"
         return None
 
     def complete(self, req: Request) -> bool:
@@ -148,9 +151,10 @@ class GrammarHolder:
         """Every live structured request's matcher has consumed exactly its committed tokens."""
         for req in live:
             m = self.matchers.get(req.internal_id)
-            if m is not None and m.consumed != len(req.output_token_ids):
+            answer = max(0, len(req.output_token_ids) - req.answer_begin)
+            if m is not None and m.consumed != answer:
                 raise LedgerError(f"{req.incarnation!r}: grammar consumed {m.consumed} tokens, "
-                                  f"{len(req.output_token_ids)} committed")
+                                  f"{answer} committed to the answer")
 
     def pending_compiles(self) -> int:
         return self._svc.pending() if self._svc is not None else 0

@@ -68,3 +68,32 @@ class Watch:
     def overdue(self) -> bool:
         """Stuck past the longer bound: kill it."""
         return self.age()[0] >= self.bounds.kill_s
+
+
+@dataclass(frozen=True)
+class Restarts:
+    """When a process that died is started again (a local role of the split, the core of
+    `serve --restart-core`)."""
+
+    limit: int = 5  # this many deaths within window_s: it stays dead
+    window_s: float = 300.0
+    first_s: float = 1.0  # the back-off before the second restart in the window; doubles
+    cap_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.limit < 0 or not self.window_s > 0 or self.first_s < 0 or self.cap_s < self.first_s:
+            raise ValueError(f"bad restart bounds: {self}")
+
+    def delay(self, deaths: int) -> float | None:
+        """Seconds to wait before restarting after the `deaths`-th death in the window (the
+        first restarts at once: a single crash should cost no more than the reload); None:
+        not at all."""
+        if deaths >= self.limit:
+            return None
+        return 0.0 if deaths <= 1 else min(self.cap_s, self.first_s * 2 ** (deaths - 2))
+
+    def died(self, deaths: list[float], now: float) -> float | None:
+        """Note a death at `now` in `deaths` (times, kept to the window, in place); returns
+        `delay` for it."""
+        deaths[:] = [t for t in deaths if now - t < self.window_s] + [now]
+        return self.delay(len(deaths))

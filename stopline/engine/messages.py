@@ -70,6 +70,13 @@ class Utility(Choice):
     AUDIT = "audit"
     RESET_PREFIX_CACHE = "reset_prefix_cache"
     TRANSFERS = "transfers"  # the KV transfers a disaggregated role timed (None elsewhere)
+    # Engine-wide stops (docs/engine-stops.md), each run between steps:
+    HALT = "halt"  # args {"on": bool}: no step runs while on (pause mode keep); aborts still apply
+    SLEEP = "sleep"  # args {"level": 1|2}: free the KV pool (and prefix cache); 2: the weights too
+    WAKE = "wake"  # allocate what sleep freed (level 2: reload the weights from their path)
+    STAGE_WEIGHTS = "stage_weights"  # args {"path"}: load and check new weights; nothing changes
+    COMMIT_WEIGHTS = "commit_weights"  # serve the staged weights; returns the new version
+    DROP_STAGED = "drop_staged"  # forget staged weights (an update that did not go through)
     LOAD_LORA = "load_lora"  # args: name, path -> {'status', 'message'} (engine/adapters.py)
     UNLOAD_LORA = "unload_lora"  # args: name, policy -> {'status', 'message'}
     LORAS = "loras"  # the adapters loaded: name -> (path, references)

@@ -70,10 +70,19 @@ class Snapshot(msgspec.Struct, frozen=True):
     grammar_mask_counts: list[int] = msgspec.field(default_factory=list)
     grammar_mask_sum: float = 0.0
     grammar_compiles_pending: int = 0
+    # The sampled busy-time audit (EngineConfig.audit_every): runs, failures, seconds spent.
+    audits: int = 0
+    audit_failures: int = 0
+    audit_seconds: float = 0.0
     # LoRA adapters (docs/lora.md), every one ever loaded: name -> [references now (0 once
     # unloaded), requests admitted, tokens of ended requests, loads, unloads].
     loras: dict[str, list[int]] = msgspec.field(default_factory=dict)
     taken_at: float = 0.0  # time.monotonic()
+    # Engine-wide stops (docs/engine-stops.md): the weights served, halted (pause mode keep),
+    # the sleep level.
+    weight_version: int = 0
+    halted: bool = False
+    asleep: int = 0
 
 
 def take_snapshot(core: EngineCore) -> Snapshot:
@@ -125,8 +134,12 @@ def take_snapshot(core: EngineCore) -> Snapshot:
         grammar_mask_counts=list(core.grammar.mask_seconds.counts),
         grammar_mask_sum=core.grammar.mask_seconds.total,
         grammar_compiles_pending=core.grammar.pending_compiles(),
+        audits=stats.audits,
+        audit_failures=stats.audit_failures,
+        audit_seconds=stats.audit_seconds,
         loras=_loras(core),
         taken_at=time.monotonic(),
+        weight_version=core.weight_version, halted=core.halted, asleep=core.asleep,
     )
 
 

@@ -21,8 +21,24 @@ class EngineDead(RuntimeError):
     """The engine core stopped (its process died or its loop failed)."""
 
 
+class EngineStopped(EngineDead):
+    """The engine ended this request on its own (pause, sleep or update with abort, shutdown
+    after the drain, its replica died): HTTP 503 / an SSE error event, never a success. A
+    subclass of EngineDead so that every consumer that ends on a dead engine ends here too."""
+
+    def __init__(self, source: AbortSource, detail: str = "") -> None:
+        why = {AbortSource.PAUSE: "the engine was paused (mode abort)",
+               AbortSource.SLEEP: "the engine was put to sleep",
+               AbortSource.UPDATE: "the engine's weights were updated (mode abort)",
+               AbortSource.SHUTDOWN: "the server shut down before the request finished",
+               AbortSource.REPLICA: "the replica serving the request died"}.get(source, source.value)
+        super().__init__(f"{why}: {detail}" if detail else why)
+        self.source = source
+
+
 class EngineUnavailable(RuntimeError):
-    """The engine does not admit requests now (loading, draining or dead): HTTP 503."""
+    """The engine does not admit requests now (loading, draining, paused, asleep or dead):
+    HTTP 503 with Retry-After."""
 
 
 class EngineOverloaded(RuntimeError):
@@ -125,7 +141,14 @@ class RequestStream:
             assert isinstance(item, RequestOutput)  # the queue holds nothing else
             if item.finished:
                 self._consumer_open -= 1
-                return self._terminal(item)
+                out = self._terminal(item)
+                if (self.cancelled is not None and self.cancelled.engine_initiated
+                        and out.finish_reason is FinishReason.ABORT):
+                    # Not a success: the consumer raises (the client gets an error), and the
+                    # other samples' terminals are not read.
+                    self._consumer_open = 0
+                    raise EngineStopped(self.cancelled)
+                return out
             if self.cancelled is not None:
                 continue  # computed before the engine saw the abort: never delivered
             self.delivered[item.index] += len(item.new_token_ids)
@@ -147,6 +170,7 @@ class RequestStream:
             reason = FinishReason.ABORT
         return RequestOutput(
             out.request_id, out.index, out.incarnation, finished=True, finish_reason=reason,
+            weight_version=out.weight_version,
             stop_detail=out.stop_detail if reason is out.finish_reason else self.cancelled.value,
             usage=dataclasses.replace(engine_usage, completion_tokens=got, undelivered_tokens=withheld),
         )

@@ -164,6 +164,15 @@ class BlockPool:
         self.num_hashed_free = 0
         return len(dropped)
 
+    def forget_hashes(self) -> int:
+        """Forget every block's hash, owned blocks' too: the weights changed, and no block
+        computed under the old ones may be found again. Returns how many were dropped."""
+        n = self.reset_prefix_cache()
+        owned = [b for b, h in enumerate(self.block_hash) if h is not None]
+        for b in owned:
+            self._unhash(b)
+        return n + len(owned)
+
     # ---- the ledger ---------------------------------------------------------------------
     def audit(self, tables: Iterable[Sequence[int]]) -> None:
         """Check the ledger against every holder of references (block tables, fence holds).

@@ -6,6 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
+from stopline.config import EngineConfig, PreemptionMode
+from stopline.kv.block_pool import BlockPool
+
 
 class KVCache:
     """Per layer, K and V as [num_kv_heads, (num_blocks + 1) * block_size, head_dim]: heads
@@ -25,8 +28,27 @@ class KVCache:
         self.block_size = block_size
         self.null_block = num_blocks
         shape = (num_kv_heads, (num_blocks + 1) * block_size, head_dim)
+        self._layout = (num_layers, shape, dtype, device)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def free_memory(self) -> int:
+        """Drop the tensors (the engine sleeps: no block is owned or cached). Returns the
+        bytes dropped; `restore_memory` allocates them again, zeroed."""
+        freed = self.nbytes
+        self.k, self.v = [], []
+        return freed
+
+    def restore_memory(self) -> None:
+        if self.k:
+            return
+        layers, shape, dtype, device = self._layout
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -111,3 +133,19 @@ class SwapSpace:
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_slots)
+
+
+def make_cache(cfg: EngineConfig, num_layers: int, num_kv_heads: int,
+               head_dim: int) -> tuple[BlockPool, KVCache, SwapSpace | None]:
+    """The block pool, its K/V tensors and host swap space (none when preemption only
+    recomputes), sized by cfg: num_blocks, or as many as kv_cache_memory_gb holds."""
+    per_block = KVCache.bytes_per_block(num_layers, cfg.block_size, num_kv_heads, head_dim)
+    num_blocks = cfg.num_blocks or max(1, int(cfg.kv_cache_memory_gb * 2**30) // per_block)
+    pool = BlockPool(num_blocks, cfg.block_size)
+    kv = KVCache(num_layers, num_blocks, cfg.block_size, num_kv_heads, head_dim, device=cfg.device)
+    if cfg.debug:
+        pool.on_garbage = kv.poison  # a freed block reads as NaN: a stale read fails loudly
+    swap = None
+    if cfg.preemption_mode is not PreemptionMode.RECOMPUTE:
+        swap = SwapSpace(cfg.swap_space_blocks or num_blocks)
+    return pool, kv, swap

@@ -8,7 +8,8 @@ a block is never returned to the pool while a step that may write it is in fligh
 blocks wait in `deferred` until `step_processed` reaches the step that fenced them.
 
 The manager is also the one owner and writer of each request's KV state (`SeqKV`): its
-block table, its computed, cached and hashed counts, its prefix hashes and its swap slots.
+block table, its computed, in-flight, cached and hashed counts, its prefix hashes, its fence
+step and its swap slots.
 Others read them through it (`table`, `computed`, `cached`, `prefilling` ...); the rule
 for whether a request can ever fit the pool (`fits`) lives here only.
 
@@ -68,6 +69,9 @@ class SeqKV:
     swap_slots: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
     dropped: int = 0  # leading table entries the window passed (HOLE), kept while swapped
     fence: int = -1  # the newest step that may write (or read) the blocks
+    # Some of its K/V is from weights no longer served (a weight update came while it had KV,
+    # docs/engine-stops.md): its blocks never enter the prefix cache.
+    stale: bool = False
 
     def live(self) -> list[int]:
         return self.block_ids[self.dropped:] if self.dropped else self.block_ids
@@ -328,6 +332,7 @@ class KVManager:
         its prompt is computed, and cached as much as the leader's."""
         bs = self.block_size
         s, lead = self._seq(sample), self.seq(leader)
+        s.stale = lead.stale  # it shares the leader's prompt KV, of the leader's weights
         if sample.prompt_len % bs and self.cache is not None:
             last = sample.prompt_len // bs
             self.cache.copy_block(lead.block_ids[last], s.block_ids[last])
@@ -343,6 +348,8 @@ class KVManager:
         if not self.prefix_caching:
             return
         s = self._seq(req)
+        if s.stale:
+            return
         n_full = s.computed // self.block_size
         if n_full <= s.hashed:
             return
@@ -428,6 +435,16 @@ class KVManager:
 
     def holds(self, req: Request) -> bool:
         return req in self.seqs
+
+    def new_weights(self) -> int:
+        """The weights changed between steps: forget every hash (of cached and of owned
+        blocks), and keep every request with KV now, whose KV is from the old weights, out of
+        the cache for good. Returns how many hashes were dropped."""
+        for d in self.deferred:
+            d.keep_cached = False
+        for s in self.seqs.values():
+            s.stale = True
+        return self.pool.forget_hashes()
 
     def _free(self, s: SeqKV, blocks: list[int], keep_cached: bool,
               aborted_at: float | None) -> None:

@@ -77,7 +77,7 @@ class DecoderLoop:
         self.int8 = Int8Weight in kinds
         # The bf16 kernels take any row count; the quantized one only up to quant_max_rows.
         self.max_rows = 1 << 30 if self.fast else min(model.layers[0][name].quant_max_rows for name in _LINEARS)
-        self._tables: dict[int, ctypes.Array] = {}
+        self._tables: dict[tuple[int, int], ctypes.Array] = {}
         self._kv: KVCache | None = None  # the cache whose pointers the table holds, kept alive
         self._idle = StepInterrupt()  # for calls without an event: never set
         # float64 [1] the C loop adds its linears' seconds to, while a benchmark sets it.
@@ -95,7 +95,10 @@ class DecoderLoop:
         return all(lin.quant is not None and lin.quant.fmt in _FMT and lin.kc() is not None for lin in lins)
 
     def _table(self, kv: KVCache) -> ctypes.Array:
-        table = self._tables.get(id(kv))
+        # Keyed by the tensors' address too: a cache that slept and woke up (engine-stops.md)
+        # holds new tensors under the same object.
+        key = (id(kv), kv.k[0].data_ptr())
+        table = self._tables.get(key)
         if table is None:
             table = (Layer * len(self.model.layers))()
             for li, layer in enumerate(self.model.layers):
@@ -113,7 +116,7 @@ class DecoderLoop:
                     t.w[j], t.fmt[j], t.kc[j] = lin.quant.packed.data_ptr(), _FMT[lin.quant.fmt], lin.kc()
                 t.ln1, t.ln2 = layer["ln1"].data_ptr(), layer["ln2"].data_ptr()
                 t.k_cache, t.v_cache = kv.k[li].data_ptr(), kv.v[li].data_ptr()
-            self._tables, self._kv = {id(kv): table}, kv  # one cache at a time
+            self._tables, self._kv = {key: table}, kv  # one cache at a time
         return table
 
     def can_run(self, rows: int, interrupt: threading.Event | None) -> bool:

@@ -33,13 +33,29 @@ class Scheduler:
         self.next_step_id = 0
         # Cap on prefill tokens per step, set from measured step cost (interruptible steps).
         self.prefill_cap: int | None = None
+        self.ms_per_prefill_token: float | None = None  # the measured cost (`measured`)
         self.headroom = config.admission_headroom
 
     def add(self, req: Request) -> None:
         self.queues.add(req)
 
+    def measured(self, plan: StepPlan, elapsed_ms: float) -> None:
+        """A step ran in elapsed_ms. Cost per row of the step, decode rows included: the cap
+        gives the prefill rows about target_step_ms on top of the decodes. Measured from 16
+        prefill rows up, or from the cap itself: a threshold above the cap would freeze the
+        estimate once one slow step had pushed the cap below it."""
+        n_prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+        if n_prefill >= min(16, self.prefill_cap or 16):
+            per_tok = elapsed_ms / plan.num_tokens
+            prev = self.ms_per_prefill_token
+            self.ms_per_prefill_token = per_tok if prev is None else 0.7 * prev + 0.3 * per_tok
+            self.lifecycle.ms_per_recomputed_token = self.ms_per_prefill_token
+
     # ---- the step -----------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        if self.ms_per_prefill_token and self.config.target_step_ms:
+            self.prefill_cap = max(self.config.block_size,
+                                   int(self.config.target_step_ms / self.ms_per_prefill_token))
         q = self.queues
         plan = StepPlan(self.next_step_id)
         self.next_step_id += 1

@@ -1,5 +1,5 @@
-"""The FastAPI app: routes of the OpenAI-compatible API plus health, metrics, cancel and the
-web console (console.py)."""
+"""The FastAPI app: routes of the OpenAI-compatible API, Anthropic's /v1/messages
+(anthropic.py), health, metrics, cancel and the web console (console.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from stopline import __version__
 from stopline.request import AbortSource
-from stopline.server import batch, console, errors, memtrace, responses, tokenize
+from stopline.server import anthropic, batch, console, errors, memtrace, responses, stops, tokenize
 from stopline.server.errors import ApiError
 from stopline.server.protocol import CancelRequest, LoadLoraRequest, UnloadLoraRequest, parse
 from stopline.server.serving import create, read_body
@@ -38,6 +38,7 @@ def build_app(state: ServerState) -> FastAPI:
     errors.install(app)
     console.install(app, state)
     memtrace.install(app)  # STOPLINE_TRACEMALLOC only
+    stops.install(app, state)  # pause, resume, sleep, wake_up, update_weights
     responses.install(app, state)  # /v1/responses (responses.py)
     engine = state.engine
 
@@ -51,8 +52,17 @@ def build_app(state: ServerState) -> FastAPI:
         roles = parts is not None and bool(parts) and "role" in parts[0]
         extra = {} if parts is None else {"roles" if roles else "replicas": parts}
         healthy = [r["state"] == "healthy" for r in parts or ()]
+        if engine.ready and engine.held:
+            # Paused or asleep (docs/engine-stops.md): up, but not serving. Requests queue
+            # (200: keep it in rotation) or get 503 (--paused-admission reject: take it out).
+            held = {"status": "asleep" if engine.asleep else "paused", "detail": engine.unavailable_why(),
+                    "paused": engine.paused.value if engine.paused else None, "asleep": engine.asleep,
+                    "admission": engine.admission.value, "weight_version": engine.weight_version} | extra
+            reject = engine.admission.value == "reject"
+            return JSONResponse(held, status_code=503 if reject else 200,
+                                headers={"Retry-After": "1"} if reject else None)
         if engine.ready and (parts is None or (all(healthy) if roles else any(healthy))):
-            return JSONResponse({"status": "ok"} | extra)
+            return JSONResponse({"status": "ok", "weight_version": engine.weight_version} | extra)
         dead = [r for r in parts or () if roles and r["state"] != "healthy"]
         detail = (engine.unavailable_why() if not engine.ready
                   else f"the {dead[0]['role']} engine is {dead[0]['state']}: {dead[0]['last_error']}"
@@ -122,6 +132,14 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create(request, chat=True)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await anthropic.messages(request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await anthropic.count_tokens(request)
 
     @app.post("/v1/requests/cancel")
     async def cancel_many(request: Request) -> dict:

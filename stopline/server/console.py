@@ -46,7 +46,9 @@ def console_snapshot(state: ServerState) -> dict[str, Any]:
     now = time.monotonic()
     return {
         "model": state.model_name,
-        "engine": engine.state,
+        "engine": (engine.state if not (engine.ready and engine.held) else
+                   f"asleep (level {engine.asleep})" if engine.asleep else f"paused ({engine.paused.value})"),
+        "weight_version": engine.weight_version,
         "open_streams": engine.num_open,
         # Each process the front end depends on (replicas, roles, the core process) with its
         # state: healthy, stuck (engine/liveness.py), dead, ...; empty in-process.

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("stopline.server")
 
@@ -77,6 +78,13 @@ def install(app: FastAPI) -> None:
         loc = ".".join(str(p) for p in errs[0]["loc"]) if errs else None
         msg = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errs)
         return ApiError(422, msg, param=loc, code="invalid_type").response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # The client left while we read its body: nothing was admitted, nobody reads the
+        # answer; not an internal error (nginx's 499, "client closed request").
+        return ApiError(499, "the client closed the connection before its request body arrived",
+                        code="client_closed_request").response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

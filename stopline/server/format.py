@@ -48,11 +48,30 @@ class Choice:
     """One sample of a non-streaming response, accumulated."""
 
     text: str = ""
+    reasoning: str = ""  # the thinking of a thinking request
     tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_detail: str | None = None
+    # [weight version, index of its first token] per run of tokens from one version: a
+    # request that a weight update (mode keep) crossed has several.
+    versions: list[list[int]] = field(default_factory=list)
+
+
+def note_version(spans: list[list[int]], out: RequestOutput, before: int) -> None:
+    """Add out's tokens (the sample had `before` tokens) to the runs of weight versions."""
+    if (out.new_token_ids or not spans) and (not spans or spans[-1][0] != out.weight_version):
+        spans.append([out.weight_version, before])
+
+
+def version_fields(item: dict[str, Any], spans: list[list[int]]) -> None:
+    """`weight_version`: the weights of the sample's last token; `weight_versions`, only when a
+    weight update fell inside the sample: [[version, first token index], ...]."""
+    if spans:
+        item["weight_version"] = spans[-1][0]
+    if len(spans) > 1:
+        item["weight_versions"] = spans
 
 
 @dataclass(frozen=True)
@@ -71,10 +90,13 @@ class UsageSum:
     accepted_drafts: int = 0
     rejected_drafts: int = 0
     drafted: int = 0
+    reasoning_tokens: int | None = None  # None: the request doesn't think
 
     def add(self, out: RequestOutput) -> None:
         if out.usage is not None:
             self.completion_tokens += out.usage.completion_tokens
+            if self.reasoning_tokens is not None:
+                self.reasoning_tokens += out.usage.reasoning_tokens
             self.cached_tokens = max(self.cached_tokens, out.usage.cached_tokens)
             self.drafted += out.usage.draft_tokens
             self.accepted_drafts += out.usage.accepted_draft_tokens
@@ -85,9 +107,14 @@ class UsageSum:
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        details: dict[str, int] = {}
         if self.drafted:  # OpenAI's names for predicted-output tokens; drafts are the same idea
-            body["completion_tokens_details"] = {"accepted_prediction_tokens": self.accepted_drafts,
-                                                 "rejected_prediction_tokens": self.rejected_drafts}
+            details |= {"accepted_prediction_tokens": self.accepted_drafts,
+                        "rejected_prediction_tokens": self.rejected_drafts}
+        if self.reasoning_tokens is not None:
+            details["reasoning_tokens"] = self.reasoning_tokens
+        if details:
+            body["completion_tokens_details"] = details
         return body
 
 
@@ -95,12 +122,15 @@ class Formatter:
     def __init__(self, *, chat: bool, request_id: str, created: int, model: str, n: int,
                  token_text: TokenText, include_usage: bool = False, tool_calls: bool = False,
                  continuous_usage: bool = False, echo: list[Echo] | None = None,
-                 logprobs: bool = False) -> None:
+                 logprobs: bool = False, reasoning: bool = False) -> None:
         """tool_calls: the request has tools, so the output is read for tool calls
         (tool_format.py): `message.tool_calls` / `delta.tool_calls`, and finish_reason
         "tool_calls" when the model stopped after calling. echo: one per prompt (choice i
         belongs to prompt i // (n / len(echo))): its text, and with logprobs its tokens'
-        scores (the first null), go before the choice's own. logprobs: they were asked for."""
+        scores (the first null), go before the choice's own. logprobs: they were asked for.
+        reasoning: the request thinks: its thinking is `reasoning_content`, apart from the
+        content, and usage counts `reasoning_tokens`."""
+        self.reasoning = reasoning and chat
         self.chat = chat
         self.tool_calls = tool_calls and chat
         self._parsers = [tool_format.StreamParser() for _ in range(n)] if self.tool_calls else []
@@ -113,6 +143,8 @@ class Formatter:
         self.continuous_usage = continuous_usage and include_usage
         self.prompt_tokens = 0  # set by the caller for continuous usage
         self.streamed = 0  # completion tokens sent so far (continuous usage)
+        self._versions: dict[int, list[list[int]]] = {}  # sample -> runs of weight versions
+        self._counts: dict[int, int] = {}  # sample -> tokens so far
         self._offsets = [0] * n  # text offset per sample, for completion logprobs
         self.echo = echo if echo and not chat else None
         self.logprobs = logprobs
@@ -138,9 +170,15 @@ class Formatter:
         return [self._chunk([{"index": i, "delta": dict(delta), "logprobs": None, "finish_reason": None}])
                 for i in range(self.n)]
 
+    def usage_sum(self, prompt_tokens: int) -> UsageSum:
+        return UsageSum(prompt_tokens, reasoning_tokens=0 if self.reasoning else None)
+
     def chunk(self, out: RequestOutput) -> dict[str, Any] | None:
         self.streamed += len(out.new_token_ids)
-        if not out.new_text and not out.new_token_ids and not out.finished:
+        spans = self._versions.setdefault(out.index, [])
+        note_version(spans, out, self._counts.get(out.index, 0))
+        self._counts[out.index] = self._counts.get(out.index, 0) + len(out.new_token_ids)
+        if not out.new_text and not out.new_token_ids and not out.finished and not out.new_reasoning:
             return None
         choice: dict[str, Any] = {"index": out.index}
         reason = self._reason(out) if out.finished else None
@@ -150,6 +188,8 @@ class Formatter:
             if out.finished:
                 text += sp.finish(reason)
             delta: dict[str, Any] = {}
+            if out.new_reasoning:
+                delta["reasoning_content"] = out.new_reasoning
             if text:  # never an empty content: a token inside a call is in `calls` or held
                 delta["content"] = text
             if calls:
@@ -160,7 +200,9 @@ class Formatter:
             if reason == "stop" and sp.calls and sp.all_complete:
                 reason = "tool_calls"
         elif self.chat:
-            choice["delta"] = {"content": out.new_text} if out.new_text or not out.finished else {}
+            choice["delta"] = {"reasoning_content": out.new_reasoning} if out.new_reasoning else {}
+            if out.new_text or not (out.finished or out.new_reasoning):
+                choice["delta"]["content"] = out.new_text
         else:
             choice["text"] = out.new_text
         echo = self._echo_once(out.index)
@@ -172,6 +214,8 @@ class Formatter:
             choice["logprobs"] = self._logprobs(out.index, out.new_logprobs) if out.new_logprobs else None
         choice["finish_reason"] = reason
         self._detail(choice, out.finish_reason.value if out.finish_reason else None, out.stop_detail)
+        if out.finished:
+            version_fields(choice, spans)
         return self._chunk([choice])
 
     def usage_chunk(self, usage: UsageSum) -> dict[str, Any]:
@@ -194,6 +238,8 @@ class Formatter:
                         reason = "tool_calls"
             elif self.chat:
                 item["message"] = {"role": "assistant", "content": c.text}
+            if self.reasoning:
+                item["message"]["reasoning_content"] = c.reasoning
             else:
                 item["text"] = c.text
             echo = self._echo_once(i)
@@ -205,10 +251,15 @@ class Formatter:
                 item["logprobs"] = self._logprobs(i, c.logprobs) if c.logprobs else None
             item["finish_reason"] = reason
             self._detail(item, c.finish_reason, c.stop_detail)
+            version_fields(item, c.versions)
             body.append(item)
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": body,
-                "usage": usage.body()}
+        out = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": body,
+               "usage": usage.body()}
+        versions = [c.versions[-1][0] for c in choices if c.versions]
+        if versions:
+            out["weight_version"] = max(versions)
+        return out
 
     def check_outcome(self, choices: list[Choice]) -> None:
         """A non-streaming request that ended abnormally gets an HTTP error, not a 200."""

@@ -40,6 +40,7 @@ TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 ABORT_STATES = ("waiting", "prefilling", "running", "preempted", "swapped")
 PREEMPTION_MODES = ("recompute", "swap")
 DISCARD_REASONS = ("cancel", "preempt", "stop", "error")
+APIS = ("chat", "completions", "messages", "responses")
 
 
 class Recent:
@@ -68,13 +69,20 @@ class TokenRate:
         self._marks: deque[tuple[float, int]] = deque()
 
     def add(self, n: int, now: float | None = None) -> None:
-        self._marks.append((time.monotonic() if now is None else now, n))
+        now = time.monotonic() if now is None else now
+        self._marks.append((now, n))
+        # Dropped here too, not only when read: only the console reads the rate, and a server
+        # nobody watches kept every mark (the soak's 0.94 KiB a request, issue 47).
+        self._drop(now)
 
     def rate(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
+        self._drop(now)
+        return sum(n for _, n in self._marks) / self.window
+
+    def _drop(self, now: float) -> None:
         while self._marks and self._marks[0][0] < now - self.window:
             self._marks.popleft()
-        return sum(n for _, n in self._marks) / self.window
 
 
 class ServerMetrics(EngineObserver):
@@ -104,6 +112,14 @@ class ServerMetrics(EngineObserver):
                                 ["reason"], registry=r)
         for reason in FinishReason:
             self.finished.labels(reason.value)
+        # Terminal 'abort' outputs by who ended them: the engine's own stops (pause, sleep,
+        # update, shutdown, replica) reach their client as errors (docs/engine-stops.md).
+        self.aborted = Counter("stopline_aborted_sequences",
+                               "Sequences whose terminal output was an abort, by source and whether "
+                               "the engine initiated it (then the client got an error).",
+                               ["source", "engine_initiated"], registry=r)
+        for src in AbortSource:
+            self.aborted.labels(src.value, str(src.engine_initiated).lower())
         self.prompt_tokens = Counter("stopline_prompt_tokens", "Prompt tokens of admitted requests.",
                                      registry=r)
         self.generation_tokens = Counter("stopline_generation_tokens",
@@ -111,6 +127,13 @@ class ServerMetrics(EngineObserver):
         self.rejected = Counter("stopline_requests_rejected",
                                 "Generation requests refused before admission, by HTTP status.",
                                 ["status"], registry=r)
+        self.requests = Counter("stopline_api_requests",
+                                "Generation requests admitted, by API (chat, completions, "
+                                "messages, responses).", ["api"], registry=r)
+        for api in APIS:
+            self.requests.labels(api)
+        self.reasoning_tokens = Counter("stopline_reasoning_tokens",
+                                        "Thinking tokens sent out (markers included).", registry=r)
         self.usage_unsent = Counter("stopline_usage_unsent",
                                     "Streams that asked for usage but whose client left before the "
                                     "final usage chunk could be sent.", registry=r)
@@ -142,6 +165,10 @@ class ServerMetrics(EngineObserver):
         self.finished.labels(reason).inc()
         if usage is not None:
             self.generation_tokens.inc(usage.completion_tokens)
+            self.reasoning_tokens.inc(usage.reasoning_tokens)
+
+    def on_aborted(self, source: str) -> None:
+        self.aborted.labels(source, str(AbortSource(source).engine_initiated).lower()).inc()
 
     def on_request_end(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -223,6 +250,11 @@ class _EngineCollector(Collector):
             ("stopline_tokens_after_abort", "Tokens computed for a request in the step in flight "
              "when its abort was accepted (never delivered).", "tokens_after_abort"),
             ("stopline_engine_steps", "Engine steps run.", "steps"),
+            ("stopline_audits", "Ownership audits run on sampled busy steps (--audit-every).",
+             "audits"),
+            ("stopline_audit_failures", "Sampled ownership audits that found a leak, a double "
+             "count or a holder still holding a finished request.", "audit_failures"),
+            ("stopline_audit_seconds", "Seconds the sampled ownership audits took.", "audit_seconds"),
             ("stopline_spec_draft_tokens", "Draft tokens scheduled for verification (speculative "
              "decoding).", "spec_drafted"),
             ("stopline_spec_accepted_tokens", "Verified drafts that equal the sampled token, "

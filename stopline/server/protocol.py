@@ -88,6 +88,11 @@ class ChatRequest(_Sampling):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # Thinking models (server/reasoning.py): a budget by effort, or stopline's exact one; the
+    # template's switches (vLLM's chat_template_kwargs, e.g. {"enable_thinking": false}).
+    reasoning_effort: str | None = None
+    max_thinking_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CancelRequest(_Strict):

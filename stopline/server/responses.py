@@ -40,16 +40,17 @@ from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
 from stopline.engine.output import RequestOutput
-from stopline.engine.streams import EngineDead, EngineOverloaded, EngineUnavailable
+from stopline.engine.streams import EngineDead, EngineOverloaded, EngineStopped, EngineUnavailable
 from stopline.grammar import tool_format
 from stopline.request import AbortSource, FinishReason, InvalidRequest
-from stopline.server import batch, limits
+from stopline.server import batch, limits, reasoning
 from stopline.server.errors import ApiError, param_of
 from stopline.server.format import UsageSum
 from stopline.server.protocol import (
     ChatRequest,
     _Strict,
     _validation_error,
+    chat_messages,
     grammar_of,
     parse,
     sampling_params,
@@ -57,10 +58,12 @@ from stopline.server.protocol import (
 )
 from stopline.server.serving import (
     _LEFT,
+    _encode,
     _first_output,
-    _prompt_ids,
     _unless_client_leaves,
+    chat_text,
     read_body,
+    template_kwargs,
 )
 from stopline.server.sse import SSEResponse
 from stopline.server.store import TERMINAL, ResponseStore, Run, Stored
@@ -75,7 +78,8 @@ SHUTDOWN = {"code": "server_shutdown", "message": "the server shut down before t
 # stopline's sampling extensions a client may send (the openai client's extra_body=)
 _EXTENSIONS = ("top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop", "seed",
                "stop_token_ids", "queue_timeout", "deadline", "priority", "presence_penalty",
-               "frequency_penalty", "logit_bias", "skip_special_tokens")
+               "frequency_penalty", "logit_bias", "skip_special_tokens", "max_thinking_tokens",
+               "chat_template_kwargs")
 _TERMINAL_EVENT = {s: f"response.{s}" for s in TERMINAL}
 
 
@@ -382,6 +386,7 @@ class Pump:
         self.reasoning_tokens = 0
         self.last: RequestOutput | None = None  # the terminal output
         self.dead: str | None = None
+        self.stopped: AbortSource | None = None  # the engine ended it on its own (pause, ...)
         self.closed = False
 
     async def frames(self) -> AsyncIterator[bytes]:
@@ -400,8 +405,9 @@ class Pump:
                         out.finish_reason.value if out.finish_reason else None
                 for ev in self.writer.feed(out, reason):
                     yield self.run.emit(ev)
-        except EngineDead as exc:
+        except EngineDead as exc:  # its death, or one of the engine's own stops
             self.dead = str(exc)
+            self.stopped = exc.source if isinstance(exc, EngineStopped) else None
         except BaseException:
             self.close()
             raise
@@ -423,6 +429,8 @@ class Pump:
         source = self.group.streams[0].cancelled if self.group.streams else None
         if source is AbortSource.SHUTDOWN or self.srv.responses.closed:
             return "failed", SHUTDOWN, None
+        if self.stopped is not None:
+            return "failed", {"code": self.stopped.value, "message": self.dead}, None
         if self.dead is not None:
             if "shut down" in self.dead:
                 return "failed", SHUTDOWN, None
@@ -491,7 +499,7 @@ async def _create(request: Request, srv: ServerState) -> Response:
     arrival = time.monotonic()
     srv.authorize(request)
     req = parse(ResponsesRequest, await read_body(request, srv.settings.max_body_bytes))
-    srv.check_model(req.model)
+    lora = srv.check_model(req.model)
     store = srv.responses
     if req.background and not req.store:
         raise _bad("background", "a background response must be stored (store: true)")
@@ -517,7 +525,14 @@ async def _create(request: Request, srv: ServerState) -> Response:
         params = sampling_params(chat, queue_timeout=srv.settings.queue_timeout, default_max_tokens=None)
         tools = tools_of(chat)
         params.grammar = grammar_of(chat, tools)
-        prompt = (await _prompt_ids(chat, engine.tokenizer, tools))[0]
+        params.lora = lora
+        # A thinking model thinks here too (server/reasoning.py); reasoning.effort is its budget.
+        effort = req.reasoning.get("effort") if isinstance(req.reasoning, dict) else None
+        limit = reasoning.budget(effort, chat.max_thinking_tokens, "reasoning.effort")
+        text = chat_text(engine.tokenizer, chat_messages(chat, tools),
+                         template_kwargs(chat.chat_template_kwargs))
+        prompt = await _encode(engine.tokenizer, text, add_special_tokens=False)
+        params.reasoning = reasoning.spec(srv.reasoning_markers, engine.tokenizer, text, limit)
     except ApiError as exc:
         raise _renamed(exc) from None
     if req.background and store.closed:
@@ -568,7 +583,7 @@ async def _create(request: Request, srv: ServerState) -> Response:
             return _follow(run, -1, headers)
         return _json(response, headers)
 
-    def abort(t0: float) -> None:
+    def disconnected(t0: float) -> None:
         log.info("%s: client disconnected", rid)
         group.end(AbortSource.DISCONNECT, t0)
         group.detach()
@@ -576,7 +591,7 @@ async def _create(request: Request, srv: ServerState) -> Response:
     source: Any = group
     if params.grammar is not None and req.stream:
         # A grammar that can't be compiled is a 400 before the first byte (serving.py).
-        peeked = await _first_output(request, group, abort)
+        peeked = await _first_output(request, group, disconnected)
         if peeked is None:
             Pump(run, group, group, writer, srv, entry, messages).close()
             return Response(status_code=499)
@@ -591,14 +606,14 @@ async def _create(request: Request, srv: ServerState) -> Response:
         source = peeked
     pump = Pump(run, group, source, writer, srv, entry, messages)
     if req.stream:
-        return SSEResponse(pump.frames(), on_disconnect=abort, wake=group.detach, headers=headers)
+        return SSEResponse(pump.frames(), on_disconnect=disconnected, wake=group.detach, headers=headers)
 
     async def whole() -> None:
         async for _ in pump.frames():
             pass
 
     try:
-        got = await _unless_client_leaves(request, whole(), abort)
+        got = await _unless_client_leaves(request, whole(), disconnected)
     finally:
         pump.close()  # however it ended (the client left, our task was cancelled)
     if got is _LEFT:

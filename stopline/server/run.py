@@ -1,8 +1,8 @@
 """Run the server: uvicorn plus the stop rules of a serving process.
 
 SIGTERM (or the first Ctrl-C): stop admitting (503), let open requests finish for up to the
-drain timeout, abort the rest with finish_reason "abort" (source: shutdown), exit 0. A second
-signal exits at once. Engine-core death: exit EXIT_CORE_DIED after a short delay (state.py).
+drain timeout, abort the rest (source: shutdown, an engine-initiated end: their clients get
+an error, docs/engine-stops.md), exit 0. A second signal exits at once. Engine-core death: exit EXIT_CORE_DIED after a short delay (state.py).
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ def serve(model: str | None, config: EngineConfig, settings: ServerSettings, *,
     mode = "in-process" if in_process else "engine core in its own process"
     if hasattr(engine.backend, "slots"):
         mode = f"{engine.backend.n} Ray replicas"
+    if hasattr(engine.backend, "restarts") and not hasattr(engine.backend, "split"):
+        mode += ", restarted when it dies"
     if hasattr(engine.backend, "split"):
         mode = "prefill and decode engines in two processes"
     print(f"stopline: serving {settings.model_name!r} at http://{host}:{port} ({mode}); "

@@ -19,12 +19,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from stopline.engine.output import RequestOutput
-from stopline.engine.streams import EngineDead, EngineOverloaded, EngineUnavailable
+from stopline.engine.streams import EngineDead, EngineOverloaded, EngineStopped, EngineUnavailable
 from stopline.request import AbortSource, InvalidRequest
-from stopline.server import batch, limits
+from stopline.server import batch, limits, reasoning
 from stopline.server.disconnect import watch_disconnect
 from stopline.server.errors import ApiError, param_of
-from stopline.server.format import SSE_DONE, Choice, Echo, Formatter, UsageSum, sse
+from stopline.server.format import SSE_DONE, Choice, Echo, Formatter, UsageSum, note_version, sse
 from stopline.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -86,7 +86,14 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
     tools = tools_of(req)
     params.grammar = grammar_of(req, tools)
     params.lora = lora
-    prompts = await _prompt_ids(req, engine.tokenizer, tools)
+    if isinstance(req, ChatRequest):
+        limit = reasoning.budget(req.reasoning_effort, req.max_thinking_tokens)
+        text = chat_text(engine.tokenizer, chat_messages(req, tools),
+                         template_kwargs(req.chat_template_kwargs))
+        prompts = [await _encode(engine.tokenizer, text, add_special_tokens=False)]
+        params.reasoning = reasoning.spec(srv.reasoning_markers, engine.tokenizer, text, limit)
+    else:
+        prompts = await _prompt_ids(req, engine.tokenizer, tools)
     if len(prompts) > 1 and engine.info is not None:
         _precheck(prompts, engine.info.vocab_size, engine.info.max_model_len)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -113,6 +120,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
         if isinstance(exc, (EngineUnavailable, EngineDead)):
             raise _unavailable(str(exc)) from None
         raise
+    srv.metrics.requests.labels("chat" if chat else "completions").inc()
     prompt_len = sum(len(p) for p in prompts)
     log.info("%s: admitted (request id %s), %d prompt(s), %d prompt tokens, n=%d", rid, trace,
              len(prompts), prompt_len, params.n)
@@ -123,7 +131,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
                     tool_calls=tools.parses_calls,
                     continuous_usage=bool(opts and opts.continuous_usage_stats),
                     echo=_echoes(req, prompts, engine.tokenizer) if not chat and req.echo else None,
-                    logprobs=params.logprobs is not None)
+                    logprobs=params.logprobs is not None, reasoning=params.reasoning is not None)
     fmt.prompt_tokens = prompt_len
 
     def disconnected(t0: float) -> None:
@@ -149,8 +157,8 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
                 raise refused
             outputs = peeked
         return SSEResponse(_events(outputs, fmt, srv, trace), on_disconnect=disconnected, wake=group.detach,
-                           headers=_headers(rid, trace))
-    return await _whole(request, group, fmt, disconnected, _headers(rid, trace))
+                           headers=_headers(rid, trace, engine.weight_version))
+    return await _whole(request, group, fmt, disconnected, _headers(rid, trace, engine.weight_version))
 
 
 _TRACE_CHARS = 128
@@ -166,10 +174,17 @@ def _client_id(request: Request) -> str | None:
     return value
 
 
-def _headers(rid: str, trace: str) -> dict[str, str]:
+def _headers(rid: str, trace: str, version: int = 0) -> dict[str, str]:
     # X-Request-Id: the client's id when it sent one (tracing), else ours; X-Stopline-Id: ours,
-    # always (the id the cancel endpoint takes, also the response body's `id`).
-    return {"X-Request-Id": trace, "X-Stopline-Id": rid}
+    # always (the id the cancel endpoint takes, also the response body's `id`); X-Weight-Version:
+    # the weights served when it was admitted (the body says which its tokens came from).
+    return {"X-Request-Id": trace, "X-Stopline-Id": rid, "X-Weight-Version": str(version)}
+
+
+def stopped(exc: EngineStopped) -> ApiError:
+    """What a client gets for a request the engine ended on its own: a 503 (or that body as
+    an SSE error event) whose code names the reason, engine_pause, engine_sleep, ..."""
+    return ApiError(503, str(exc), code=f"engine_{exc.source.value}", headers={"Retry-After": "1"})
 
 
 def _unavailable(why: str) -> ApiError:
@@ -186,15 +201,27 @@ def _precheck(prompts: list[list[int]], vocab: int, max_model_len: int) -> None:
             raise ApiError(400, f"prompt: prompt {i} is {why}", param="prompt", code="invalid_value")
 
 
+def template_kwargs(given: dict[str, Any] | None) -> dict[str, Any]:
+    """What the chat template is rendered with beyond the messages: the client's switches
+    (enable_thinking, ...), less the names the server sets itself."""
+    return {k: v for k, v in (given or {}).items()
+            if k not in ("messages", "add_generation_prompt", "tools")}
+
+
+def chat_text(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None = None,
+              param: str = "messages") -> str:
+    """The chat template's prompt for `messages`; a template that refuses them is a 400."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(kwargs or {}))
+    except ChatTemplateError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param, code="chat_template") from None
+
+
 async def _prompt_ids(req: CompletionRequest | ChatRequest, tokenizer: Any,
                       tools: Any = None) -> list[list[int]]:
     """The request's prompts as token ids: one for chat, one or more for completions."""
     if isinstance(req, ChatRequest):
-        messages = chat_messages(req, tools)
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except ChatTemplateError as exc:
-            raise ApiError(400, f"messages: {exc}", param="messages", code="chat_template") from None
+        text = chat_text(tokenizer, chat_messages(req, tools))
         return [await _encode(tokenizer, text, add_special_tokens=False)]
     prompt = req.prompt
     many = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
@@ -221,7 +248,7 @@ async def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[i
 
 async def _events(stream: batch.Group, fmt: Formatter, srv: ServerState | None = None,
                   trace: str = ""):  # -> AsyncIterator[bytes]
-    usage = UsageSum(stream.prompt_tokens)
+    usage = fmt.usage_sum(stream.prompt_tokens)
     ended = 0
     sent = False
     try:
@@ -235,8 +262,12 @@ async def _events(stream: batch.Group, fmt: Formatter, srv: ServerState | None =
             if chunk is not None:
                 yield sse(chunk)
     except EngineDead as exc:
-        # The terminal message of a stream whose engine died: an error event, then [DONE].
-        yield sse(ApiError(500, f"the engine core died: {exc}", code="engine_dead").body())
+        # The terminal message of a stream whose engine died or ended it on its own (pause,
+        # sleep, update, shutdown): an error event, then [DONE]. The openai client raises
+        # APIError at the error event (docs/api.md).
+        err = stopped(exc) if isinstance(exc, EngineStopped) else \
+            ApiError(500, f"the engine core died: {exc}", code="engine_dead")
+        yield sse(err.body())
         if fmt.include_usage:  # what was generated before the death, still billed
             usage.completion_tokens = max(usage.completion_tokens, fmt.streamed)
             yield sse(fmt.usage_chunk(usage))
@@ -294,13 +325,15 @@ async def _unless_client_leaves(request: Request, work: Awaitable[Any], abort: A
         return _LEFT
     try:
         return task.result()
+    except EngineStopped as exc:
+        raise stopped(exc) from None
     except EngineDead as exc:
         raise ApiError(500, f"the engine core died: {exc}", code="engine_dead") from None
 
 
 async def _race(request: Request, stream: batch.Group, fmt: Formatter, abort: Any,
                 headers: dict[str, str]) -> Response:
-    got = await _unless_client_leaves(request, _collect(stream, fmt.n), abort)
+    got = await _unless_client_leaves(request, _collect(stream, fmt), abort)
     if got is _LEFT:
         return Response(status_code=499)  # client closed the request; nobody reads this
     choices, usage = got
@@ -342,12 +375,14 @@ class _Peeked:
         return await anext(self._it)
 
 
-async def _collect(stream: batch.Group, n: int) -> tuple[list[Choice], UsageSum]:
-    choices = [Choice() for _ in range(n)]
-    usage = UsageSum(stream.prompt_tokens)
+async def _collect(stream: batch.Group, fmt: Formatter) -> tuple[list[Choice], UsageSum]:
+    choices = [Choice() for _ in range(fmt.n)]
+    usage = fmt.usage_sum(stream.prompt_tokens)
     async for out in stream:
         c = choices[out.index]
+        note_version(c.versions, out, c.tokens)
         c.text += out.new_text
+        c.reasoning += out.new_reasoning
         c.tokens += len(out.new_token_ids)
         c.logprobs += out.new_logprobs
         if out.prompt_logprobs is not None:

@@ -12,8 +12,9 @@ from typing import Any
 
 from fastapi import Request
 
-from stopline.engine.async_engine import AsyncEngine
+from stopline.engine.async_engine import Admission, AsyncEngine
 from stopline.engine.messages import Utility
+from stopline.server import reasoning
 from stopline.server.errors import ApiError
 from stopline.server.format import TokenText
 from stopline.server.metrics import ServerMetrics
@@ -35,6 +36,10 @@ class ServerSettings:
     # After the engine core dies: keep answering (503, /health unhealthy) this long so that
     # open streams get their error event and probes see why, then exit EXIT_CORE_DIED.
     dead_exit_delay: float = 2.0
+    reasoning_parser: str = "auto"  # server/reasoning.py `markers`
+    # What a request arriving while the engine is paused or asleep gets: "queue" (it waits
+    # for the resume, at most its queue timeout) or "reject" (503 with Retry-After).
+    paused_admission: str = "queue"
     # /v1/responses: stored responses kept at most (oldest ended first; also the most
     # background runs at once), and seconds one is kept after it ended.
     responses_max_stored: int = 1000
@@ -52,10 +57,12 @@ class ServerState:
         self.metrics.bind(engine)
         engine.observer = self.metrics
         engine.on_dead.append(self._core_died)
+        engine.admission = Admission(settings.paused_admission)
         self.exit_code: int | None = None
         self.request_exit: Callable[[int], None] = lambda code: None  # set by the runner
         self.created = int(time.time())
         self._token_text: TokenText | None = None
+        self._markers: tuple[reasoning.Markers | None] | None = None
         self.responses = ResponseStore(settings.responses_max_stored, settings.responses_ttl_s)
         # The adapters served as models: name -> path. The core's set is the truth (it refuses
         # a request whose adapter went meanwhile); this is the front end's copy for /v1/models
@@ -71,6 +78,19 @@ class ServerState:
         if self._token_text is None:
             self._token_text = TokenText(self.engine.tokenizer)
         return self._token_text
+
+    @property
+    def reasoning_markers(self) -> reasoning.Markers | None:
+        """The model's thinking markers (None: it doesn't think), once the engine is up."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            return None
+        if self._markers is None:
+            try:
+                self._markers = (reasoning.markers(self.settings.reasoning_parser, tok.chat_template),)
+            except ValueError as exc:
+                raise ApiError(500, str(exc), code="bad_setting") from None
+        return self._markers[0]
 
     def exit(self, code: int) -> None:
         """Ask the server to stop and exit with `code` (the first code asked for wins)."""

@@ -69,6 +69,11 @@ class ModelRunner:
     @classmethod
     def for_model(cls, loaded: LoadedModel, kv: KVCache, config: EngineConfig) -> ModelRunner:
         """The loaded model's network, calibrated, and a runner over it."""
+        return cls(cls.build_model(loaded, config), kv, config)
+
+    @staticmethod
+    def build_model(loaded: LoadedModel, config: EngineConfig) -> LlamaModel:
+        """The network of loaded weights, calibrated (also for a weight update in place)."""
         cfg, mc = config, loaded.config
         model = LlamaModel(mc, loaded.weights, max_rows=cfg.max_num_batched_tokens,
                            max_logit_rows=cfg.max_num_seqs, device=cfg.device,
@@ -76,7 +81,7 @@ class ModelRunner:
                            quant_max_rows=cfg.quant_max_rows, attention=cfg.attention_backend,
                            numerics=cfg.numerics)
         model.calibrate()
-        return cls(model, kv, config)
+        return model
 
     def _table(self, ch: ScheduledChunk, nb: int) -> list[int]:
         """ch's first nb table entries; those a sliding window passed (HOLE, given back) point

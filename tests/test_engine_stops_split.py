@@ -1,0 +1,79 @@
+"""Engine-wide stops through the prefill/decode split (issue 46): a pause, resume and weight
+update reach both roles; a role that cannot be reached (dead) is named in the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from stopline.config import EngineConfig
+from stopline.disagg.frontend import Restarts, disagg_engine
+from stopline.engine.streams import EngineStopped
+from stopline.request import SamplingParams
+from tests.tiny_model import make_tiny_llama_dir
+
+pytestmark = pytest.mark.timeout(300)
+
+
+async def _until(cond, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(what)
+        await asyncio.sleep(0.02)
+
+
+def test_split_pause_update_and_a_dead_role_named(tiny_long_model_dir, tmp_path):
+    other = make_tiny_llama_dir(tmp_path / "b", seed=1, max_position=8192)
+
+    async def run() -> None:
+        engine = disagg_engine(str(tiny_long_model_dir), EngineConfig(block_size=4, num_blocks=4096),
+                               reclaim_s=2.0, progress=False,
+                               restarts=Restarts(limit=1, window_s=600, first_s=0.5))
+        await engine.start()
+        backend = engine.backend
+        prompt = [10 + i % 400 for i in range(41)]
+        try:
+            stream = await engine.add("a", prompt, SamplingParams(max_tokens=6000, ignore_eos=True))
+            got: list[int] = []
+            stopped: list[Exception] = []
+
+            async def read() -> None:
+                try:
+                    async for out in stream:
+                        got.extend([out.weight_version] * len(out.new_token_ids))
+                except EngineStopped as exc:
+                    stopped.append(exc)
+            reader = asyncio.ensure_future(read())
+            await _until(lambda: len(got) > 3, 60, "no tokens")
+            answer = await engine.pause("keep")
+            assert answer["unreached"] == [] and answer["paused"] == "keep"
+            snaps = await engine.utility("snapshot")
+            assert [s.halted for s in snaps] == [True, True]  # both roles halted
+            n = len(got)
+            await asyncio.sleep(0.3)
+            assert len(got) == n
+            await engine.resume()
+            await _until(lambda: len(got) > n, 30, "no tokens after the resume")
+            answer = await engine.update_weights(str(other), "keep")
+            assert answer["weight_version"] == 1 and answer["unreached"] == []
+            assert [s.weight_version for s in await engine.utility("snapshot")] == [1, 1]
+            await _until(lambda: got[-1] == 1, 30, "no token from the new weights")
+            assert got[0] == 0
+            # A dead role: the pause reaches the other one and names it.
+            os.kill(backend.cores["prefill"].pid, signal.SIGKILL)
+            await _until(lambda: backend.state["prefill"] != "healthy", 10, "the death not seen")
+            await _until(lambda: backend.state["prefill"] == "dead", 120, "restarted past its limit")
+            answer = await engine.pause("abort")
+            assert answer["unreached"] == ["prefill"], answer
+            await reader
+            assert len(stopped) == 1 and stopped[0].source.value == "pause"
+            assert (await engine.resume())["unreached"] == ["prefill"]
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
