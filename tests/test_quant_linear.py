@@ -79,8 +79,8 @@ def test_kernel_rows_carry_the_library_bits_at_every_batch_size(fmt, backend, sh
         assert torch.equal(lin(x[:rows]), library[:rows]), rows
 
 
-# "auto" gives BLAS up to oneDNN where the kernel cannot match BLAS's order (MKL at K = 1024
-# and 2048 on the Zen 4 host), so Gemma's shapes are asked of "auto" and oneDNN, not BLAS.
+# "auto" gives BLAS up to oneDNN where the kernel cannot match BLAS's order (K = 1024
+# and 2048 on the Intel Xeon test host), so Gemma's shapes are asked of "auto" and oneDNN, not BLAS.
 KQUANT_CASES = [("auto", (640, 1024)), ("auto", (640, 2048)), ("auto", (64, 256)), ("blas", (64, 256))] + (
     [("onednn", (640, 1024)), ("onednn", (640, 2048))] if bi.onednn_available("cpu") else [])
 

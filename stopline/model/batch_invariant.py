@@ -209,7 +209,7 @@ class InvariantLinear:
         self.quant = quant if quant is not None and w.device.type == "cpu" and quant_max_rows > 0 else None
         self.quant_max_rows = quant_max_rows
         # With blocks and the backend left to us, a BLAS whose order the kernel cannot match
-        # (MKL at K = 1024 and 2048 on a Zen 4 host) gives way to oneDNN (see _find_kc).
+        # (K = 1024 and 2048 on the Intel Xeon test host) gives way to oneDNN (see _find_kc).
         self._w = w if backend == "auto" and self.quant is not None and onednn_available(w.device) else None
         self._use(w, pick_backend(w, backend))
 
