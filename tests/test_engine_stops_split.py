@@ -77,3 +77,79 @@ def test_split_pause_update_and_a_dead_role_named(tiny_long_model_dir, tmp_path)
             await engine.close()
 
     asyncio.run(run())
+
+
+def test_split_dead_role_is_an_engine_stop_and_its_restart_catches_up(tiny_long_model_dir, tmp_path):
+    """A role that dies ends its streams as an engine-initiated end (source replica, counted by
+    source); restarted after a weight update and a keep pause, it comes back paused and
+    serving the new weights (their version, their tokens) before it serves."""
+    from stopline.engine.async_engine import EngineObserver
+
+    other = make_tiny_llama_dir(tmp_path / "b", seed=1, max_position=8192)
+    aborted: list[str] = []
+
+    class Seen(EngineObserver):
+        def on_aborted(self, source: str) -> None:
+            aborted.append(source)
+
+    async def solo(engine, rid: str) -> tuple[list[int], set[int]]:
+        toks, versions = [], set()
+        async for out in await engine.add(rid, [7 + i % 300 for i in range(23)],
+                                          SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)):
+            toks += out.new_token_ids
+            versions.add(out.weight_version)
+        return toks, versions
+
+    async def run() -> None:
+        engine = disagg_engine(str(tiny_long_model_dir), EngineConfig(block_size=4, num_blocks=4096),
+                               reclaim_s=2.0, progress=False, observer=Seen(),
+                               restarts=Restarts(limit=3, window_s=600, first_s=0.2))
+        await engine.start()
+        backend = engine.backend
+        try:
+            before, _ = await solo(engine, "old")
+            await engine.update_weights(str(other), "keep")
+            new, versions = await solo(engine, "new")
+            assert versions == {1} and new != before
+            new2, _ = await solo(engine, "new2")
+            assert new2 == new, (before, new, new2)
+            stream = await engine.add("a", [10 + i % 400 for i in range(41)],
+                                      SamplingParams(max_tokens=6000, ignore_eos=True))
+            got: list[int] = []
+            ended: list[Exception] = []
+
+            async def read() -> None:
+                try:
+                    async for out in stream:
+                        got.extend(out.new_token_ids)
+                except Exception as exc:  # noqa: BLE001 - the test looks at what it is
+                    ended.append(exc)
+            reader = asyncio.ensure_future(read())
+            await _until(lambda: len(got) > 3, 60, "no tokens")
+            assert (await engine.pause("keep"))["unreached"] == []
+            os.kill(backend.cores["decode"].pid, signal.SIGKILL)
+            await asyncio.wait_for(reader, 30)
+            assert len(ended) == 1 and isinstance(ended[0], EngineStopped), ended
+            assert ended[0].source.value == "replica" and "decode engine died" in str(ended[0])
+            assert aborted == ["replica"]
+            await _until(lambda: backend.state["decode"] == "healthy", 120, "decode not restarted")
+            snaps = await engine.utility("snapshot")
+            assert [(s.halted, s.weight_version) for s in snaps] == [(True, 1), (True, 1)], snaps
+            await engine.resume()
+            again, versions = await solo(engine, "new-again")
+            assert versions == {1} and again == new, (before, new, again)
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+def test_a_dead_replica_on_the_wire_is_a_503_naming_it():
+    """What the server makes of a stream its replica or role's death ended (serving.stopped):
+    a 503 (an SSE error event when streaming) whose code names the source, not engine_dead."""
+    from stopline.request import AbortSource
+    from stopline.server.serving import stopped
+
+    err = stopped(EngineStopped(AbortSource.REPLICA, "the decode engine died: exit -9"))
+    assert err.status == 503 and err.code == "engine_replica", vars(err)
+    assert "replica serving the request died" in str(err) and "decode engine died" in str(err)

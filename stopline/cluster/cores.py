@@ -3,9 +3,11 @@
 The AsyncEngine in front keeps every request's stream, incarnation and terminal-output rule
 as in one process; this backend routes each add to one replica (router.py), remembers the
 owner (owners.py), sends aborts and pauses to that owner only, and pulls outputs from every
-replica. A replica that dies ends its own open streams with EngineDead at once (its pending
+replica. A replica that dies ends its own open streams at once, as an engine-initiated end (EngineStopped,
+source REPLICA: docs/engine-stops.md) (its pending
 pull fails), its requests are not retried, the router skips it, and it rejoins when Ray has
-restarted it and it answers again.
+restarted it, it answers again and it got the engine-wide state it missed (the current
+weights and version, sleep, a keep pause: messages.catch_up).
 
 A replica that is alive but answers no heartbeat, or stays in one step, for `Bounds.stuck_s`
 (engine/liveness.py) is stuck: the router skips it, /health lists it as such, and cancels of
@@ -31,7 +33,7 @@ from stopline.cluster.replica import actor_class
 from stopline.cluster.router import NoReplica, Policy, Router
 from stopline.config import Choice, EngineConfig
 from stopline.engine.liveness import Bounds, Watch
-from stopline.engine.messages import Batch, CoreInfo, Utility
+from stopline.engine.messages import Batch, CoreInfo, Missed, Utility, catch_up
 from stopline.engine.snapshot import Snapshot
 from stopline.engine.streams import EngineDead, EngineUnavailable
 from stopline.request import AbortSource, InvalidRequest, SamplingParams
@@ -90,6 +92,7 @@ class RayCores:
         # Ends the cancelled ones among these here, returns them: set by the AsyncEngine in front
         # (AsyncEngine.confirm_cancels).
         self.confirm_cancels: Callable[[list[str] | None], list[str]] = lambda incs: []
+        self.catch_up: Missed = lambda: []  # AsyncEngine.missed: what a restarted replica must get
         self.bounds = liveness or Bounds()
         self._watcher: asyncio.Task | None = None
         self._on_batch: Callable[[Batch], None] | None = None
@@ -329,6 +332,8 @@ class RayCores:
             await asyncio.sleep(REJOIN_POLL)
             try:
                 await slot.actor.info.remote()
+                # The pause, sleep or weight update it missed while dead, before it serves.
+                await catch_up(self.catch_up, lambda m, *a: self._call(slot.actor.utility, m, *a))
                 slot.snapshot = Snapshot()
                 await self._healthy(slot)
             except RayActorError:

@@ -15,6 +15,7 @@ from stopline.cluster.router import Policy
 from stopline.config import EngineConfig
 from stopline.engine.async_engine import AsyncEngine
 from stopline.engine.liveness import Bounds
+from stopline.request import AbortSource
 
 
 def quiet_ray_env() -> None:
@@ -35,5 +36,5 @@ def ray_engine(model: str | None, config: EngineConfig | None, *, replicas: int 
     backend = RayCores(model, config, replicas=replicas, address=address, policy=Policy(policy),
                        threads=threads, num_cpus=num_cpus, ray_init=ray_init, liveness=liveness)
     engine = AsyncEngine(backend, **streams)
-    backend.on_lost = lambda incs, why: engine.fail(incs, why)
+    backend.on_lost = lambda incs, why: engine.fail(incs, why, AbortSource.REPLICA)
     return engine

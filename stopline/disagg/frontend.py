@@ -15,7 +15,8 @@ it is a RemoteCore reached over TCP at `listen` (ports P..P+2), and the link bet
 roles uses P+3 (KV, prefill -> decode) and P+4 (acks), all bound by the side beside the
 front end, so the remote host needs the front end's address only (remote_spec).
 
-A role that dies ends every stream it still matters to within the time its process exit
+A role that dies ends every stream it still matters to (an engine-initiated end, source
+`replica`: docs/engine-stops.md) within the time its process exit
 takes to notice (the process sentinel): the decode role, all open ones; the prefill role,
 those whose KV the decode side has not taken yet. The survivor's copies are aborted, so
 its blocks come back at once. A role that is alive but answers no heartbeat
@@ -25,8 +26,9 @@ killed, and that is a death as above.
 
 A local role that died is restarted (`Restarts`): a fresh process with the same RoleSpec and
 callbacks, after a back-off that doubles with each death in the window; meanwhile /health
-names it `restarting` (503) and new requests get 503. Once it is up and loaded the same model
-as the survivor, it serves again. Past `Restarts.limit` deaths in the window it stays dead
+names it `restarting` (503) and new requests get 503. Once it is up, loaded the same model
+as the survivor and got the engine-wide state it missed (the current weights and version,
+sleep, a keep pause: messages.catch_up), it serves again. Past `Restarts.limit` deaths in the window it stays dead
 (503). Nothing of the old process can reach the new one's work: incarnations are never
 reused, so its stray KV, acks and beats name requests the new process never had. A remote
 role is another host's process: it is not restarted from here.
@@ -50,7 +52,7 @@ from stopline.disagg.messages import RoleSpec
 from stopline.disagg.role import RoleFactory
 from stopline.engine.async_engine import AsyncEngine
 from stopline.engine.liveness import Bounds, Restarts
-from stopline.engine.messages import Batch, CoreInfo, Utility
+from stopline.engine.messages import Batch, CoreInfo, Missed, Utility, catch_up
 from stopline.engine.proc.remote import PORTS, RemoteCore, split_host_port
 from stopline.engine.proc.transport import ProcCore
 from stopline.engine.snapshot import Snapshot
@@ -134,10 +136,13 @@ class DisaggCores:
         self.samples: dict[str, int] = {}  # open incarnation -> samples not yet ended
         self.split: set[str] = set()  # open incarnations the prefill role works on
         self.taken: set[str] = set()  # split ones whose KV decode took: prefill no longer matters
-        self.on_lost: Callable[[list[str], str], None] = lambda incs, why: None  # set below
+        # Ends these streams (source REPLICA: their role died, an engine-initiated end; None: an
+        # error of the request's own on the prefill side): set below.
+        self.on_lost: Callable[[list[str], str, AbortSource | None], None] = lambda incs, why, src: None
         # Ends the cancelled ones among these here, returns them: set by the AsyncEngine in front
         # (AsyncEngine.confirm_cancels).
         self.confirm_cancels: Callable[[list[str] | None], list[str]] = lambda incs: []
+        self.catch_up: Missed = lambda: []  # AsyncEngine.missed: what a restarted role must get
 
     async def start(self, on_batch: Callable[[Batch], None],
                     on_dead: Callable[[str], None]) -> CoreInfo:
@@ -265,7 +270,7 @@ class DisaggCores:
                     self.cores["decode"].abort([out.incarnation], AbortSource.CANCEL,
                                                time.monotonic())
                 self._forget(out.incarnation)
-                self.on_lost([out.incarnation], why)
+                self.on_lost([out.incarnation], why, None)
         if batch.timings:
             self._on_batch(Batch(timings=batch.timings))
 
@@ -285,7 +290,7 @@ class DisaggCores:
         for inc in incs:
             self._forget(inc)
         log.error("the %s engine died: %s; ending its %d open requests", role, why, len(incs))
-        self.on_lost(incs, f"the {role} engine died: {why}")
+        self.on_lost(incs, f"the {role} engine died: {why}", AbortSource.REPLICA)
         self._restart_later(role)
 
     def _restart_later(self, role: str) -> None:
@@ -321,6 +326,8 @@ class DisaggCores:
             info = await self._start_core(role, core)
             both = {**self.infos, role: info}
             _check_same_model(both["prefill"], both["decode"])
+            # The pause, sleep or weight update it missed while dead, before it serves.
+            await catch_up(self.catch_up, core.utility)
         except ValueError as exc:  # another model or layout now: no point trying again
             log.error("the restarted %s engine does not match: %s; it stays dead", role, exc)
             self._ended.add(core)
@@ -396,5 +403,5 @@ def disagg_engine(model: str | None, config: EngineConfig | None, *, reclaim_s: 
     backend = DisaggCores(model, config, reclaim_s=reclaim_s, threads=threads, progress=progress,
                           remote=remote, listen=listen, liveness=liveness, restarts=restarts)
     engine = AsyncEngine(backend, **streams)
-    backend.on_lost = lambda incs, why: engine.fail(incs, why)
+    backend.on_lost = lambda incs, why, source: engine.fail(incs, why, source)
     return engine

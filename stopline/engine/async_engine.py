@@ -37,6 +37,7 @@ from stopline.engine.snapshot import Snapshot
 from stopline.engine.streams import (
     EngineDead,
     EngineOverloaded,
+    EngineStopped,
     EngineUnavailable,
     RequestStream,
 )
@@ -140,12 +141,15 @@ class AsyncEngine:
         self.paused: PauseMode | None = None
         self.asleep = 0  # sleep level
         self.weight_version = 0
+        self.weights_path: str | None = None  # of the last update (None: the weights it started with)
         self._halted = False  # the core runs no step (pause mode keep)
         self._resumed = asyncio.Event()  # set while admitting: held adds wait on it
         self._resumed.set()
         self._control = asyncio.Lock()  # one pause, resume, sleep, wake or update at a time
         if hasattr(backend, "confirm_cancels"):  # it watches processes that can get stuck
             backend.confirm_cancels = self.confirm_cancels
+        if hasattr(backend, "catch_up"):  # it restarts parts: they get the state they missed
+            backend.catch_up = self.missed
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -306,12 +310,21 @@ class AsyncEngine:
             await asyncio.wait_for(asyncio.gather(*waits), timeout)
         return {rid: [r.value if r else None for r in s.finish_reasons] for rid, s in streams.items()}
 
-    def fail(self, incarnations: Iterable[str], reason: str) -> int:
-        """End these open streams with EngineDead(reason) while the engine lives on (their
-        replica died: stopline/cluster). Returns how many were open."""
+    def fail(self, incarnations: Iterable[str], reason: str, source: AbortSource | None = None) -> int:
+        """End these open streams while the engine lives on. source None: EngineDead(reason)
+        (the one core died, --restart-core); an engine-initiated source (REPLICA: the Ray
+        replica or P/D role running them died): EngineStopped(source, reason), an
+        engine-initiated end (503 / SSE error event naming it), counted by source in the
+        aborted-sequences metric. Returns how many were open."""
         streams = [self._streams[i] for i in incarnations if i in self._streams]
         for s in streams:
-            self._fail(s, EngineDead(reason))
+            if source is None:
+                self._fail(s, EngineDead(reason))
+                continue
+            s.cancel(source)
+            for _ in s.open_samples:
+                self.observer.on_aborted(source.value)
+            self._fail(s, EngineStopped(source, reason))
         return len(streams)
 
     async def utility(self, method: Utility | str, *args: Any) -> Any:
@@ -358,6 +371,21 @@ class AsyncEngine:
             raise EngineUnavailable(self.unavailable_why())
         got = await self.backend.utility(method, *([args] if args is not None else []))
         return got if isinstance(got, list) else [got]
+
+    def missed(self) -> list[tuple[Utility, dict[str, Any] | None]]:
+        """The utility calls that bring a freshly (re)started replica or role to the
+        engine-wide state (messages.catch_up): the current weights and their version, then
+        sleep, then the halt of a pause in mode keep. A pause in another mode needs none:
+        admission is held here."""
+        calls: list[tuple[Utility, dict[str, Any] | None]] = []
+        if self.weights_path is not None:
+            calls += [(Utility.STAGE_WEIGHTS, {"path": self.weights_path}),
+                      (Utility.COMMIT_WEIGHTS, {"version": self.weight_version})]
+        if self.asleep:
+            calls.append((Utility.SLEEP, {"level": self.asleep}))
+        if self._halted:
+            calls.append((Utility.HALT, {"on": True}))
+        return calls
 
     async def _halt(self, on: bool) -> None:
         # Off is always sent (idempotent in the core): a halt whose caller was cancelled
@@ -459,6 +487,7 @@ class AsyncEngine:
             aborted = await self._pause(mode, AbortSource.UPDATE, timeout)
             try:
                 self.weight_version = max(await self._all(Utility.COMMIT_WEIGHTS))
+                self.weights_path = path
             finally:
                 if was_paused is None:
                     await self._halt(False)

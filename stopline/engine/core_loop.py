@@ -216,7 +216,10 @@ class CoreLoop:
                 return {"error": str(exc)}
         if method is Utility.COMMIT_WEIGHTS:
             core.flush_text()  # what the old weights computed leaves stamped with their version
-            return core.commit_weights()
+            version = core.commit_weights()
+            if "version" in kw:  # a restarted part catching up (messages.catch_up)
+                version = core.weight_version = int(kw["version"])
+            return version
         if method is Utility.DROP_STAGED:
             return core.drop_staged()
         if method is Utility.SNAPSHOT:

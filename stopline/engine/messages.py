@@ -8,6 +8,7 @@ a burst of adds.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -75,11 +76,33 @@ class Utility(Choice):
     SLEEP = "sleep"  # args {"level": 1|2}: free the KV pool (and prefix cache); 2: the weights too
     WAKE = "wake"  # allocate what sleep freed (level 2: reload the weights from their path)
     STAGE_WEIGHTS = "stage_weights"  # args {"path"}: load and check new weights; nothing changes
-    COMMIT_WEIGHTS = "commit_weights"  # serve the staged weights; returns the new version
+    # serve the staged weights; returns the new version (args {"version"}: that one, a
+    # restarted part catching up)
+    COMMIT_WEIGHTS = "commit_weights"
     DROP_STAGED = "drop_staged"  # forget staged weights (an update that did not go through)
     LOAD_LORA = "load_lora"  # args: name, path -> {'status', 'message'} (engine/adapters.py)
     UNLOAD_LORA = "unload_lora"  # args: name, policy -> {'status', 'message'}
     LORAS = "loras"  # the adapters loaded: name -> (path, references)
+
+
+Missed = Callable[[], list[tuple[Utility, dict[str, Any] | None]]]
+
+
+async def catch_up(missed: Missed, call: Callable[..., Awaitable[Any]]) -> None:
+    """Bring a replica or role that (re)started up to the engine-wide state before it serves:
+    `missed()` (AsyncEngine.missed) lists the utility calls that get a fresh part there (the
+    current weights and their version, sleep, halt); `call(method, *args)` runs one on that
+    part. Run again if a stop changed the state meanwhile (every call is idempotent)."""
+    done = None
+    for _ in range(3):
+        calls = missed()
+        if calls == done:
+            return
+        for method, args in calls:
+            got = await call(method, *([args] if args is not None else []))
+            if isinstance(got, dict) and "error" in got:
+                raise RuntimeError(f"{method.value}: {got['error']}")
+        done = calls
 
 
 class UtilityMsg(msgspec.Struct, tag="utility"):

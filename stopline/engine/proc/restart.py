@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from stopline.engine.liveness import Restarts
-from stopline.engine.messages import Batch, CoreInfo, Utility
+from stopline.engine.messages import Batch, CoreInfo, Missed, Utility, catch_up
 from stopline.engine.proc.transport import ProcCore
 from stopline.engine.streams import EngineDead, EngineUnavailable
 from stopline.request import AbortSource, SamplingParams
@@ -49,6 +49,7 @@ class RestartingCore:
         # ran on died); and end the cancelled ones of these at the front end (stuck core).
         self.on_lost: Callable[[str], None] = lambda why: None
         self.confirm_cancels: Callable[[list[str] | None], list[str]] = lambda incs: []
+        self.catch_up: Missed = lambda: []  # AsyncEngine.missed: what the restarted core must get
         self._deaths: list[float] = []
         self._ended: set[ProcCore] = set()  # cores whose death was handled: told once
         self._restart: asyncio.Task | None = None
@@ -115,6 +116,8 @@ class RestartingCore:
         t0 = time.monotonic()
         try:
             info = await self._start(core)
+            # The pause, sleep or weight update it missed while dead, before it serves.
+            await catch_up(self.catch_up, core.utility)
         except Exception as exc:  # noqa: BLE001 - it died while starting: a death like any other
             self._lost(core, f"restart failed: {exc}")  # no-op if its sentinel told us first
             return
@@ -154,8 +157,8 @@ class RestartingCore:
         except EngineDead:
             pass  # its streams are ending with the core
 
-    async def utility(self, method: Utility) -> Any:
-        return await self._serving().utility(method)
+    async def utility(self, method: Utility, *args: Any) -> Any:
+        return await self._serving().utility(method, *args)
 
     @property
     def stuck(self) -> str | None:
