@@ -92,6 +92,22 @@ def test_replicas_in_a_network_namespace():
     assert m and int(m.group(1)) >= 45 and "failed" not in proc.stdout, tail
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not _can_unshare(), reason="needs `unshare -n` (root) to keep Ray on loopback")
+def test_engine_stops_through_replicas_in_a_network_namespace():
+    """tests/cluster_stops_checks.py (pause, resume, update, a dead replica's stop and its
+    catch-up through Ray) in a network namespace of its own, as above."""
+    pytest.importorskip("ray")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    inner = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+             "tests/cluster_stops_checks.py"]
+    cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *inner]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=580)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0 and re.search(r"\b1 passed", proc.stdout), tail
+
+
 def test_a_replica_applies_aborts_and_pauses_in_the_order_sent():
     """Ray may run an async actor's calls out of order: a resume that overtook its pause
     would leave the request paused for good (the storm hung so in 3 of 6 runs with replicas
