@@ -339,10 +339,10 @@ def test_adapters_outlive_a_weight_update_and_a_deep_sleep(tmp_path_factory, pro
     llm = _engine(base_dir, {"qv": adapters["qv"]})
     want = _run(llm, prompts[:2], [greedy(MAX_NEW, lora="qv")] * 2)
     eng = llm.engine
-    eng.stage_weights(str(base_dir))
-    eng.commit_weights()
+    eng.residency.stage_weights(str(base_dir))
+    eng.residency.commit_weights()
     assert _run(llm, prompts[:2], [greedy(MAX_NEW, lora="qv")] * 2) == want
-    eng.sleep(2)
-    eng.wake_up()
+    eng.residency.sleep(2)
+    eng.residency.wake_up()
     assert _run(llm, prompts[:2], [greedy(MAX_NEW, lora="qv")] * 2) == want
     assert_idle(eng)
