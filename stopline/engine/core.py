@@ -296,6 +296,11 @@ class EngineCore:
         if self.applier.text_phase() and self.output_sink is not None:
             self.output_sink(self.outputs.collect())
 
+    def flush_text(self) -> None:
+        """Emit the outputs whose text is still pending (async scheduling) now."""
+        if self._text_pending:
+            self._text_phase()
+
     # ---- inbox, deadlines ----------------------------------------------------------------
     def _apply_inbox(self) -> None:
         """Register new families, apply aborts and pauses, then queue the adds. A request
@@ -368,19 +373,9 @@ class EngineCore:
             if late:
                 self._abort_family(fam, AbortSource.DEADLINE)
 
-    def flush_text(self) -> None:
-        """Emit the outputs whose text is still pending (async scheduling) now."""
-        if self._text_pending:
-            self._text_phase()
-
     # ---- checks -------------------------------------------------------------------------
     def live_requests(self) -> list[Request]:
         return self.families.live_requests()
-
-    def transfers(self) -> list[tuple[int, float]] | None:
-        """(bytes, seconds) of the KV transfers this core received; None: it receives none
-        (only a split's decode role does)."""
-        return self.role.transfers()
 
     def close(self) -> None:
         """Stop the role's threads and sockets (tests; a role's process just exits)."""

@@ -225,7 +225,7 @@ class CoreLoop:
             self.core.audit()
             return None
         if method is Utility.TRANSFERS:
-            return self.core.transfers()
+            return self.core.role.transfers()  # only a split's decode role receives any
         if method is Utility.LOAD_LORA:
             return self.core.load_lora(*args)
         if method is Utility.UNLOAD_LORA:
