@@ -146,7 +146,7 @@ class EngineCore:
         # Wakes the loop that waits on an idle core (CoreLoop sets it): another thread of the
         # core (a split's link) calls it when it has something for the next step.
         self.wake: Callable[[], None] = lambda: None
-        # Engine-wide stops: sleep and wake, weight updates, the halt (engine/residency.py).
+        # What it holds resident: sleep and wake, weight updates, LoRA loads, the halt (residency.py).
         self.residency = Residency(self, model)
 
     # ---- entry points (any thread) ------------------------------------------------------
@@ -181,19 +181,6 @@ class EngineCore:
         with self.inbox.lock:
             if self._inflight_ids and self._inflight_ids <= self.inbox.aborting:
                 self._interrupt.set()
-
-    # ---- LoRA adapters (between steps: the core loop's utility calls) ------------------------
-    def load_lora(self, name: str, path: str) -> dict:
-        """Load an adapter; {'status': 200 | 400, 'message': ...}."""
-        return self.adapters.load(name, path)
-
-    def unload_lora(self, name: str, policy: str = "wait") -> dict:
-        """Unload an adapter with a policy (engine/adapters.py); requests aborted for it end
-        at the next step boundary with source `unload`."""
-        got, users = self.adapters.unload(name, policy)
-        if users:
-            self.abort(sorted({r.incarnation for r in users}), AbortSource.UNLOAD, time.monotonic())
-        return got
 
     def pause(self, incarnations: str | Iterable[str], paused: bool = True) -> None:
         """A paused request keeps its place but takes no step (its client's stream is full)."""

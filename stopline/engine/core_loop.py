@@ -227,9 +227,9 @@ class CoreLoop:
         if method is Utility.TRANSFERS:
             return self.core.role.transfers()  # only a split's decode role receives any
         if method is Utility.LOAD_LORA:
-            return self.core.load_lora(*args)
+            return self.core.residency.load_lora(*args)
         if method is Utility.UNLOAD_LORA:
-            return self.core.unload_lora(*args)
+            return self.core.residency.unload_lora(*args)
         if method is Utility.LORAS:
             return {n: [a.path, len(self.core.adapters.refs.get(n, ()))]
                     for n, a in self.core.adapters.loaded.items()}

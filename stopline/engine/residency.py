@@ -2,9 +2,10 @@
 
 Sleep frees the KV pool and the prefix cache (level 2: the weights too) and wake-up restores
 them; a weight update stages new weights (checked against the served architecture) and
-commits them between steps; `halted` is a pause with mode keep (the loop that steps the core
-sets it and runs no step while it holds). All of it runs between steps, on the stepping thread
-(the core loop's utility calls). The core owns one `Residency` (`core.residency`); it is no
+commits them between steps; LoRA adapters load and unload (engine/adapters.py holds them);
+`halted` is a pause with mode keep (the loop that steps the core sets it and runs no step
+while it holds). All of it runs between steps, on the stepping thread (the core loop's
+utility calls; a test may call it between its own steps). The core owns one `Residency` (`core.residency`); it is no
 subclass of the core and keeps no per-request state.
 """
 
@@ -12,10 +13,12 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import time
 from typing import TYPE_CHECKING
 
 from stopline.engine.output import RequestOutput
 from stopline.model.loaders.loader import LoadedModel, load_model
+from stopline.request import AbortSource
 from stopline.worker.runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -133,6 +136,18 @@ class Residency:
 
     def drop_staged(self) -> None:
         self._staged = None
+
+    def load_lora(self, name: str, path: str) -> dict:
+        """Load an adapter; {'status': 200 | 400, 'message': ...}."""
+        return self.core.adapters.load(name, path)
+
+    def unload_lora(self, name: str, policy: str = "wait") -> dict:
+        """Unload an adapter with a policy (engine/adapters.py); requests aborted for it end
+        at the next step boundary with source `unload`."""
+        got, users = self.core.adapters.unload(name, policy)
+        if users:
+            self.core.abort(sorted({r.incarnation for r in users}), AbortSource.UNLOAD, time.monotonic())
+        return got
 
     def _serve(self, loaded: LoadedModel) -> None:
         """Build the network of these weights and run the core's steps on it."""
