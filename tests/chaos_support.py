@@ -171,7 +171,7 @@ def run_reference(loaded, work: list[Job], attention: str = "auto", numerics: st
                                           max_num_batched_tokens=4096, attention_backend=attention,
                                           speculative="off", numerics=numerics))
     for name, path in (adapters or {}).items():
-        assert eng.load_lora(name, path)["status"] == 200
+        assert eng.residency.load_lora(name, path)["status"] == 200
     ref = defaultdict(lambda: defaultdict(list))
     key_of = {}
     for job in work:
@@ -211,7 +211,7 @@ def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int,
     lrng = random.Random(seed + 2)  # its own draws: the storm's stay as they were
     eng = EngineCore(loaded, config)
     for name, path in (adapters or {}).items():
-        assert eng.load_lora(name, path)["status"] == 200
+        assert eng.residency.load_lora(name, path)["status"] == 200
     res = StormResult(defaultdict(lambda: defaultdict(list)), defaultdict(list), {},
                       defaultdict(int), eng)
     pending = [j for j in work if not j.resubmit]
@@ -239,7 +239,7 @@ def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int,
         and load again those that are gone."""
         for name, path in (adapters or {}).items():
             if name not in eng.adapters.loaded:
-                assert eng.load_lora(name, path)["status"] == 200
+                assert eng.residency.load_lora(name, path)["status"] == 200
         if not adapters or lrng.random() >= unload_p:
             return
         name = lrng.choice(sorted(adapters))
@@ -251,7 +251,7 @@ def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int,
                 job = job_of[inc_of[key]]
                 if job.params.lora == name and key not in res.aborted_at:
                     res.aborted_at[key] = {i: len(res.got[key][i]) for i in range(4)}
-        assert eng.unload_lora(name, policy)["status"] == 200
+        assert eng.residency.unload_lora(name, policy)["status"] == 200
         res.unloads += 1
 
     while pending or held or eng.has_unfinished():
