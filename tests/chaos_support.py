@@ -465,8 +465,14 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
         drawn = ["pause:keep", "update:keep", "pause:wait", "update:wait", "sleep:wait",
                  "pause:abort", "update:abort", "sleep:abort"]
 
+        # The second half of the jobs goes out once the stops that keep requests have each been
+        # drawn, so a storm that runs fast still has them land while jobs are in flight.
+        kept_drawn = asyncio.Event()
+
         async def stops_drawn() -> None:
             for k in itertools.count():
+                if k == 3:
+                    kept_drawn.set()
                 await asyncio.sleep(srng.uniform(0.02, stops))
                 kind, _, mode = drawn[k % len(drawn)].partition(":")
                 if kind == "pause":
@@ -511,6 +517,8 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                 delay = rng.uniform(0.0, max_delay) if job.abort is not None else None
                 nap = rng.uniform(0.2, 0.8) if rng.random() < slow else 0.0
                 task = one(engine, job, f"{job.key}@{seed}", delay, nap)
+                if stopping is not None and n == len(work) // 2:
+                    await asyncio.wait_for(kept_drawn.wait(), 120)
                 if job.resubmit:
                     await tasks[-1]  # the raced job ends first, then its resubmit goes out
                 tasks.append(asyncio.ensure_future(task))
