@@ -171,7 +171,7 @@ def run_reference(loaded, work: list[Job], attention: str = "auto", numerics: st
                                           max_num_batched_tokens=4096, attention_backend=attention,
                                           speculative="off", numerics=numerics))
     for name, path in (adapters or {}).items():
-        assert eng.load_lora(name, path)["status"] == 200
+        assert eng.residency.load_lora(name, path)["status"] == 200
     ref = defaultdict(lambda: defaultdict(list))
     key_of = {}
     for job in work:
@@ -211,7 +211,7 @@ def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int,
     lrng = random.Random(seed + 2)  # its own draws: the storm's stay as they were
     eng = EngineCore(loaded, config)
     for name, path in (adapters or {}).items():
-        assert eng.load_lora(name, path)["status"] == 200
+        assert eng.residency.load_lora(name, path)["status"] == 200
     res = StormResult(defaultdict(lambda: defaultdict(list)), defaultdict(list), {},
                       defaultdict(int), eng)
     pending = [j for j in work if not j.resubmit]
@@ -239,7 +239,7 @@ def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int,
         and load again those that are gone."""
         for name, path in (adapters or {}).items():
             if name not in eng.adapters.loaded:
-                assert eng.load_lora(name, path)["status"] == 200
+                assert eng.residency.load_lora(name, path)["status"] == 200
         if not adapters or lrng.random() >= unload_p:
             return
         name = lrng.choice(sorted(adapters))
@@ -251,7 +251,7 @@ def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int,
                 job = job_of[inc_of[key]]
                 if job.params.lora == name and key not in res.aborted_at:
                     res.aborted_at[key] = {i: len(res.got[key][i]) for i in range(4)}
-        assert eng.unload_lora(name, policy)["status"] == 200
+        assert eng.residency.unload_lora(name, policy)["status"] == 200
         res.unloads += 1
 
     while pending or held or eng.has_unfinished():
@@ -465,8 +465,14 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
         drawn = ["pause:keep", "update:keep", "pause:wait", "update:wait", "sleep:wait",
                  "pause:abort", "update:abort", "sleep:abort"]
 
+        # The second half of the jobs goes out once the stops that keep requests have each been
+        # drawn, so a storm that runs fast still has them land while jobs are in flight.
+        kept_drawn = asyncio.Event()
+
         async def stops_drawn() -> None:
             for k in itertools.count():
+                if k == 3:
+                    kept_drawn.set()
                 await asyncio.sleep(srng.uniform(0.02, stops))
                 kind, _, mode = drawn[k % len(drawn)].partition(":")
                 if kind == "pause":
@@ -511,6 +517,8 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
                 delay = rng.uniform(0.0, max_delay) if job.abort is not None else None
                 nap = rng.uniform(0.2, 0.8) if rng.random() < slow else 0.0
                 task = one(engine, job, f"{job.key}@{seed}", delay, nap)
+                if stopping is not None and n == len(work) // 2:
+                    await asyncio.wait_for(kept_drawn.wait(), 120)
                 if job.resubmit:
                     await tasks[-1]  # the raced job ends first, then its resubmit goes out
                 tasks.append(asyncio.ensure_future(task))

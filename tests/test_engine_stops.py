@@ -309,8 +309,8 @@ def test_prefix_cache_never_serves_old_weights(tiny_model_dir, other_weights_sma
                                                  ignore_eos=True))
     for _ in range(4):
         core.step()
-    core.stage_weights(str(other_weights_small))
-    assert core.commit_weights() == 1
+    core.residency.stage_weights(str(other_weights_small))
+    assert core.residency.commit_weights() == 1
     core.add_request("b", prompt, greedy)
     out: dict[str, list[int]] = {"a": [], "b": []}
     cached = None

@@ -62,7 +62,7 @@ def _engine(model: Path, adapters: dict[str, Path], **kw) -> LLM:
     kw.setdefault("block_size", 4)
     llm = LLM(model=str(model), progress=False, debug=True, target_step_ms=None, **kw)
     for name, path in adapters.items():
-        got = llm.engine.load_lora(name, str(path))
+        got = llm.engine.residency.load_lora(name, str(path))
         assert got["status"] == 200, got
     return llm
 
@@ -139,7 +139,7 @@ def test_bad_adapters_are_refused_with_the_problem_named(tmp_path, tmp_path_fact
     before = dict(eng.model.adapters)
 
     def refused(name: str, path: Path | str, *words: str) -> None:
-        got = eng.load_lora(name, str(path))
+        got = eng.residency.load_lora(name, str(path))
         assert got["status"] == 400, got
         for w in words:
             assert w in got["message"], got
@@ -170,10 +170,10 @@ def test_bad_adapters_are_refused_with_the_problem_named(tmp_path, tmp_path_fact
 def test_max_loras_caps_the_loaded_adapters(tmp_path_factory) -> None:
     base_dir, adapters = family(tmp_path_factory, "llama")
     eng = _engine(base_dir, {"qv": adapters["qv"]}, max_loras=1).engine
-    got = eng.load_lora("all", str(adapters["all"]))
+    got = eng.residency.load_lora("all", str(adapters["all"]))
     assert got["status"] == 400 and "--max-loras" in got["message"]
-    assert eng.unload_lora("qv", "refuse")["status"] == 200
-    assert eng.load_lora("all", str(adapters["all"]))["status"] == 200
+    assert eng.residency.unload_lora("qv", "refuse")["status"] == 200
+    assert eng.residency.load_lora("all", str(adapters["all"]))["status"] == 200
 
 
 def _core(tmp_path_factory, **kw) -> EngineCore:
@@ -259,8 +259,8 @@ def test_prefix_cache_never_crosses_adapters(tmp_path_factory) -> None:
     assert cached("mlp", "same_as_cut") > 0
     # Unloading and loading an adapter again under the same name starts a new key.
     path = eng.adapters.loaded["mlp"].path
-    assert eng.unload_lora("mlp", "refuse")["status"] == 200
-    assert eng.load_lora("mlp", path)["status"] == 200
+    assert eng.residency.unload_lora("mlp", "refuse")["status"] == 200
+    assert eng.residency.load_lora("mlp", path)["status"] == 200
     assert cached("mlp", "reloaded") == 0
 
 
@@ -273,15 +273,15 @@ def test_unload_policies(tmp_path_factory, prompts) -> None:
     for _ in range(3):
         collect(results, eng.step())
     # refuse: 409 while in use, nothing changes
-    got = eng.unload_lora("qv", "refuse")
+    got = eng.residency.unload_lora("qv", "refuse")
     assert got["status"] == 409 and "in use by 2" in got["message"]
     assert eng.adapters.serves("qv")
-    assert eng.unload_lora("nope", "wait")["status"] == 404
-    assert eng.unload_lora("qv", "later")["status"] == 400
+    assert eng.residency.unload_lora("nope", "wait")["status"] == 404
+    assert eng.residency.unload_lora("qv", "later")["status"] == 400
     # abort: its requests end abort with source `unload`, the others run on; one accepted
     # before the unload but not admitted yet ends with them
     eng.add_request("u_late", prompts[0], greedy(40, lora="qv"))
-    got = eng.unload_lora("qv", "abort")
+    got = eng.residency.unload_lora("qv", "abort")
     assert got["status"] == 200 and got["aborted"] == 2
     with pytest.raises(UnknownAdapter):
         eng.add_request("new", prompts[0], greedy(4, lora="qv"))
@@ -292,7 +292,7 @@ def test_unload_policies(tmp_path_factory, prompts) -> None:
         assert results[(rid, 0)].stop_detail == "unload"
     assert results.get(("u2", 0)) is not None and results[("u2", 0)].finish_reason is None
     # wait: new requests refused at once, running ones finish, then it goes
-    got = eng.unload_lora("all", "wait")
+    got = eng.residency.unload_lora("all", "wait")
     assert got["status"] == 200 and got["pending"]
     with pytest.raises(InvalidRequest):
         eng.add_request("new2", prompts[0], greedy(4, lora="all"))
@@ -305,7 +305,7 @@ def test_unload_policies(tmp_path_factory, prompts) -> None:
     assert "all" not in eng.adapters.loaded
     assert eng.adapters.unloads == {"qv": 1, "all": 1}
     # An idle unload with any policy is immediate.
-    assert eng.unload_lora("mlp", "wait") == {"status": 200, "message": "adapter 'mlp' unloaded", "pending": False}
+    assert eng.residency.unload_lora("mlp", "wait") == {"status": 200, "message": "adapter 'mlp' unloaded", "pending": False}
     assert_idle(eng)
 
 
@@ -317,7 +317,7 @@ def test_a_gguf_lora_file_loads_as_its_peft_twin(tmp_path_factory, tmp_path, pro
     base_dir, adapters = family(tmp_path_factory, "llama")
     gguf_path = peft_to_gguf(adapters["all"], tmp_path / "all.gguf", q_heads=4, kv_heads=2)
     eng = _engine(base_dir, {"peft": adapters["all"]})
-    assert eng.engine.load_lora("gguf", str(gguf_path))["status"] == 200
+    assert eng.engine.residency.load_lora("gguf", str(gguf_path))["status"] == 200
     peft, gg = eng.engine.model.adapters["peft"], eng.engine.model.adapters["gguf"]
     assert peft.scale == gg.scale and peft.parts.keys() == gg.parts.keys()
     for k, target in peft.parts.items():
@@ -328,7 +328,7 @@ def test_a_gguf_lora_file_loads_as_its_peft_twin(tmp_path_factory, tmp_path, pro
     assert _run(eng, prompts, [greedy(MAX_NEW, lora="gguf")] * len(prompts)) == want
     from tests.tiny_model import make_tiny_gguf
     model_gguf = make_tiny_gguf(base_dir, tmp_path / "model.gguf")
-    got = eng.engine.load_lora("model", str(model_gguf))
+    got = eng.engine.residency.load_lora("model", str(model_gguf))
     assert got["status"] == 400 and "not a LoRA adapter" in got["message"], got
 
 
@@ -339,10 +339,10 @@ def test_adapters_outlive_a_weight_update_and_a_deep_sleep(tmp_path_factory, pro
     llm = _engine(base_dir, {"qv": adapters["qv"]})
     want = _run(llm, prompts[:2], [greedy(MAX_NEW, lora="qv")] * 2)
     eng = llm.engine
-    eng.stage_weights(str(base_dir))
-    eng.commit_weights()
+    eng.residency.stage_weights(str(base_dir))
+    eng.residency.commit_weights()
     assert _run(llm, prompts[:2], [greedy(MAX_NEW, lora="qv")] * 2) == want
-    eng.sleep(2)
-    eng.wake_up()
+    eng.residency.sleep(2)
+    eng.residency.wake_up()
     assert _run(llm, prompts[:2], [greedy(MAX_NEW, lora="qv")] * 2) == want
     assert_idle(eng)

@@ -60,7 +60,7 @@ def test_serve_lora_lists_and_selects_adapters(lora_server, tiny_long_model_dir)
     base = _complete(srv, "tiny")
     # The same tokens as the offline engine with the same adapter, and not the base model's.
     llm = LLM(model=str(tiny_long_model_dir), progress=False, num_blocks=64)
-    assert llm.engine.load_lora("one", str(adapters["one"]))["status"] == 200
+    assert llm.engine.residency.load_lora("one", str(adapters["one"]))["status"] == 200
     ids = llm.encode("The capital")
     want = llm.generate([ids], greedy(12, lora="one"))[0].outputs[0].text
     assert out["choices"][0]["text"] == want != base["choices"][0]["text"]

@@ -18,8 +18,6 @@ The core is never subclassed: a split's side is a role it calls at fixed points.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import itertools
 import logging
 import random
@@ -36,6 +34,7 @@ from stopline.engine.families import FamilyTable, check_request, new_family
 from stopline.engine.grammars import GrammarHolder
 from stopline.engine.inbox import Inbox
 from stopline.engine.output import OutputProcessor, RequestOutput
+from stopline.engine.residency import Residency
 from stopline.engine.role import Role
 from stopline.kv.block_pool import LedgerError
 from stopline.kv.kv_cache import make_cache
@@ -67,20 +66,6 @@ _incarnations = itertools.count()
 # What a core is built from: a loaded model, a GGUF file or HF directory, or None (the embedded model).
 ModelSource = LoadedModel | str | None
 
-# What a weight update may not change (the KV layout, the network's shapes and its kind).
-ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias",
-                "qk_norm", "rope_layers", "layer_windows")
-
-
-def _trim_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps some below its mmap threshold)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
 
 class EngineCore:
     def __init__(self, model: ModelSource = None, config: EngineConfig | None = None,
@@ -95,13 +80,6 @@ class EngineCore:
         torch.set_flush_denormal(True)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, progress=progress)
         self.loaded = loaded
-        # Engine-wide stops (docs/engine-stops.md). Where the weights come from (level-2 sleep
-        # reloads them from there); which weights serve (every output carries it).
-        self._weights_path: tuple[str | None] | None = None if isinstance(model, LoadedModel) else (model,)
-        self.weight_version = 0
-        self.asleep = 0  # the sleep level: 0 awake, 1 KV freed, 2 weights freed too
-        self.halted = False  # paused with mode keep (set by the loop that steps it)
-        self._staged: LoadedModel | None = None
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
@@ -168,6 +146,8 @@ class EngineCore:
         # Wakes the loop that waits on an idle core (CoreLoop sets it): another thread of the
         # core (a split's link) calls it when it has something for the next step.
         self.wake: Callable[[], None] = lambda: None
+        # What it holds resident: sleep and wake, weight updates, LoRA loads, the halt (residency.py).
+        self.residency = Residency(self, model)
 
     # ---- entry points (any thread) ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -201,19 +181,6 @@ class EngineCore:
         with self.inbox.lock:
             if self._inflight_ids and self._inflight_ids <= self.inbox.aborting:
                 self._interrupt.set()
-
-    # ---- LoRA adapters (between steps: the core loop's utility calls) ------------------------
-    def load_lora(self, name: str, path: str) -> dict:
-        """Load an adapter; {'status': 200 | 400, 'message': ...}."""
-        return self.adapters.load(name, path)
-
-    def unload_lora(self, name: str, policy: str = "wait") -> dict:
-        """Unload an adapter with a policy (engine/adapters.py); requests aborted for it end
-        at the next step boundary with source `unload`."""
-        got, users = self.adapters.unload(name, policy)
-        if users:
-            self.abort(sorted({r.incarnation for r in users}), AbortSource.UNLOAD, time.monotonic())
-        return got
 
     def pause(self, incarnations: str | Iterable[str], paused: bool = True) -> None:
         """A paused request keeps its place but takes no step (its client's stream is full)."""
@@ -316,6 +283,11 @@ class EngineCore:
         if self.applier.text_phase() and self.output_sink is not None:
             self.output_sink(self.outputs.collect())
 
+    def flush_text(self) -> None:
+        """Emit the outputs whose text is still pending (async scheduling) now."""
+        if self._text_pending:
+            self._text_phase()
+
     # ---- inbox, deadlines ----------------------------------------------------------------
     def _apply_inbox(self) -> None:
         """Register new families, apply aborts and pauses, then queue the adds. A request
@@ -388,110 +360,9 @@ class EngineCore:
             if late:
                 self._abort_family(fam, AbortSource.DEADLINE)
 
-    # ---- engine-wide stops (between steps, on the stepping thread) -------------------------
-    def sleep(self, level: int) -> int:
-        """Free the KV pool and the prefix cache (level 2: the weights too). Nothing may be
-        live: the front end pauses with mode abort or wait first. Returns the bytes freed."""
-        if level not in (1, 2):
-            raise ValueError(f"level: must be 1 or 2, got {level}")
-        # Late aborts of requests already over, and adds whose abort overtook them (the front
-        # end aborted every open request before this): they end here, nothing is kept for them.
-        self._apply_inbox()
-        if self.families or self.inbox.has_any():
-            raise RuntimeError(f"sleep: {len(self.families)} requests are live; pause with mode "
-                               "abort or wait first")
-        if level == 2 and not isinstance(self.runner, ModelRunner):
-            raise ValueError("level: 2 needs the model's own runner")
-        if level == 2 and self._weights_path is None:
-            raise ValueError("level: 2 frees the weights, but these were handed in, not loaded "
-                             "from a path: they could not be reloaded")
-        if self.asleep >= level:
-            return 0
-        freed = 0
-        if not self.asleep:
-            self.pool.reset_prefix_cache()
-            freed += self.kv.free_memory()
-            if self.worker.rows is not None:
-                self.worker.rows.reset()
-        if level == 2:
-            assert isinstance(self.runner, ModelRunner)
-            freed += sum(t.numel() * t.element_size() for t in self.loaded.weights.values())
-            self.runner.model = None  # type: ignore[assignment]
-            self.model = None
-            self.loaded.weights.clear()
-            self.loaded.blocks.clear()
-        self.asleep = level
-        _trim_heap()
-        return freed
-
-    def wake_up(self) -> int:
-        """Undo sleep: allocate the KV pool again (zeroed), reload the weights after level 2."""
-        if self.asleep == 2:
-            assert self._weights_path is not None and isinstance(self.runner, ModelRunner)
-            loaded = load_model(self._weights_path[0], progress=False)
-            self.runner.model = self.model = ModelRunner.build_model(loaded, self.config)
-            self.model.adapters = self.adapters.loaded  # loaded adapters outlive the network
-            self.loaded = loaded
-        self.kv.restore_memory()
-        self.asleep = 0
-        return self.kv.nbytes
-
-    def stage_weights(self, path: str) -> dict:
-        """Load new weights and check them against the served architecture; nothing changes
-        yet. Raises ValueError naming what does not match."""
-        if not isinstance(self.runner, ModelRunner):
-            raise ValueError("path: this engine runs no model of its own (a test runner)")
-        self._staged = None
-        loaded = load_model(path, progress=False)
-        old, new = self.model_config, loaded.config
-        diff = [f"{k} {getattr(new, k)!r} (serving {getattr(old, k)!r})" for k in ARCHITECTURE
-                if getattr(old, k) != getattr(new, k)]
-        if diff:
-            raise ValueError(f"path: {path} is not the served architecture: {'; '.join(diff)}")
-        self._staged = loaded
-        return {"path": path, "source": loaded.source}
-
-    def commit_weights(self) -> int:
-        """Serve the staged weights from the next step on; returns the new weight version.
-        Outputs already computed left before this (the loop flushes them); the prefix cache
-        forgets every block, and the live requests' blocks never enter it again."""
-        if self._staged is None:
-            raise RuntimeError("no weights are staged")
-        if self.asleep:
-            raise RuntimeError("the engine is asleep: wake it up first")
-        loaded, self._staged = self._staged, None
-        assert isinstance(self.runner, ModelRunner)
-        self.runner.model = self.model = ModelRunner.build_model(loaded, self.config)
-        self.model.adapters = self.adapters.loaded  # loaded adapters outlive the network
-        self.loaded = loaded
-        self._weights_path = (loaded.source,)
-        self.kv_manager.new_weights()
-        self.weight_version += 1
-        _trim_heap()
-        return self.weight_version
-
-    def halted_tick(self) -> list[RequestOutput]:
-        """Halted or asleep, no step runs: apply the aborts that came in (the inbox's adds
-        wait) and return their terminal outputs."""
-        self._apply_aborts()
-        return self.outputs.collect()
-
-    def drop_staged(self) -> None:
-        self._staged = None
-
-    def flush_text(self) -> None:
-        """Emit the outputs whose text is still pending (async scheduling) now."""
-        if self._text_pending:
-            self._text_phase()
-
     # ---- checks -------------------------------------------------------------------------
     def live_requests(self) -> list[Request]:
         return self.families.live_requests()
-
-    def transfers(self) -> list[tuple[int, float]] | None:
-        """(bytes, seconds) of the KV transfers this core received; None: it receives none
-        (only a split's decode role does)."""
-        return self.role.transfers()
 
     def close(self) -> None:
         """Stop the role's threads and sockets (tests; a role's process just exits)."""

@@ -138,10 +138,10 @@ class CoreLoop:
         while not self._stopping:
             self._busy_since = time.monotonic()
             self._run_calls()
-            if self.halted or core.asleep:
+            if self.halted or core.residency.asleep:
                 # Paused (keep) or asleep: no step; an abort that came in still ends its
                 # request now (nothing is in flight, so its blocks go back at once).
-                outputs = core.halted_tick()
+                outputs = core.residency.halted_tick()
                 if outputs:
                     self._note_ended(outputs)
                     self._send(Batch(outputs, self._timings(), take_snapshot(core)))
@@ -179,7 +179,7 @@ class CoreLoop:
         # Stamped as they leave: a weight update runs between steps, after the outputs
         # computed before it were flushed (Utility.COMMIT_WEIGHTS).
         for o in batch.outputs:
-            o.weight_version = self.core.weight_version
+            o.weight_version = self.core.residency.weight_version
         self.emit(batch)
 
     def _deadline_passed(self) -> bool:
@@ -203,36 +203,36 @@ class CoreLoop:
         kw: dict[str, Any] = args[0] if args and isinstance(args[0], dict) else {}  # engine stops' args
         if method is Utility.HALT:
             core.flush_text()
-            self.halted = core.halted = bool(kw.get("on", True))
+            self.halted = core.residency.halted = bool(kw.get("on", True))
             return self.halted
         if method is Utility.SLEEP:
-            return core.sleep(int(kw.get("level", 1)))
+            return core.residency.sleep(int(kw.get("level", 1)))
         if method is Utility.WAKE:
-            return core.wake_up()
+            return core.residency.wake_up()
         if method is Utility.STAGE_WEIGHTS:
             try:
-                return core.stage_weights(str(kw["path"]))
+                return core.residency.stage_weights(str(kw["path"]))
             except (ValueError, OSError) as exc:  # the caller's 400, across every transport
                 return {"error": str(exc)}
         if method is Utility.COMMIT_WEIGHTS:
             core.flush_text()  # what the old weights computed leaves stamped with their version
-            version = core.commit_weights()
+            version = core.residency.commit_weights()
             if "version" in kw:  # a restarted part catching up (messages.catch_up)
-                version = core.weight_version = int(kw["version"])
+                version = core.residency.weight_version = int(kw["version"])
             return version
         if method is Utility.DROP_STAGED:
-            return core.drop_staged()
+            return core.residency.drop_staged()
         if method is Utility.SNAPSHOT:
             return take_snapshot(self.core)
         if method is Utility.AUDIT:
             self.core.audit()
             return None
         if method is Utility.TRANSFERS:
-            return self.core.transfers()
+            return self.core.role.transfers()  # only a split's decode role receives any
         if method is Utility.LOAD_LORA:
-            return self.core.load_lora(*args)
+            return self.core.residency.load_lora(*args)
         if method is Utility.UNLOAD_LORA:
-            return self.core.unload_lora(*args)
+            return self.core.residency.unload_lora(*args)
         if method is Utility.LORAS:
             return {n: [a.path, len(self.core.adapters.refs.get(n, ()))]
                     for n, a in self.core.adapters.loaded.items()}

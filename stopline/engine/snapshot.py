@@ -139,7 +139,8 @@ def take_snapshot(core: EngineCore) -> Snapshot:
         audit_seconds=stats.audit_seconds,
         loras=_loras(core),
         taken_at=time.monotonic(),
-        weight_version=core.weight_version, halted=core.halted, asleep=core.asleep,
+        weight_version=core.residency.weight_version, halted=core.residency.halted,
+        asleep=core.residency.asleep,
     )
 
 

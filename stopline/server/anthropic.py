@@ -9,7 +9,7 @@ The stop path decides `stop_reason`: a stop string is `stop_sequence` (with the 
 stop after complete tool calls `tool_use`, EOS `end_turn`, max_tokens `max_tokens`. An end
 that is no answer (a cancel, the server's shutdown, a deadline, a failure) is an HTTP error,
 or in a stream an `error` event and nothing after it: never `message_stop`. A disconnect
-aborts the request at once, as in serving.py, whose race and stream helpers this module uses.
+aborts the request at once, as in serving.py (the race and the first-output peek: requests.py).
 Errors have Anthropic's shape: {"type": "error", "error": {"type", "message"}}.
 """
 
@@ -29,25 +29,27 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from stopline.engine.output import RequestOutput
-from stopline.engine.streams import EngineDead, EngineOverloaded, EngineUnavailable
+from stopline.engine.streams import EngineDead
 from stopline.grammar import tool_format
 from stopline.grammar.tools import ToolPlan, tool_plan
 from stopline.request import AbortSource, InvalidRequest, SamplingParams
 from stopline.server import batch, limits, reasoning
 from stopline.server.errors import ApiError, param_of
 from stopline.server.protocol import _Strict, parse
-from stopline.server.serving import (
-    _LEFT,
-    _client_id,
-    _encode,
-    _first_output,
-    _headers,
-    _unavailable,
-    _unless_client_leaves,
-    chat_text,
+from stopline.server.requests import (
+    LEFT,
+    admit,
+    client_id,
+    encode,
+    engine_died,
+    grammar_refusal,
     read_body,
-    template_kwargs,
+    trace_headers,
+    unavailable,
+    unless_refused,
+    whole,
 )
+from stopline.server.serving import chat_text, template_kwargs
 from stopline.server.sse import SSEResponse
 
 if TYPE_CHECKING:
@@ -115,9 +117,9 @@ async def count_tokens(request: Request) -> Response:
         srv.check_model(req.model)
         tok = srv.engine.tokenizer
         if not srv.engine.ready or tok is None:
-            raise _unavailable(srv.engine.unavailable_why())
+            raise unavailable(srv.engine.unavailable_why())
         text, _, _ = _prompt(req, srv, tok)
-        return JSONResponse({"input_tokens": len(await _encode(tok, text, add_special_tokens=False))})
+        return JSONResponse({"input_tokens": len(await encode(tok, text, add_special_tokens=False))})
     except ApiError as exc:
         return _error_response(exc)
 
@@ -304,38 +306,20 @@ async def _messages(request: Request, srv: ServerState) -> Response:
     engine = srv.engine
     tok = engine.tokenizer
     if not engine.ready or tok is None:
-        raise _unavailable(engine.unavailable_why())
+        raise unavailable(engine.unavailable_why())
     params = _params(req, srv)
     text, plan, params.reasoning = _prompt(req, srv, tok)
     params.grammar = plan.grammar
     params.lora = lora
-    prompt = await _encode(tok, text, add_special_tokens=False)
+    prompt = await encode(tok, text, add_special_tokens=False)
     rid = f"msg_{uuid.uuid4().hex}"
-    trace = _client_id(request) or rid
+    trace = client_id(request) or rid
     group = batch.Group(engine, 1)
-    try:
-        group.add(await engine.add(rid, prompt, params, arrival=arrival, incarnation=rid))
-    except BaseException as exc:
-        group.end(AbortSource.CANCEL)
-        group.detach()
-        if isinstance(exc, InvalidRequest):
-            msg = str(exc)
-            param = param_of(msg)
-            if param == "model":  # its adapter was unloaded meanwhile
-                raise ApiError(404, msg, param="model", code="model_not_found") from None
-            if param == "prompt":
-                param, msg = "messages", "messages" + msg.removeprefix("prompt")
-            raise ApiError(400, msg, param=param, code="invalid_value") from None
-        if isinstance(exc, EngineOverloaded):
-            raise ApiError(429, f"the server is busy: {exc}", code="queue_full",
-                           headers={"Retry-After": "1"}) from None
-        if isinstance(exc, (EngineUnavailable, EngineDead)):
-            raise _unavailable(str(exc)) from None
-        raise
+    await admit(engine, group, rid, [prompt], params, arrival, prompt_param="messages")
     srv.metrics.requests.labels("messages").inc()
     log.info("%s: admitted (request id %s), %d prompt tokens", rid, trace, len(prompt))
     msg = Message(rid, lora or srv.model_name, len(prompt), list(params.stop), plan.parses_calls)
-    headers = _headers(rid, trace)
+    headers = trace_headers(rid, trace)
 
     def disconnected(t0: float) -> None:
         log.info("%s: client disconnected (request id %s)", rid, trace)
@@ -346,23 +330,13 @@ async def _messages(request: Request, srv: ServerState) -> Response:
         outputs: Any = group
         if params.grammar is not None:
             # A tool grammar that can't be compiled is a 400 before the stream's first byte.
-            peeked = await _first_output(request, group, disconnected)
-            if peeked is None:
+            outputs = await unless_refused(request, group, disconnected, _grammar_error)
+            if outputs is None:
                 return Response(status_code=499)
-            refused = _grammar_error(peeked.first)
-            if refused is not None:
-                group.end(AbortSource.CANCEL)
-                group.detach()
-                raise refused
-            outputs = peeked
         return SSEResponse(_events(outputs, msg), on_disconnect=disconnected, wake=group.detach,
                            headers=headers)
-    try:
-        got = await _unless_client_leaves(request, _collect(group, msg), disconnected)
-    finally:
-        group.end(AbortSource.DISCONNECT)
-        group.close()
-    if got is _LEFT:
+    got = await whole(request, group, _collect(group, msg), disconnected)
+    if got is LEFT:
         return Response(status_code=499)
     return JSONResponse(msg.whole(got), headers=headers)
 
@@ -377,12 +351,7 @@ async def _collect(stream: batch.Group, msg: Message) -> RequestOutput:
 
 
 def _grammar_error(out: RequestOutput) -> ApiError | None:
-    reason = out.finish_reason.value if out.finish_reason else None
-    detail = out.stop_detail or ""
-    if reason != "error" or not detail.startswith("grammar: "):
-        return None
-    return ApiError(400, f"tools: {detail.removeprefix('grammar: ')}", param="tools",
-                    code="invalid_grammar")
+    return grammar_refusal(out.finish_reason.value if out.finish_reason else None, out.stop_detail, "tools")
 
 
 def _failure(out: RequestOutput) -> ApiError | None:
@@ -422,7 +391,7 @@ async def _events(stream: Any, msg: Message) -> AsyncIterator[bytes]:
                 end = out
                 break
     except EngineDead as exc:
-        yield _event("error", error_body(ApiError(500, f"the engine core died: {exc}")))
+        yield _event("error", error_body(engine_died(exc)))
         return
     finally:
         stream.end(AbortSource.DISCONNECT)

@@ -15,7 +15,8 @@ from stopline.request import AbortSource
 from stopline.server import anthropic, batch, console, errors, memtrace, responses, stops, tokenize
 from stopline.server.errors import ApiError
 from stopline.server.protocol import CancelRequest, LoadLoraRequest, UnloadLoraRequest, parse
-from stopline.server.serving import create, read_body
+from stopline.server.requests import read_body, unavailable
+from stopline.server.serving import create
 from stopline.server.state import ServerState
 
 CANCEL_TIMEOUT = 30.0  # a confirmed cancel waits at most this long for the request to end
@@ -185,4 +186,4 @@ def build_app(state: ServerState) -> FastAPI:
 
 def _ready(engine) -> None:  # noqa: ANN001 - the AsyncEngine
     if not engine.ready:
-        raise ApiError(503, engine.unavailable_why(), code="unavailable", headers={"Retry-After": "1"})
+        raise unavailable(engine.unavailable_why())

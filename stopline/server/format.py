@@ -15,6 +15,7 @@ from stopline.engine.output import RequestOutput
 from stopline.grammar import tool_format
 from stopline.request import TokenLogprob
 from stopline.server.errors import ApiError
+from stopline.server.requests import grammar_refusal
 
 # Reasons the engine reports that OpenAI's enum lacks; clients get them as they are, with the
 # detail (abort source, error message) next to them.
@@ -282,11 +283,11 @@ class Formatter:
     def grammar_error(self, reason: str | None, detail: str | None) -> ApiError | None:
         """The 400 for a sample the engine ended because its grammar could not be compiled
         (invalid, over a limit, past its deadline): the request as sent can't be served."""
-        if reason != "error" or not (detail or "").startswith("grammar: "):
-            return None
-        param = "tools" if self.tool_calls else "response_format"
-        return ApiError(400, f"{param}: {detail.removeprefix('grammar: ')}", param=param,
-                        code="invalid_grammar")
+        return grammar_refusal(reason, detail, "tools" if self.tool_calls else "response_format")
+
+    def refusal(self, first: RequestOutput) -> ApiError | None:
+        """grammar_error for a stream's first output (before the stream starts)."""
+        return self.grammar_error(self._reason(first), first.stop_detail)
 
     # ---- pieces -----------------------------------------------------------------------------
     @staticmethod

@@ -3,7 +3,7 @@ POST /v1/responses/{id}/cancel.
 
 A request is turned into a chat request (input items and instructions into messages, tools
 and `text.format` into their chat shapes) and then checked, encoded and admitted by the chat
-path's own functions (protocol.py, serving.py), so the same input gets the same 4xx here. One
+path's own functions (protocol.py, serving.py, requests.py), so the same input gets the same 4xx here. One
 engine request stands for the response, read through a `batch.Group` (the one place its
 engine requests end). A `Pump` turns its outputs into the Responses events and ends every run
 with exactly one terminal event, however it ends (vllm#55284):
@@ -40,11 +40,11 @@ from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
 from stopline.engine.output import RequestOutput
-from stopline.engine.streams import EngineDead, EngineOverloaded, EngineStopped, EngineUnavailable
+from stopline.engine.streams import EngineDead, EngineStopped, EngineUnavailable
 from stopline.grammar import tool_format
-from stopline.request import AbortSource, FinishReason, InvalidRequest
+from stopline.request import AbortSource, FinishReason
 from stopline.server import batch, limits, reasoning
-from stopline.server.errors import ApiError, param_of
+from stopline.server.errors import ApiError
 from stopline.server.format import UsageSum
 from stopline.server.protocol import (
     ChatRequest,
@@ -56,15 +56,17 @@ from stopline.server.protocol import (
     sampling_params,
     tools_of,
 )
-from stopline.server.serving import (
-    _LEFT,
-    _encode,
-    _first_output,
-    _unless_client_leaves,
-    chat_text,
+from stopline.server.requests import (
+    LEFT,
+    admit,
+    encode,
+    first_output,
+    grammar_refusal,
     read_body,
-    template_kwargs,
+    unavailable,
+    unless_client_leaves,
 )
+from stopline.server.serving import chat_text, template_kwargs
 from stopline.server.sse import SSEResponse
 from stopline.server.store import TERMINAL, ResponseStore, Run, Stored
 
@@ -482,10 +484,6 @@ def _json(obj: dict[str, Any], headers: dict[str, str] | None = None) -> Respons
     return Response(msgspec.json.encode(obj), media_type="application/json", headers=headers)
 
 
-def _unavailable(why: str) -> ApiError:
-    return ApiError(503, why, code="unavailable", headers={"Retry-After": "1"})
-
-
 async def create(request: Request) -> Response:
     srv: ServerState = request.app.state.server
     try:
@@ -517,7 +515,7 @@ async def _create(request: Request, srv: ServerState) -> Response:
     chat = chat_request(req, shown)
     engine = srv.engine
     if not engine.ready or engine.tokenizer is None:
-        raise _unavailable(str(EngineUnavailable(engine.unavailable_why())))
+        raise unavailable(str(EngineUnavailable(engine.unavailable_why())))
     try:
         limits.check(chat)
         if engine.info is not None:
@@ -531,12 +529,12 @@ async def _create(request: Request, srv: ServerState) -> Response:
         limit = reasoning.budget(effort, chat.max_thinking_tokens, "reasoning.effort")
         text = chat_text(engine.tokenizer, chat_messages(chat, tools),
                          template_kwargs(chat.chat_template_kwargs))
-        prompt = await _encode(engine.tokenizer, text, add_special_tokens=False)
+        prompt = await encode(engine.tokenizer, text, add_special_tokens=False)
         params.reasoning = reasoning.spec(srv.reasoning_markers, engine.tokenizer, text, limit)
     except ApiError as exc:
         raise _renamed(exc) from None
     if req.background and store.closed:
-        raise _unavailable("the server is shutting down")
+        raise unavailable("the server is shutting down")
     if req.background and store.full_of_runs():
         raise ApiError(429, f"{store.running} background responses are running (limit "
                        f"{store.max_stored}, --responses-max-stored)", code="too_many_background",
@@ -544,13 +542,9 @@ async def _create(request: Request, srv: ServerState) -> Response:
     rid = f"resp_{uuid.uuid4().hex}"
     group = batch.Group(engine, 1)
     try:
-        group.add(await engine.add(rid, prompt, params, arrival=arrival, incarnation=rid))
-    except InvalidRequest as exc:
-        raise _renamed(ApiError(400, str(exc), param=param_of(str(exc)), code="invalid_value")) from None
-    except EngineOverloaded as exc:
-        raise ApiError(429, f"the server is busy: {exc}", code="queue_full", headers={"Retry-After": "1"}) from None
-    except (EngineUnavailable, EngineDead) as exc:
-        raise _unavailable(str(exc)) from None
+        await admit(engine, group, rid, [prompt], params, arrival, model_404=False)
+    except ApiError as exc:
+        raise _renamed(exc) if exc.status == 400 else exc from None
     background = bool(req.background)
     response = {
         "id": rid, "object": "response", "created_at": int(time.time()),
@@ -591,18 +585,19 @@ async def _create(request: Request, srv: ServerState) -> Response:
     source: Any = group
     if params.grammar is not None and req.stream:
         # A grammar that can't be compiled is a 400 before the first byte (serving.py).
-        peeked = await _first_output(request, group, disconnected)
+        peeked = await first_output(request, group, disconnected)
         if peeked is None:
             Pump(run, group, group, writer, srv, entry, messages).close()
             return Response(status_code=499)
         first = peeked.first
-        if first.finish_reason is FinishReason.ERROR and (first.stop_detail or "").startswith("grammar: "):
+        refused = _grammar_error(first, tools.parses_calls)
+        if refused is not None:
             pump = Pump(run, group, group, writer, srv, entry, messages)
             pump.last = first
             pump.close()
             if entry is not None:
                 store.delete(rid)  # refused: nothing was answered
-            raise _grammar_error(first.stop_detail or "", tools.parses_calls)
+            raise refused
         source = peeked
     pump = Pump(run, group, source, writer, srv, entry, messages)
     if req.stream:
@@ -613,10 +608,10 @@ async def _create(request: Request, srv: ServerState) -> Response:
             pass
 
     try:
-        got = await _unless_client_leaves(request, whole(), disconnected)
+        got = await unless_client_leaves(request, whole(), disconnected)
     finally:
         pump.close()  # however it ended (the client left, our task was cancelled)
-    if got is _LEFT:
+    if got is LEFT:
         return Response(status_code=499)
     err = response.get("error") or {}
     if err.get("code") == "invalid_grammar" and not response["output"]:
@@ -627,9 +622,9 @@ async def _create(request: Request, srv: ServerState) -> Response:
     return _json(response, headers=headers)
 
 
-def _grammar_error(detail: str, tools: bool) -> ApiError:
-    param = "tools" if tools else "text.format"
-    return ApiError(400, f"{param}: {detail.removeprefix('grammar: ')}", param=param, code="invalid_grammar")
+def _grammar_error(first: RequestOutput, tools: bool) -> ApiError | None:
+    reason = first.finish_reason.value if first.finish_reason else None
+    return grammar_refusal(reason, first.stop_detail, "tools" if tools else "text.format")
 
 
 def _follow(run: Run, after: int, headers: dict[str, str] | None = None) -> Response:

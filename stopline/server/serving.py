@@ -8,22 +8,18 @@ disconnect aborts it at once (see disconnect.py), and so does any way the handle
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from stopline.engine.output import RequestOutput
-from stopline.engine.streams import EngineDead, EngineOverloaded, EngineStopped, EngineUnavailable
-from stopline.request import AbortSource, InvalidRequest
+from stopline.engine.streams import EngineDead, EngineStopped, EngineUnavailable
+from stopline.request import AbortSource
 from stopline.server import batch, limits, reasoning
-from stopline.server.disconnect import watch_disconnect
-from stopline.server.errors import ApiError, param_of
+from stopline.server.errors import ApiError
 from stopline.server.format import SSE_DONE, Choice, Echo, Formatter, UsageSum, note_version, sse
 from stopline.server.protocol import (
     ChatRequest,
@@ -34,6 +30,19 @@ from stopline.server.protocol import (
     sampling_params,
     tools_of,
 )
+from stopline.server.requests import (
+    LEFT,
+    admit,
+    client_id,
+    encode,
+    engine_died,
+    read_body,
+    stopped,
+    trace_headers,
+    unavailable,
+    unless_refused,
+    whole,
+)
 from stopline.server.sse import SSEResponse
 from stopline.tokenizer.tokenizer import ChatTemplateError
 
@@ -43,21 +52,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("stopline.server")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
-_OFFLOAD_CHARS = 50_000  # tokenize longer prompts off the event loop
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
-                       code="body_too_large")
-    size, parts = 0, []
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
-        parts.append(part)
-    return b"".join(parts)
 
 
 async def create(request: Request, chat: bool) -> Response:
@@ -77,7 +71,7 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
     lora = srv.check_model(req.model)
     engine = srv.engine
     if not engine.ready or engine.tokenizer is None:
-        raise _unavailable(str(EngineUnavailable(engine.unavailable_why())))
+        raise unavailable(str(EngineUnavailable(engine.unavailable_why())))
     limits.check(req)
     if engine.info is not None:
         limits.check_vocab(req.logit_bias, engine.info.vocab_size)
@@ -90,36 +84,16 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
         limit = reasoning.budget(req.reasoning_effort, req.max_thinking_tokens)
         text = chat_text(engine.tokenizer, chat_messages(req, tools),
                          template_kwargs(req.chat_template_kwargs))
-        prompts = [await _encode(engine.tokenizer, text, add_special_tokens=False)]
+        prompts = [await encode(engine.tokenizer, text, add_special_tokens=False)]
         params.reasoning = reasoning.spec(srv.reasoning_markers, engine.tokenizer, text, limit)
     else:
         prompts = await _prompt_ids(req, engine.tokenizer, tools)
     if len(prompts) > 1 and engine.info is not None:
         _precheck(prompts, engine.info.vocab_size, engine.info.max_model_len)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    trace = _client_id(request) or rid  # the client's X-Request-Id, echoed; rid stays the cancel id
+    trace = client_id(request) or rid  # the client's X-Request-Id, echoed; rid stays the cancel id
     group = batch.Group(engine, params.n)  # where every engine request of this one ends
-    try:
-        for k, prompt in enumerate(prompts):
-            mid = batch.member_id(rid, k)
-            group.add(await engine.add(mid, prompt, params, arrival=arrival, incarnation=mid))
-    except BaseException as exc:
-        group.end(AbortSource.CANCEL)  # a later prompt was refused: the earlier ones end with it
-        group.detach()
-        if isinstance(exc, InvalidRequest):
-            msg = str(exc)
-            param = param_of(msg)
-            if param == "model":  # its adapter was unloaded meanwhile
-                raise ApiError(404, msg, param="model", code="model_not_found") from None
-            if chat and param == "prompt":
-                param, msg = "messages", "messages" + msg.removeprefix("prompt")
-            raise ApiError(400, msg, param=param, code="invalid_value") from None
-        if isinstance(exc, EngineOverloaded):
-            raise ApiError(429, f"the server is busy: {exc}", code="queue_full",
-                           headers={"Retry-After": "1"}) from None
-        if isinstance(exc, (EngineUnavailable, EngineDead)):
-            raise _unavailable(str(exc)) from None
-        raise
+    await admit(engine, group, rid, prompts, params, arrival, prompt_param="messages" if chat else "prompt")
     srv.metrics.requests.labels("chat" if chat else "completions").inc()
     prompt_len = sum(len(p) for p in prompts)
     log.info("%s: admitted (request id %s), %d prompt(s), %d prompt tokens, n=%d", rid, trace,
@@ -145,50 +119,18 @@ async def _create(request: Request, srv: ServerState, chat: bool) -> Response:
             # A grammar compiles in the engine; one that can't be (invalid, too big, too slow)
             # is a 400 before the stream's first byte, as without streaming, not a 200 stream
             # that ends in an error. So the response starts with the first output.
-            peeked = await _first_output(request, group, disconnected)
-            if peeked is None:
+            outputs = await unless_refused(request, group, disconnected, fmt.refusal)
+            if outputs is None:
                 return Response(status_code=499)  # client closed the request
-            first = peeked.first
-            reason = first.finish_reason.value if first.finish_reason else None
-            refused = fmt.grammar_error(reason, first.stop_detail)
-            if refused is not None:
-                group.end(AbortSource.CANCEL)  # members that have not failed yet end with it
-                group.detach()
-                raise refused
-            outputs = peeked
         return SSEResponse(_events(outputs, fmt, srv, trace), on_disconnect=disconnected, wake=group.detach,
-                           headers=_headers(rid, trace, engine.weight_version))
-    return await _whole(request, group, fmt, disconnected, _headers(rid, trace, engine.weight_version))
-
-
-_TRACE_CHARS = 128
-
-
-def _client_id(request: Request) -> str | None:
-    value = request.headers.get("x-request-id")
-    if value is None:
-        return None
-    if not value or len(value) > _TRACE_CHARS or not value.isprintable():
-        raise ApiError(400, f"X-Request-Id: must be 1-{_TRACE_CHARS} printable characters",
-                       param="X-Request-Id", code="invalid_value")
-    return value
-
-
-def _headers(rid: str, trace: str, version: int = 0) -> dict[str, str]:
-    # X-Request-Id: the client's id when it sent one (tracing), else ours; X-Stopline-Id: ours,
-    # always (the id the cancel endpoint takes, also the response body's `id`); X-Weight-Version:
-    # the weights served when it was admitted (the body says which its tokens came from).
-    return {"X-Request-Id": trace, "X-Stopline-Id": rid, "X-Weight-Version": str(version)}
-
-
-def stopped(exc: EngineStopped) -> ApiError:
-    """What a client gets for a request the engine ended on its own: a 503 (or that body as
-    an SSE error event) whose code names the reason, engine_pause, engine_sleep, ..."""
-    return ApiError(503, str(exc), code=f"engine_{exc.source.value}", headers={"Retry-After": "1"})
-
-
-def _unavailable(why: str) -> ApiError:
-    return ApiError(503, why, code="unavailable", headers={"Retry-After": "1"})
+                           headers=trace_headers(rid, trace, engine.weight_version))
+    headers = trace_headers(rid, trace, engine.weight_version)  # as admitted, not as ended
+    got = await whole(request, group, _collect(group, fmt), disconnected)
+    if got is LEFT:
+        return Response(status_code=499)  # client closed the request; nobody reads this
+    choices, usage = got
+    fmt.check_outcome(choices)
+    return JSONResponse(fmt.response(choices, usage), headers=headers)
 
 
 def _precheck(prompts: list[list[int]], vocab: int, max_model_len: int) -> None:
@@ -222,12 +164,12 @@ async def _prompt_ids(req: CompletionRequest | ChatRequest, tokenizer: Any,
     """The request's prompts as token ids: one for chat, one or more for completions."""
     if isinstance(req, ChatRequest):
         text = chat_text(tokenizer, chat_messages(req, tools))
-        return [await _encode(tokenizer, text, add_special_tokens=False)]
+        return [await encode(tokenizer, text, add_special_tokens=False)]
     prompt = req.prompt
     many = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
     out = []
     for p in many:
-        out.append(await _encode(tokenizer, p, add_special_tokens=True) if isinstance(p, str) else list(p))
+        out.append(await encode(tokenizer, p, add_special_tokens=True) if isinstance(p, str) else list(p))
     return out
 
 
@@ -238,12 +180,6 @@ def _echoes(req: CompletionRequest, prompts: list[list[int]], tokenizer: Any) ->
     many = sent if isinstance(sent, list) and sent and not isinstance(sent[0], int) else [sent]
     return [Echo(p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False), ids)
             for p, ids in zip(many, prompts, strict=True)]
-
-
-async def _encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
-    if len(text) > _OFFLOAD_CHARS:
-        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 async def _events(stream: batch.Group, fmt: Formatter, srv: ServerState | None = None,
@@ -265,8 +201,7 @@ async def _events(stream: batch.Group, fmt: Formatter, srv: ServerState | None =
         # The terminal message of a stream whose engine died or ended it on its own (pause,
         # sleep, update, shutdown): an error event, then [DONE]. The openai client raises
         # APIError at the error event (docs/api.md).
-        err = stopped(exc) if isinstance(exc, EngineStopped) else \
-            ApiError(500, f"the engine core died: {exc}", code="engine_dead")
+        err = stopped(exc) if isinstance(exc, EngineStopped) else engine_died(exc)
         yield sse(err.body())
         if fmt.include_usage:  # what was generated before the death, still billed
             usage.completion_tokens = max(usage.completion_tokens, fmt.streamed)
@@ -291,88 +226,6 @@ async def _events(stream: batch.Group, fmt: Formatter, srv: ServerState | None =
         sent = True
         yield sse(fmt.usage_chunk(usage))
     yield SSE_DONE
-
-
-async def _whole(request: Request, stream: batch.Group, fmt: Formatter, abort: Any,
-                 headers: dict[str, str]) -> Response:
-    """Race the engine against the client: whichever ends first decides. However it ends, no
-    member of the request keeps running."""
-    try:
-        return await _race(request, stream, fmt, abort, headers)
-    finally:
-        stream.end(AbortSource.DISCONNECT)
-        stream.close()
-
-
-_LEFT = object()  # what _unless_client_leaves gives when the client left first
-
-
-async def _unless_client_leaves(request: Request, work: Awaitable[Any], abort: Any) -> Any:
-    """`work`'s result, raced against the client: _LEFT (and `work` cancelled) when the
-    client closed the request first; a dead engine is a 500."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(watch_disconnect(request.receive, abort))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # our own task was cancelled (shutdown): the request goes with it
-        abort(time.monotonic())
-        task.cancel()
-        raise
-    finally:
-        watch.cancel()
-    if not task.done() or (watch.done() and not watch.cancelled()):
-        task.cancel()
-        return _LEFT
-    try:
-        return task.result()
-    except EngineStopped as exc:
-        raise stopped(exc) from None
-    except EngineDead as exc:
-        raise ApiError(500, f"the engine core died: {exc}", code="engine_dead") from None
-
-
-async def _race(request: Request, stream: batch.Group, fmt: Formatter, abort: Any,
-                headers: dict[str, str]) -> Response:
-    got = await _unless_client_leaves(request, _collect(stream, fmt), abort)
-    if got is _LEFT:
-        return Response(status_code=499)  # client closed the request; nobody reads this
-    choices, usage = got
-    fmt.check_outcome(choices)
-    return JSONResponse(fmt.response(choices, usage), headers=headers)
-
-
-async def _first_output(request: Request, stream: Any, abort: Any) -> _Peeked | None:
-    """The stream with its first output read, raced against the client (None: the client
-    left first)."""
-    it = aiter(stream)
-    try:
-        first = await _unless_client_leaves(request, anext(it), abort)
-    except StopAsyncIteration:
-        return None
-    return None if first is _LEFT else _Peeked(stream, it, first)
-
-
-class _Peeked:
-    """A stream whose first output was read before its response started: that output
-    first, then the rest, from the one iterator (iterating a stream again restarts it)."""
-
-    def __init__(self, stream: Any, it: Any, first: RequestOutput) -> None:
-        self._stream = stream
-        self._it = it
-        self.first = first
-        self._pending: RequestOutput | None = first
-
-    def __getattr__(self, name: str) -> Any:  # prompt_tokens, detach, ...
-        return getattr(self._stream, name)
-
-    def __aiter__(self) -> _Peeked:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._pending is not None:
-            out, self._pending = self._pending, None
-            return out
-        return await anext(self._it)
 
 
 async def _collect(stream: batch.Group, fmt: Formatter) -> tuple[list[Choice], UsageSum]:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from stopline.engine.async_engine import PauseMode
 from stopline.engine.streams import EngineUnavailable
 from stopline.server.errors import ApiError
-from stopline.server.serving import read_body
+from stopline.server.requests import read_body, unavailable
 from stopline.server.state import ServerState
 
 
@@ -51,7 +51,7 @@ def install(app: FastAPI, state: ServerState) -> None:
     async def run(request: Request, work: Callable[[], Awaitable[dict]]) -> JSONResponse:
         state.authorize(request)
         if not engine.ready:
-            raise ApiError(503, engine.unavailable_why(), code="unavailable", headers={"Retry-After": "1"})
+            raise unavailable(engine.unavailable_why())
         try:
             answer = await work()
         except ValueError as exc:
@@ -60,7 +60,7 @@ def install(app: FastAPI, state: ServerState) -> None:
         except TimeoutError as exc:
             raise ApiError(409, str(exc) or "the stop did not complete in time", code="stop_timeout") from None
         except EngineUnavailable as exc:
-            raise ApiError(503, str(exc), code="unavailable", headers={"Retry-After": "1"}) from None
+            raise unavailable(str(exc)) from None
         return JSONResponse(answer, headers={"X-Weight-Version": str(engine.weight_version)})
 
     @app.post("/pause")

@@ -15,6 +15,7 @@ from fastapi import Request
 from stopline.server import limits
 from stopline.server.errors import ApiError
 from stopline.server.protocol import ChatMessage, _Strict, chat_messages, parse
+from stopline.server.requests import read_body, unavailable
 from stopline.tokenizer.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -35,14 +36,12 @@ class DetokenizeRequest(_Strict):
 
 
 async def _ready(request: Request, body_model: type[_Strict]) -> tuple[Any, Any, ServerState]:
-    from stopline.server.serving import _unavailable, read_body  # serving imports protocol too
-
     srv: ServerState = request.app.state.server
     srv.authorize(request)
     req = parse(body_model, await read_body(request, srv.settings.max_body_bytes))
     srv.check_model(req.model)
     if not srv.engine.ready or srv.engine.tokenizer is None or srv.engine.info is None:
-        raise _unavailable(srv.engine.unavailable_why())
+        raise unavailable(srv.engine.unavailable_why())
     return req, srv.engine.tokenizer, srv
 
 
