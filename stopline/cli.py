@@ -135,6 +135,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--paused-admission", choices=["queue", "reject"], default="queue",
                    help="while paused or asleep (POST /pause, /sleep), new requests wait for the "
                         "resume (at most --queue-timeout) or get 503 with Retry-After")
+    g.add_argument("--update-recompute", action="store_true",
+                   help="POST /update_weights (mode keep): recompute the in-flight requests' KV under "
+                        "the new weights (preempt them by recompute at the swap); a body's "
+                        "`recompute` decides for its own update")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     g.add_argument("--reasoning-parser", default="auto",
                    help="the markers of the model's thinking: 'auto' (the pair its chat template "
@@ -188,7 +192,7 @@ def serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, queue_timeout=args.queue_timeout,
         drain_timeout=args.drain_timeout, reasoning_parser=args.reasoning_parser,
-        paused_admission=args.paused_admission,
+        paused_admission=args.paused_admission, update_recompute=args.update_recompute,
         responses_max_stored=args.responses_max_stored,
         responses_ttl_s=args.responses_ttl_s, loras=_loras(args.lora),
         lora_unload_policy=args.lora_unload_policy)

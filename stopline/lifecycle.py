@@ -88,20 +88,22 @@ class Lifecycle:
         """Abnormal termination of one request: error, timeout, too many preemptions."""
         self._end(req, reason, message)
 
-    def preempt(self, req: Request) -> None:
+    def preempt(self, req: Request, mode: PreemptionMode | None = None) -> None:
         """Take a running request's blocks for others; it resumes later, exactly where it was.
-        A family leader whose samples have not forked yet takes them along."""
+        A family leader whose samples have not forked yet takes them along. mode: forced
+        (a weight update recomputing the KV of the requests in flight, engine/residency.py):
+        not counted against max_preemptions, it is no sign of a contended pool."""
         if req.status is not RequestStatus.RUNNING:
             raise LedgerError(f"preempt of {req.incarnation!r} in state {req.status.value}")
         # A paused request (its client reads slowly) is not thrashing: it is not admitted
         # again until its client reads, so preemption never ends it (the stall timeout may).
-        if not req.paused:
+        if not req.paused and mode is None:
             req.num_preemptions += 1
         if req.num_preemptions > self.config.max_preemptions:
             self.fail(req, FinishReason.PREEMPTED,
                       f"preempted {req.num_preemptions - 1} times; the KV pool is too contended")
             return
-        mode = self._mode_for(req)
+        mode = mode or self._mode_for(req)
         self.stats.preemptions[mode.value] += 1
         for r in [req, *req.forks_pending]:
             r.epoch += 1

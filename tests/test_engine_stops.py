@@ -263,6 +263,7 @@ def test_update_weights_versions_and_mismatch(core_proc, tiny_long_model_dir, ot
     assert bad.status_code == 400 and "num_layers 3 (serving 2)" in bad.json()["error"]["message"]
     assert _post(srv, "/update_weights", json={"path": "/nonexistent"}).status_code == 400
     assert _post(srv, "/update_weights", json={"path": str(other_weights), "mode": "x"}).status_code == 400
+    assert _post(srv, "/update_weights", json={"path": str(other_weights), "recompute": "yes"}).status_code == 400
     assert httpx.get(srv.base + "/health").json()["weight_version"] == v0
     # keep, with a stream in flight: its tokens carry both versions, split where the update fell.
     r = _Reader(srv, max_tokens=3000)
@@ -329,3 +330,49 @@ def test_prefix_cache_never_serves_old_weights(tiny_model_dir, other_weights_sma
 @pytest.fixture(scope="module")
 def other_weights_small(tmp_path_factory) -> Path:
     return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny_b_small") / "model", seed=1)
+
+
+@pytest.mark.parametrize("how", ["setting", "call", "off"])
+def test_keep_update_with_recompute_continues_as_the_new_weights_solo_run(tiny_long_model_dir,
+                                                                         other_weights, how):
+    """A keep update with recompute (--update-recompute, or the call's `recompute`) preempts
+    the requests in flight by recompute at the swap: their KV is computed again under the new
+    weights, so their later tokens are the new weights' solo run of the prompt and the tokens
+    they had. Without it, the old KV stays and the later tokens differ."""
+    import asyncio
+
+    from stopline.engine.async_engine import AsyncEngine
+
+    prompt = list(range(3, 3 + 37))
+
+    async def run() -> tuple[list[int], list[int], dict]:
+        engine = AsyncEngine.in_process(str(tiny_long_model_dir), EngineConfig(num_blocks=512),
+                                        progress=False)
+        engine.update_recompute = how == "setting"
+        await engine.start()
+        try:
+            stream = await engine.add("a", prompt, SamplingParams(max_tokens=40, temperature=0,
+                                                                  ignore_eos=True))
+            by_version: dict[int, list[int]] = {0: [], 1: []}
+            answer: dict = {}
+            async for out in stream:
+                by_version[out.weight_version] += out.new_token_ids
+                if not answer and len(by_version[0]) >= 6:
+                    await engine.pause("keep")  # the update falls at a known token
+                    answer = await engine.update_weights(str(other_weights), "keep",
+                                                         recompute=True if how == "call" else None)
+                    await engine.resume()
+            snap = await engine.utility("snapshot")
+            await engine.utility("audit")
+            return by_version[0], by_version[1], {"answer": answer, "snap": snap}
+        finally:
+            await engine.close()
+
+    before, after, seen = asyncio.run(run())
+    assert seen["answer"]["recompute"] is (how != "off") and seen["answer"]["weight_version"] == 1
+    assert len(before) >= 6 and len(before) + len(after) == 40 and after
+    solo = _solo(other_weights, prompt + before, len(after))[0]
+    if how == "off":
+        assert after != solo  # the old weights' KV under the new weights: another run
+    else:
+        assert after == solo

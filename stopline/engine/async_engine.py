@@ -142,6 +142,9 @@ class AsyncEngine:
         self.asleep = 0  # sleep level
         self.weight_version = 0
         self.weights_path: str | None = None  # of the last update (None: the weights it started with)
+        # A keep update recomputes the in-flight requests' KV under the new weights
+        # (--update-recompute; a body's `recompute` decides for its update).
+        self.update_recompute = False
         self._halted = False  # the core runs no step (pause mode keep)
         self._resumed = asyncio.Event()  # set while admitting: held adds wait on it
         self._resumed.set()
@@ -468,12 +471,15 @@ class AsyncEngine:
             return {"asleep": 0, "seconds": round(time.monotonic() - t0, 4), "unreached": self.unreached()}
 
     async def update_weights(self, path: str, mode: PauseMode | str = PauseMode.KEEP,
-                             timeout: float | None = None) -> dict:
+                             timeout: float | None = None, recompute: bool | None = None) -> dict:
         """Serve the weights at `path` (same architecture): they are loaded and checked first
         (ValueError naming a mismatch: nothing changed), then the open requests are paused by
         `mode`, the weights swapped between steps, and the engine resumes unless it was
-        paused before. Every later output carries the new weight version."""
+        paused before. Every later output carries the new weight version. recompute (None:
+        `update_recompute`): the requests still in flight at the swap are preempted by
+        recompute, their KV computed again under the new weights before their next token."""
         mode = PauseMode(mode)
+        recompute = self.update_recompute if recompute is None else recompute
         async with self._control:
             if self.asleep:
                 raise ValueError(f"the engine is asleep (level {self.asleep}): POST /wake_up first")
@@ -486,14 +492,15 @@ class AsyncEngine:
             was_paused = self.paused
             aborted = await self._pause(mode, AbortSource.UPDATE, timeout)
             try:
-                self.weight_version = max(await self._all(Utility.COMMIT_WEIGHTS))
+                self.weight_version = max(await self._all(Utility.COMMIT_WEIGHTS,
+                                                          {"recompute": True} if recompute else None))
                 self.weights_path = path
             finally:
                 if was_paused is None:
                     await self._halt(False)
                     self._resume_admission()
             return {"weight_version": self.weight_version, "path": path, "mode": mode.value,
-                    "aborted": aborted, "seconds": round(time.monotonic() - t0, 4),
+                    "recompute": recompute, "aborted": aborted, "seconds": round(time.monotonic() - t0, 4),
                     "unreached": self.unreached()}
 
     # ---- stopping -------------------------------------------------------------------------

@@ -216,7 +216,7 @@ class CoreLoop:
                 return {"error": str(exc)}
         if method is Utility.COMMIT_WEIGHTS:
             core.flush_text()  # what the old weights computed leaves stamped with their version
-            version = core.residency.commit_weights()
+            version = core.residency.commit_weights(bool(kw.get("recompute", False)))
             if "version" in kw:  # a restarted part catching up (messages.catch_up)
                 version = core.residency.weight_version = int(kw["version"])
             return version

@@ -16,6 +16,7 @@ import gc
 import time
 from typing import TYPE_CHECKING
 
+from stopline.config import PreemptionMode
 from stopline.engine.output import RequestOutput
 from stopline.model.loaders.loader import LoadedModel, load_model
 from stopline.request import AbortSource
@@ -117,22 +118,38 @@ class Residency:
         self._staged = loaded
         return {"path": path, "source": loaded.source}
 
-    def commit_weights(self) -> int:
+    def commit_weights(self, recompute: bool = False) -> int:
         """Serve the staged weights from the next step on; returns the new weight version.
         Outputs already computed left before this (the loop flushes them); the prefix cache
-        forgets every block, and the live requests' blocks never enter it again."""
+        forgets every block, and the live requests' blocks never enter it again.
+
+        recompute: every request with KV in the pool is preempted by recompute here (not
+        counted against max_preemptions): it is admitted again and re-prefills its prompt and
+        the tokens it has under the new weights (no block of old weights is served: the hashes
+        are forgotten below), so its later tokens are what the new weights give from that point."""
         if self._staged is None:
             raise RuntimeError("no weights are staged")
         if self.asleep:
             raise RuntimeError("the engine is asleep: wake it up first")
         loaded, self._staged = self._staged, None
         assert isinstance(self.core.runner, ModelRunner)
+        if recompute:
+            self.recompute_live()
         self._serve(loaded)
         self._weights_path = (loaded.source,)
         self.core.kv_manager.new_weights()
         self.weight_version += 1
         _trim_heap()
         return self.weight_version
+
+    def recompute_live(self) -> int:
+        """Preempt by recompute every running request that holds KV (a family's samples
+        waiting inside their leader go with it); returns how many."""
+        core = self.core
+        live = [r for r in core.queues.running if r.fork_leader is None]
+        for r in live:
+            core.lifecycle.preempt(r, PreemptionMode.RECOMPUTE)
+        return len(live)
 
     def drop_staged(self) -> None:
         self._staged = None

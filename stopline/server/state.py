@@ -40,6 +40,9 @@ class ServerSettings:
     # What a request arriving while the engine is paused or asleep gets: "queue" (it waits
     # for the resume, at most its queue timeout) or "reject" (503 with Retry-After).
     paused_admission: str = "queue"
+    # A keep weight update recomputes the in-flight requests' KV under the new weights
+    # (POST /update_weights's `recompute` decides for its own update).
+    update_recompute: bool = False
     # /v1/responses: stored responses kept at most (oldest ended first; also the most
     # background runs at once), and seconds one is kept after it ended.
     responses_max_stored: int = 1000
@@ -58,6 +61,7 @@ class ServerState:
         engine.observer = self.metrics
         engine.on_dead.append(self._core_died)
         engine.admission = Admission(settings.paused_admission)
+        engine.update_recompute = settings.update_recompute
         self.exit_code: int | None = None
         self.request_exit: Callable[[int], None] = lambda code: None  # set by the runner
         self.created = int(time.time())

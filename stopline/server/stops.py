@@ -100,4 +100,9 @@ def install(app: FastAPI, state: ServerState) -> None:
         if not os.path.exists(path):
             raise ApiError(400, f"path: {path} does not exist", param="path", code="invalid_value")
         mode = _mode(body.get("mode"), PauseMode.KEEP)
-        return await run(request, lambda: engine.update_weights(path, mode, timeout=_timeout(request)))
+        recompute = body.get("recompute")
+        if recompute is not None and not isinstance(recompute, bool):
+            raise ApiError(400, "recompute: must be true or false", param="recompute",
+                           code="invalid_value")
+        return await run(request, lambda: engine.update_weights(path, mode, timeout=_timeout(request),
+                                                                recompute=recompute))
