@@ -153,3 +153,43 @@ def test_a_dead_replica_on_the_wire_is_a_503_naming_it():
     err = stopped(EngineStopped(AbortSource.REPLICA, "the decode engine died: exit -9"))
     assert err.status == 503 and err.code == "engine_replica", vars(err)
     assert "replica serving the request died" in str(err) and "decode engine died" in str(err)
+
+
+def test_a_restarted_core_catches_up_and_its_death_stays_engine_dead(tiny_long_model_dir, tmp_path):
+    """--restart-core: the one core's death still ends its streams as EngineDead (not an
+    engine stop: the engine itself died), and the fresh core gets the weights, version and
+    keep pause it missed before it serves."""
+    from stopline.engine.proc.restart import restarting_engine
+    from stopline.engine.streams import EngineDead
+
+    other = make_tiny_llama_dir(tmp_path / "b", seed=1, max_position=8192)
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+    prompt = [7 + i % 300 for i in range(23)]
+
+    async def solo(engine, rid: str) -> list[int]:
+        return [t async for out in await engine.add(rid, prompt, greedy) for t in out.new_token_ids]
+
+    async def run() -> None:
+        engine = restarting_engine(str(tiny_long_model_dir), EngineConfig(num_blocks=1024), progress=False,
+                                   restarts=Restarts(limit=3, window_s=600, first_s=0.2))
+        await engine.start()
+        backend = engine.backend
+        try:
+            await engine.update_weights(str(other), "keep")
+            new = await solo(engine, "new")
+            stream = await engine.add("a", [5, 6, 7], SamplingParams(max_tokens=6000, ignore_eos=True))
+            await engine.pause("keep")
+            os.kill(backend.pid, signal.SIGKILL)
+            with pytest.raises(EngineDead) as err:
+                async for _ in stream:
+                    pass
+            assert not isinstance(err.value, EngineStopped)
+            await _until(lambda: backend.state == "healthy" and backend.restarted == 1, 120, "no restart")
+            snap = await engine.utility("snapshot")
+            assert (snap.halted, snap.weight_version) == (True, 1), snap
+            await engine.resume()
+            assert await solo(engine, "again") == new
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
