@@ -338,6 +338,9 @@ class RayCores:
                 await self._healthy(slot)
             except RayActorError:
                 continue
+            except RuntimeError as exc:  # the state it missed could not be applied: not yet
+                log.error("replica %d is back but did not catch up: %s; asking again", slot.index, exc)
+                continue
             log.info("replica %d rejoined (pid %d)", slot.index, slot.pid)
             return
 
