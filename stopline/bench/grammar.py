@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,6 +38,35 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(serve_args: list[str], models: int = 1) -> Iterator[str]:
+    """`stopline serve *serve_args` on a free loopback port, ready once /health is 200 and
+    /v1/models lists `models` models; yields its base URL and stops it."""
+    import httpx
+
+    port = _port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "stopline.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--no-access-log", "--log-level", "warning", *serve_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start ({cmd})")
+            try:
+                if (httpx.get(base + "/health", timeout=2).status_code == 200
+                        and len(httpx.get(base + "/v1/models", timeout=5).json()["data"]) >= models):
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def _metrics(base: str) -> dict[str, float]:
@@ -81,22 +112,7 @@ async def _phase(base: str, model: str, prompts: list[str], max_tokens: int,
 def run(streams: int, max_tokens: int, serve_args: list[str], rounds: int = 2) -> dict[str, Any]:
     import httpx
 
-    port = _port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "stopline.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--no-access-log", "--log-level", "warning", *serve_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start ({cmd})")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    with served(serve_args) as base:
         model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
         prompts = [f"({i}) {QUESTIONS[i % len(QUESTIONS)]} Answer as JSON." for i in range(streams)]
         asyncio.run(_phase(base, model, prompts[:2], 8, True))  # warm: compile cached, kernels hot
@@ -106,9 +122,6 @@ def run(streams: int, max_tokens: int, serve_args: list[str], rounds: int = 2) -
             plains.append(asyncio.run(_phase(base, model, prompts, max_tokens, False)))
             structs.append(asyncio.run(_phase(base, model, prompts, max_tokens, True)))
         after = _metrics(base)
-    finally:
-        proc.terminate()
-        proc.wait(30)
     # The fastest phase of each kind counts: a warm-up or a neighbour's load only slows one.
     plain = max(plains, key=lambda p: p[0] / p[1])
     structured = max(structs, key=lambda p: p[0] / p[1])

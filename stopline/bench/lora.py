@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +24,7 @@ from typing import Any
 import torch
 
 from stopline.bench import machine
-from stopline.bench.grammar import _port
+from stopline.bench.grammar import served
 from stopline.bench.offline import QUESTIONS
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -127,24 +125,9 @@ def run(streams: int, max_tokens: int, rank: int, adapters: int, serve_args: lis
     tmp = Path(tempfile.mkdtemp(prefix="stopline-bench-lora-"))
     names = [f"lora{i}" for i in range(adapters)]
     specs = [f"{n}={write_adapter(tmp / n, config, rank, seed=i)}" for i, n in enumerate(names)]
-    port = _port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "stopline.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--no-access-log", "--log-level", "warning", "--max-lora-rank", str(rank),
-           *(["--model", model] if model else []), "--lora", *specs, *serve_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start ({cmd})")
-            try:
-                if (httpx.get(base + "/health", timeout=2).status_code == 200
-                        and len(httpx.get(base + "/v1/models", timeout=5).json()["data"]) == adapters + 1):
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    args = ["--max-lora-rank", str(rank), *(["--model", model] if model else []), "--lora", *specs,
+            *serve_args]
+    with served(args, models=adapters + 1) as base:
         base_model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
         prompts = [f"({i}) {QUESTIONS[i % len(QUESTIONS)]}" for i in range(streams)]
         asyncio.run(_phase(base, [base_model, *names], prompts[:len(names) + 1], 4))  # warm
@@ -153,9 +136,6 @@ def run(streams: int, max_tokens: int, rank: int, adapters: int, serve_args: lis
             plains.append(asyncio.run(_phase(base, [base_model], prompts, max_tokens)))
             loras.append(asyncio.run(_phase(base, names, prompts, max_tokens)))
         unload = asyncio.run(_unloads(base, names, prompts, 4 * max_tokens))
-    finally:
-        proc.terminate()
-        proc.wait(30)
     plain = max(plains, key=lambda p: p[0] / p[1])
     lora = max(loras, key=lambda p: p[0] / p[1])
     tps = {"base": plain[0] / plain[1], "lora": lora[0] / lora[1]}
