@@ -18,6 +18,7 @@ The core is never subclassed: a split's side is a role it calls at fixed points.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -37,8 +38,8 @@ from stopline.engine.output import OutputProcessor, RequestOutput
 from stopline.engine.residency import Residency
 from stopline.engine.role import Role
 from stopline.kv.block_pool import LedgerError
-from stopline.kv.kv_cache import make_cache
-from stopline.kv.manager import KVManager, group_window
+from stopline.kv.kv_cache import layer_groups, make_cache
+from stopline.kv.manager import KVManager
 from stopline.lifecycle import Holder, Lifecycle
 from stopline.model.decoder_native import StepInterrupt
 from stopline.model.llama import LlamaModel, StepInterrupted
@@ -83,7 +84,10 @@ class EngineCore:
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
-        self.pool, self.kv, swap = make_cache(cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim)
+        # One block pool per layer group (Gemma 3: its global and its local layers).
+        layer_group, windows = layer_groups(mc.layer_windows)
+        self.pools, self.kv, swap = make_cache(cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, layer_group)
+        self.pool = self.pools[0]
         self.model: LlamaModel | None = None
         if runner is None and worker is None:
             runner = ModelRunner.for_model(loaded, self.kv, cfg)
@@ -91,13 +95,14 @@ class EngineCore:
         if self.model is None or self.model.attention is AttentionBackend.TORCH:
             # Torch attention multiplies whole blocks by masked weights: unwritten slots must
             # hold zeros, not a freed block's NaN. The C kernel reads written slots only.
-            self.pool.on_allocate = self.kv.zero
+            for g, pool in enumerate(self.pools):
+                pool.on_allocate = self.kv.zero if len(self.pools) == 1 else functools.partial(self.kv.zero, group=g)
         self.runner: Forward | None = runner
         self.stats = StopStats()
         self.kv_manager = KVManager(self.pool, self.kv, swap, self.stats,
                                     prefix_caching=cfg.enable_prefix_caching,
                                     keep_aborted_prefix=cfg.keep_aborted_prefix,
-                                    window=group_window(mc.layer_windows))
+                                    window=windows[0], more=list(zip(self.pools[1:], windows[1:], strict=True)))
         self.queues = Queues()
         self.outputs = OutputProcessor(self.tokenizer, mc.eos_token_ids, self.max_model_len,
                                        cached=self.kv_manager.cached)
@@ -391,8 +396,8 @@ class EngineCore:
                 raise LedgerError(f"family {fam.incarnation!r} is in the table with no live sample")
         self.grammar.audit(self.live_requests())
         self.adapters.audit(self.live_requests())
-        if not self.families and self.pool.num_used != 0:
-            raise LedgerError(f"idle engine holds {self.pool.num_used} blocks")
+        if not self.families and self.kv_manager.num_used != 0:
+            raise LedgerError(f"idle engine holds {self.kv_manager.num_used} blocks")
         # Decode rows are dropped by the forward's thread at its next step (with async
         # scheduling the release may run while a forward uses them), so a stopped request's
         # row may outlive it by a step, but never the engine's going idle.

@@ -236,7 +236,7 @@ class CoreLoop:
         if method is Utility.LORAS:
             return {n: [a.path, len(self.core.adapters.refs.get(n, ()))]
                     for n, a in self.core.adapters.loaded.items()}
-        return self.core.pool.reset_prefix_cache()  # Utility.RESET_PREFIX_CACHE
+        return self.core.kv_manager.reset_prefix_cache()  # Utility.RESET_PREFIX_CACHE
 
     def _sink(self, outputs: list[RequestOutput]) -> None:
         if outputs:

@@ -78,7 +78,7 @@ class Residency:
             return 0
         freed = 0
         if not self.asleep:
-            core.pool.reset_prefix_cache()
+            core.kv_manager.reset_prefix_cache()
             freed += core.kv.free_memory()
             if core.worker.rows is not None:
                 core.worker.rows.reset()

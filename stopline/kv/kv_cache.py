@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -23,8 +24,14 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 layer_group: Sequence[int] | None = None) -> None:
+        """layer_group: each layer's group (`layer_groups`); None: one group. Every group
+        numbers its blocks 0 .. num_blocks - 1 in its own pool, in its own layers' tensors."""
         self.num_blocks = num_blocks
+        self.layer_group = list(layer_group) if layer_group else [0] * num_layers
+        self.groups = [[li for li, g in enumerate(self.layer_group) if g == gi]
+                       for gi in range(max(self.layer_group, default=0) + 1)]
         self.block_size = block_size
         self.null_block = num_blocks
         shape = (num_kv_heads, (num_blocks + 1) * block_size, head_dim)
@@ -63,30 +70,39 @@ class KVCache:
         """Block b of one layer's K or V tensor: [num_kv_heads, block_size, head_dim]."""
         return t[:, b * self.block_size:(b + 1) * self.block_size]
 
-    def zero(self, blocks: Sequence[int]) -> None:
-        self._fill(blocks, 0.0)
+    def _tensors(self, group: int | None) -> list[torch.Tensor]:
+        """K then V of every layer, or of one group's layers (block ids are per group)."""
+        if group is None or len(self.groups) == 1:
+            return self.k + self.v
+        layers = self.groups[group]
+        return [self.k[li] for li in layers] + [self.v[li] for li in layers]
 
-    def poison(self, blocks: Sequence[int]) -> None:
+    def zero(self, blocks: Sequence[int], group: int | None = None) -> None:
+        self._fill(blocks, 0.0, group)
+
+    def poison(self, blocks: Sequence[int], group: int | None = None) -> None:
         """Debug mode: fill freed blocks with NaN so that any read of them shows in outputs."""
-        self._fill(blocks, float("nan"))
+        self._fill(blocks, float("nan"), group)
 
-    def _fill(self, blocks: Sequence[int], value: float) -> None:
+    def _fill(self, blocks: Sequence[int], value: float, group: int | None) -> None:
         slots = self._slots(blocks)
-        for t in self.k + self.v:
+        for t in self._tensors(group):
             t.index_fill_(1, slots, value)
 
-    def copy_block(self, src: int, dst: int) -> None:
-        for t in self.k + self.v:
+    def copy_block(self, src: int, dst: int, group: int | None = None) -> None:
+        for t in self._tensors(group):
             self.block(t, dst).copy_(self.block(t, src))
 
-    def read_blocks(self, blocks: Sequence[int]) -> list[torch.Tensor]:
-        """Copies of the blocks' K and V, one tensor per layer and kind (never views)."""
+    def read_blocks(self, blocks: Sequence[int], group: int | None = None) -> list[torch.Tensor]:
+        """Copies of the blocks' K and V, one tensor per layer (of the group) and kind (never
+        views)."""
         slots = self._slots(blocks)
-        return [t.index_select(1, slots) for t in self.k + self.v]
+        return [t.index_select(1, slots) for t in self._tensors(group)]
 
-    def write_blocks(self, blocks: Sequence[int], data: Sequence[torch.Tensor]) -> None:
+    def write_blocks(self, blocks: Sequence[int], data: Sequence[torch.Tensor],
+                     group: int | None = None) -> None:
         slots = self._slots(blocks)
-        for t, d in zip(self.k + self.v, data, strict=True):
+        for t, d in zip(self._tensors(group), data, strict=True):
             t.index_copy_(1, slots, d.to(t.device))
 
 
@@ -135,17 +151,37 @@ class SwapSpace:
         return self.num_blocks - len(self.free_slots)
 
 
-def make_cache(cfg: EngineConfig, num_layers: int, num_kv_heads: int,
-               head_dim: int) -> tuple[BlockPool, KVCache, SwapSpace | None]:
-    """The block pool, its K/V tensors and host swap space (none when preemption only
-    recomputes), sized by cfg: num_blocks, or as many as kv_cache_memory_gb holds."""
+def layer_groups(layer_windows: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The KV groups of a model's layers: (each layer's group, each group's window). Layers
+    that attend to every position form group 0 and, if any layer has a window, each distinct
+    window a group after it (Gemma 3: global layers, then local ones). A model whose layers
+    share one window, or none, is one group ([]: every layer in group 0)."""
+    windows = sorted(set(layer_windows)) or [0]
+    if len(windows) == 1:
+        return [], windows  # () windows: every layer attends to all
+    at = {w: i for i, w in enumerate(windows)}
+    return [at[w] for w in layer_windows], windows
+
+
+def make_cache(cfg: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+               layer_group: Sequence[int] | None = None
+               ) -> tuple[list[BlockPool], KVCache, SwapSpace | None]:
+    """A block pool per layer group (`layer_groups`), the K/V tensors and host swap space
+    (none when preemption only recomputes), sized by cfg: num_blocks, or as many as
+    kv_cache_memory_gb holds. The budget is split between the groups by their layer counts:
+    every group has num_blocks blocks of its own, each holding its layers' K/V."""
     per_block = KVCache.bytes_per_block(num_layers, cfg.block_size, num_kv_heads, head_dim)
     num_blocks = cfg.num_blocks or max(1, int(cfg.kv_cache_memory_gb * 2**30) // per_block)
-    pool = BlockPool(num_blocks, cfg.block_size)
-    kv = KVCache(num_layers, num_blocks, cfg.block_size, num_kv_heads, head_dim, device=cfg.device)
-    if cfg.debug:
-        pool.on_garbage = kv.poison  # a freed block reads as NaN: a stale read fails loudly
+    kv = KVCache(num_layers, num_blocks, cfg.block_size, num_kv_heads, head_dim, device=cfg.device,
+                 layer_group=layer_group)
+    pools = []
+    for g in range(len(kv.groups)):
+        pool = BlockPool(num_blocks, cfg.block_size)
+        if cfg.debug:  # a freed block reads as NaN: a stale read fails loudly
+            pool.on_garbage = kv.poison if len(kv.groups) == 1 else functools.partial(kv.poison, group=g)
+        pools.append(pool)
     swap = None
     if cfg.preemption_mode is not PreemptionMode.RECOMPUTE:
-        swap = SwapSpace(cfg.swap_space_blocks or num_blocks)
-    return pool, kv, swap
+        # A swapped request stores the live blocks of every group.
+        swap = SwapSpace(cfg.swap_space_blocks or num_blocks * len(pools))
+    return pools, kv, swap

@@ -13,13 +13,15 @@ step and its swap slots.
 Others read them through it (`table`, `computed`, `cached`, `prefilling` ...); the rule
 for whether a request can ever fit the pool (`fits`) lives here only.
 
-Sliding windows (docs/sliding-window.md). A block holds its positions' K/V for every layer,
-so the layers form one group, whose window is the largest of its layers' (0, keep every
-block, when any layer attends to all: Gemma 3's global layers keep the local ones' blocks).
-Under a window, `slide` gives back the blocks every layer has slid past while the request
-runs, behind the fence; their table entries become HOLE. Holes are always the table's
-leading entries (`SeqKV.dropped` of them): the ledger, swap, forks, the prefix cache and
-the P/D split see live blocks only, and a prefix hit needs only the blocks its window reads.
+Sliding windows and layer groups (docs/sliding-window.md). The layers are grouped by window
+(`kv_cache.layer_groups`): one group for most models, two for Gemma 3 (its global layers,
+then its local ones). Each group has its own block pool and K/V tensors, and a request one
+block table per group, all covering the same positions; group 0's table is `table(req)`.
+Under a group's window, `slide` gives back the blocks its layers have slid past while the
+request runs, behind the fence; their table entries become HOLE. Holes are always a table's
+leading entries (`dropped` of them): the ledger, swap, forks, the prefix cache and the P/D
+split see live blocks only, and a prefix hit needs only the blocks each group's window reads.
+A request fits only if every group's pool has room.
 
 The manager is the last holder of the one release (lifecycle.py): by the time it frees a
 request's blocks and swap slots, everything else of the request is gone.
@@ -44,6 +46,7 @@ class _Deferred:
     blocks: list[int]
     keep_cached: bool
     aborted_at: float | None
+    group: int = 0  # the layer group whose pool the blocks are of
 
 
 HOLE = -1  # a table entry whose block every layer has slid past (given back)
@@ -56,10 +59,21 @@ def group_window(layer_windows: Sequence[int]) -> int:
 
 
 @dataclass
+class GroupTable:
+    """A request's block table in one layer group after the first (see SeqKV)."""
+
+    block_ids: list[int] = field(default_factory=list)
+    dropped: int = 0  # leading entries the group's window passed (HOLE)
+
+    def live(self) -> list[int]:
+        return self.block_ids[self.dropped:] if self.dropped else self.block_ids
+
+
+@dataclass
 class SeqKV:
     """One request's KV state. Written by the KV manager alone."""
 
-    block_ids: list[int] = field(default_factory=list)  # the block table
+    block_ids: list[int] = field(default_factory=list)  # the block table (of layer group 0)
     computed: int = 0  # tokens whose K/V sit in the table (or will, once the step in flight lands)
     inflight: int = 0  # of those, the tokens the step in flight computes
     cached: int = 0  # prompt tokens served from the prefix cache at first admission
@@ -68,6 +82,8 @@ class SeqKV:
     hashes: list[int] = field(default_factory=list)
     swap_slots: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
     dropped: int = 0  # leading table entries the window passed (HOLE), kept while swapped
+    more: list[GroupTable] = field(default_factory=list)  # the tables of groups 1 ..
+    swapped: list[int] = field(default_factory=list)  # live blocks of each group in swap_slots
     fence: int = -1  # the newest step that may write (or read) the blocks
     # Some of its K/V is from weights no longer served (a weight update came while it had KV,
     # docs/engine-stops.md): its blocks never enter the prefix cache.
@@ -75,6 +91,10 @@ class SeqKV:
 
     def live(self) -> list[int]:
         return self.block_ids[self.dropped:] if self.dropped else self.block_ids
+
+    def groups(self) -> list[SeqKV | GroupTable]:
+        """The tables of every layer group, group 0 (this one) first."""
+        return [self, *self.more] if self.more else [self]
 
 
 _EMPTY = SeqKV()
@@ -85,10 +105,15 @@ class KVManager:
 
     def __init__(self, pool: BlockPool, cache: KVCache | None, swap: SwapSpace | None,
                  stats: StopStats, *, prefix_caching: bool = True,
-                 keep_aborted_prefix: bool = True, window: int = 0) -> None:
-        """window: the sliding window of the layers sharing each block (group_window), 0
-        for none: blocks it has passed go back while their request runs."""
+                 keep_aborted_prefix: bool = True, window: int = 0,
+                 more: Sequence[tuple[BlockPool, int]] = ()) -> None:
+        """pool, window: layer group 0's pool and sliding window (0 for none: blocks it has
+        passed go back while their request runs); more: (pool, window) of groups 1 .., each
+        pool numbering its blocks in that group's layers (`cache` by group)."""
         self.pool = pool
+        self.pools = [pool, *(p for p, _ in more)]
+        self.windows = [window, *(w for _, w in more)]
+        self._windowed = any(self.windows)
         self.cache = cache
         self.swap = swap
         self.stats = stats
@@ -108,7 +133,7 @@ class KVManager:
     def _seq(self, req: Request) -> SeqKV:
         s = self.seqs.get(req)
         if s is None:
-            s = self.seqs[req] = SeqKV()
+            s = self.seqs[req] = SeqKV(more=[GroupTable() for _ in self.pools[1:]])
         return s
 
     def seq(self, req: Request) -> SeqKV:
@@ -120,8 +145,12 @@ class KVManager:
         HOLE where the window passed them."""
         return self.seq(req).block_ids
 
+    def group_tables(self, req: Request, n: int) -> list[list[int]]:
+        """Copies of the first n entries of req's tables in groups 1 .. (for a step's plan)."""
+        return [list(t.block_ids[:n]) for t in self.seq(req).more]
+
     def live_blocks(self, req: Request) -> list[int]:
-        """req's blocks in the pool, in table order (its table without the holes)."""
+        """req's blocks in group 0's pool, in table order (its table without the holes)."""
         return list(self.seq(req).live())
 
     def computed(self, req: Request) -> int:
@@ -143,7 +172,7 @@ class KVManager:
         return not (req.output_token_ids and s.computed - s.inflight == req.num_tokens - 1)
 
     def freeable(self, req: Request) -> int:
-        """Blocks that would return to the pool if req let go (shared ones would not)."""
+        """Blocks that would return to group 0's pool if req let go (shared ones would not)."""
         rc = self.pool.refcount
         return sum(1 for b in self.seq(req).live() if rc[b] == 1)
 
@@ -166,23 +195,26 @@ class KVManager:
         in flight may still read them), kept findable in the prefix cache. Their entries
         become HOLE. Returns how many blocks were given back."""
         s = self.seqs.get(req)
-        if not self.window or s is None:
+        if not self._windowed or s is None:
             return 0
-        dead = min(self._dead(upto), len(s.block_ids))
-        if dead <= s.dropped:
-            return 0
-        gone = [b for b in s.block_ids[s.dropped:dead] if b != HOLE]
-        s.block_ids[s.dropped:dead] = [HOLE] * (dead - s.dropped)
-        s.dropped = dead
-        if gone:
-            self.stats.window_freed_blocks += len(gone)
-            self._free(s, gone, keep_cached=True, aborted_at=None)
-        return len(gone)
+        freed = 0
+        for g, t in enumerate(s.groups()):
+            dead = min(self._dead(upto, self.windows[g]), len(t.block_ids))
+            if dead <= t.dropped:
+                continue
+            gone = [b for b in t.block_ids[t.dropped:dead] if b != HOLE]
+            t.block_ids[t.dropped:dead] = [HOLE] * (dead - t.dropped)
+            t.dropped = dead
+            if gone:
+                self.stats.window_freed_blocks += len(gone)
+                self._free(s, gone, keep_cached=True, aborted_at=None, group=g)
+                freed += len(gone)
+        return freed
 
-    def _dead(self, upto: int) -> int:
+    def _dead(self, upto: int, window: int) -> int:
         """Leading blocks no query at position >= upto reads under the window (a query at
         p reads the keys at p - window + 1 .. p)."""
-        return max(0, (upto - self.window + 1) // self.block_size) if self.window else 0
+        return max(0, (upto - window + 1) // self.block_size) if window else 0
 
     def accept(self, req: Request, computed: int) -> None:
         """Only the first `computed` tokens hold valid K/V (speculative decoding rejected the
@@ -197,7 +229,19 @@ class KVManager:
 
     @property
     def num_available(self) -> int:
-        return self.pool.num_available
+        """Blocks every group's pool can hand out now (a table grows in all at once)."""
+        if len(self.pools) == 1:
+            return self.pool.num_available
+        return min(p.num_available for p in self.pools)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks owned in all groups' pools."""
+        return sum(p.num_used for p in self.pools)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached (unowned) block's hash, in every group. Returns how many."""
+        return sum(p.reset_prefix_cache() for p in self.pools)
 
     def in_flight(self, req: Request) -> bool:
         """A step that may write req's blocks has not been processed yet."""
@@ -209,19 +253,27 @@ class KVManager:
         self._seq(req).fence = step_id
 
     # ---- allocation ---------------------------------------------------------------------
-    def _lookup(self, req: Request, n_blocks: int) -> list[int]:
-        """The longest prefix hit within req's first n_blocks full blocks, as table entries.
-        Under a window a hit needs only the blocks its window reads (HOLE before them): a
-        hit whose window blocks are not all present is never reported."""
+    def _lookup(self, req: Request, n_blocks: int) -> list[list[int]]:
+        """The longest prefix hit within req's first n_blocks full blocks, as table entries
+        of each group (all of one length). Under a window a group needs only the blocks its
+        window reads (HOLE before them): a hit whose window blocks are not all present in
+        every group is never reported; a group without a window needs all n."""
         hashes = self.block_hashes(req, n_blocks)
-        if not self.window:
-            return self.pool.lookup(hashes)
-        index = self.pool.hash_to_block
-        for n in range(len(hashes), 0, -1):
-            first = self._dead(n * self.block_size)
-            if all(h in index for h in hashes[first:n]):
-                return [HOLE] * first + [index[h] for h in hashes[first:n]]
-        return []
+        if not self._windowed:
+            hit = self.pool.lookup(hashes)
+            if len(self.pools) == 1:
+                return [hit]
+            n = min(len(p.lookup(hashes[:len(hit)])) for p in self.pools)
+            return [[p.hash_to_block[h] for h in hashes[:n]] for p in self.pools]
+        # Groups without a window bound the hit by their run of leading blocks.
+        top = min([len(p.lookup(hashes)) for p, w in zip(self.pools, self.windows, strict=True) if not w]
+                  or [len(hashes)])
+        indexes = [p.hash_to_block for p in self.pools]
+        for n in range(top, 0, -1):
+            firsts = [self._dead(n * self.block_size, w) for w in self.windows]
+            if all(all(h in ix for h in hashes[f:n]) for ix, f in zip(indexes, firsts, strict=True)):
+                return [[HOLE] * f + [ix[h] for h in hashes[f:n]] for ix, f in zip(indexes, firsts, strict=True)]
+        return [[] for _ in self.pools]
 
     def block_hashes(self, req: Request, n_blocks: int) -> list[int]:
         """Chained hashes of req's first n_blocks full blocks (prompt, then output), each
@@ -241,32 +293,34 @@ class KVManager:
         bs = self.block_size
         samples = req.forks_pending
         total = self.blocks_for(req.num_tokens)
-        hits: list[int] = []
+        hits: list[list[int]] = [[] for _ in self.pools]
         if self.prefix_caching and not req.scores_prompt:
             # Never cover the last token: its logits must be computed. A preempted request
             # also finds its own generated blocks, if nobody has needed their room since.
             # A prompt still being scored computes every position: no logits are cached.
             hits = self._lookup(req, (req.num_tokens - 1) // bs)
-        live_hits = [b for b in hits if b != HOLE]
-        hits_free = sum(1 for b in live_hits if self.pool.refcount[b] == 0)
+        n_hit = len(hits[0])
+        live_hits = [[b for b in h if b != HOLE] for h in hits]
         partial = 1 if req.prompt_len % bs else 0
-        need = total - len(hits) + hits_free + len(samples) * partial
-        if not self.pool.can_allocate(need + reserve):
-            return False
-        self.pool.touch(live_hits)
+        for pool, live in zip(self.pools, live_hits, strict=True):
+            hits_free = sum(1 for b in live if pool.refcount[b] == 0)
+            if not pool.can_allocate(total - n_hit + hits_free + len(samples) * partial + reserve):
+                return False
         s = self._seq(req)
-        s.block_ids = hits + self.pool.allocate(total - len(hits))
-        s.dropped = len(hits) - len(live_hits)
-        s.computed = len(hits) * bs
-        s.hashed = len(hits)
+        for t, pool, h, live in zip(s.groups(), self.pools, hits, live_hits, strict=True):
+            pool.touch(live)
+            t.block_ids = h + pool.allocate(total - n_hit)
+            t.dropped = n_hit - len(live)
+        s.computed = n_hit * bs
+        s.hashed = n_hit
         if req.status is RequestStatus.WAITING:
             s.cached = s.computed
-        shared = s.block_ids[: req.prompt_len // bs]
         for m in samples:
-            ms = self._seq(m)
-            self.pool.touch(b for b in shared if b != HOLE)
-            ms.block_ids = list(shared) + (self.pool.allocate(1) if partial else [])
-            ms.dropped = min(s.dropped, len(shared))
+            for t, mt, pool in zip(s.groups(), self._seq(m).groups(), self.pools, strict=True):
+                shared = t.block_ids[: req.prompt_len // bs]
+                pool.touch(b for b in shared if b != HOLE)
+                mt.block_ids = list(shared) + (pool.allocate(1) if partial else [])
+                mt.dropped = min(t.dropped, len(shared))
         return True
 
     def import_prefix(self, token_ids: Sequence[int], n_blocks: int,
@@ -280,6 +334,9 @@ class KVManager:
         sliding window passed, not shipped (blocks first .. n_blocks - 1 come)."""
         if not self.prefix_caching:
             raise ValueError("importing a prefix needs prefix caching")
+        if len(self.pools) > 1:
+            raise ValueError("the prefill/decode split ships one layer group's KV; this model has "
+                             f"{len(self.pools)} (docs/sliding-window.md)")
         if n_blocks - first <= 0 or not self.pool.can_allocate(n_blocks - first):
             return 0
         hashes = extend_hashes([], token_ids, self.block_size, n_blocks)[first:]
@@ -300,21 +357,28 @@ class KVManager:
         return self.blocks_for(num_tokens + 1) + forks
 
     def fits(self, num_tokens: int, forks: int = 0) -> bool:
-        """Whether such a request could ever fit the pool (the one never-fits rule)."""
-        return self.admit_need(num_tokens, forks) <= self.pool.num_blocks
+        """Whether such a request could ever fit every group's pool (the one never-fits rule)."""
+        return self.admit_need(num_tokens, forks) <= min(p.num_blocks for p in self.pools)
 
     def grow(self, req: Request, upto: int) -> bool:
         """Make req's table cover `upto` tokens; False (nothing taken) if the pool can't."""
         need = self.need(req, upto)
         if need <= 0:
             return True
-        if not self.pool.can_allocate(need):
+        if len(self.pools) == 1:
+            if not self.pool.can_allocate(need):
+                return False
+            self._seq(req).block_ids += self.pool.allocate(need)
+            return True
+        if not all(p.can_allocate(need) for p in self.pools):
             return False
-        self._seq(req).block_ids += self.pool.allocate(need)
+        for t, p in zip(self._seq(req).groups(), self.pools, strict=True):
+            t.block_ids += p.allocate(need)
         return True
 
     def need(self, req: Request, upto: int) -> int:
-        """Blocks req's table lacks to cover `upto` tokens."""
+        """Blocks req's table lacks to cover `upto` tokens (in each group: the tables of all
+        groups have one length)."""
         return self.blocks_for(upto) - len(self.seq(req).block_ids)
 
     def trim(self, req: Request) -> None:
@@ -323,9 +387,11 @@ class KVManager:
         them is the one being processed. They were never registered, so never cached."""
         s = self._seq(req)
         keep = self.blocks_for(s.computed)
-        if len(s.block_ids) > keep:
-            extra, s.block_ids = s.block_ids[keep:], s.block_ids[:keep]
-            self._free(s, extra, keep_cached=False, aborted_at=None)
+        for g, t in enumerate(s.groups()):
+            if len(t.block_ids) > keep:
+                extra, t.block_ids = t.block_ids[keep:], t.block_ids[:keep]
+                t.dropped = min(t.dropped, keep)
+                self._free(s, [b for b in extra if b != HOLE], keep_cached=False, aborted_at=None, group=g)
 
     def fork(self, sample: Request, leader: Request) -> None:
         """A family sample takes its own copy of the leader's last, partial prompt block;
@@ -334,8 +400,9 @@ class KVManager:
         s, lead = self._seq(sample), self.seq(leader)
         s.stale = lead.stale  # it shares the leader's prompt KV, of the leader's weights
         if sample.prompt_len % bs and self.cache is not None:
-            last = sample.prompt_len // bs
-            self.cache.copy_block(lead.block_ids[last], s.block_ids[last])
+            last = sample.prompt_len // bs  # never slid past: the window reaches the prompt's end
+            for g, (t, lt) in enumerate(zip(s.groups(), lead.groups(), strict=True)):
+                self.cache.copy_block(lt.block_ids[last], t.block_ids[last], group=g)
         s.computed = sample.prompt_len
         s.cached = lead.cached
         s.fence = lead.fence
@@ -354,29 +421,37 @@ class KVManager:
         if n_full <= s.hashed:
             return
         hashes = self.block_hashes(req, n_full)
-        for i in range(max(s.hashed, s.dropped), n_full):
-            self.pool.register(s.block_ids[i], hashes[i])
+        for t, pool in zip(s.groups(), self.pools, strict=True):
+            for i in range(max(s.hashed, t.dropped), n_full):
+                pool.register(t.block_ids[i], hashes[i])
         s.hashed = n_full
 
     # ---- swap ---------------------------------------------------------------------------
     def can_swap(self, req: Request) -> bool:
         return (self.swap is not None and self.cache is not None and not self.in_flight(req)
-                and self.swap.can_hold(len(self.seq(req).live())))
+                and self.swap.can_hold(sum(len(t.live()) for t in self.seq(req).groups())))
 
     def swap_in(self, req: Request, available: int) -> bool:
         """Bring a swapped request's blocks back if they (and room for what it computes next:
         its last sampled token may open a block) fit in `available`."""
         assert self.swap is not None and self.cache is not None  # only SWAPPED requests come here
         s = self._seq(req)
-        n = len(s.swap_slots)
-        total = max(n, self.blocks_for(req.num_tokens) - s.dropped)
-        if total > available:
+        counts = s.swapped or [len(s.swap_slots)]
+        tabs = s.groups()
+        totals = [max(n, self.blocks_for(req.num_tokens) - t.dropped) for n, t in zip(counts, tabs, strict=True)]
+        if max(totals) > available or not all(p.can_allocate(n) for p, n in zip(self.pools, totals, strict=True)):
             return False
-        blocks = self.pool.allocate(total)
-        self.cache.write_blocks(blocks[:n], self.swap.load(s.swap_slots))
+        data = self.swap.load(s.swap_slots)
+        at = 0
+        for g, (t, pool, n, total) in enumerate(zip(tabs, self.pools, counts, totals, strict=True)):
+            blocks = pool.allocate(total)
+            width = 2 * len(self.cache.groups[g])  # K and V of each of the group's layers
+            self.cache.write_blocks(blocks[:n], data[at:at + width], group=g)
+            at += width
+            t.block_ids = [HOLE] * t.dropped + blocks  # the window's holes stay holes
         self.swap.free(s.swap_slots)
         s.swap_slots = []
-        s.block_ids = [HOLE] * s.dropped + blocks  # the window's holes stay holes
+        s.swapped = []
         s.hashed = 0  # re-registered: the new blocks' contents are identical
         return True
 
@@ -384,7 +459,7 @@ class KVManager:
         """Time blocks out to the swap space and back before any request holds them (a few
         ms): (fixed ms per swap, ms per block). The copies are one op per layer and kind
         whatever the block count, hence the split."""
-        if self.cache is None or self.swap is None or self.pool.num_used:
+        if self.cache is None or self.swap is None or self.num_used:
             return None
         cache = self.cache
         n = min(8, self.pool.num_blocks)
@@ -406,17 +481,23 @@ class KVManager:
         """req was just preempted: swap its blocks out (status SWAPPED) or drop them, keeping
         their prefix cached (PREEMPTED: it recomputes, finding what was not evicted)."""
         s = self._seq(req)
-        blocks = list(s.live())  # only live blocks go out; the holes' count stays for swap-in
+        tabs = s.groups()
+        lives = [list(t.live()) for t in tabs]  # only live blocks go out; the holes' count stays
         if req.status is RequestStatus.SWAPPED:
             assert self.swap is not None and self.cache is not None  # lifecycle checked can_swap
-            s.swap_slots = self.swap.store(self.cache.read_blocks(blocks), len(blocks))
-            self.stats.swapped_blocks += len(blocks)
+            data = [x for g, blocks in enumerate(lives) for x in self.cache.read_blocks(blocks, group=g)]
+            n = sum(map(len, lives))
+            s.swap_slots = self.swap.store(data, n)
+            s.swapped = [len(blocks) for blocks in lives] if len(tabs) > 1 else []
+            self.stats.swapped_blocks += n
         else:
             s.computed = 0
             s.hashed = 0
-            s.dropped = 0
-        s.block_ids = []
-        self._free(s, blocks, keep_cached=True, aborted_at=None)
+            for t in tabs:
+                t.dropped = 0
+        for g, (t, blocks) in enumerate(zip(tabs, lives, strict=True)):
+            t.block_ids = []
+            self._free(s, blocks, keep_cached=True, aborted_at=None, group=g)
 
     def release(self, req: Request) -> None:
         """req ended: its swap slots go back, and its blocks, behind the fence. A finished
@@ -430,8 +511,11 @@ class KVManager:
         reason = req.finish_reason
         keep = (reason in (FinishReason.STOP, FinishReason.LENGTH)
                 or (reason in (FinishReason.ABORT, FinishReason.TIMEOUT) and self.keep_aborted_prefix))
-        if s.live():
-            self._free(s, list(s.live()), keep_cached=keep, aborted_at=req.aborted_at)
+        at = req.aborted_at  # the reclaim is timed once, with the first group's blocks
+        for g, t in enumerate(s.groups()):
+            if t.live():
+                self._free(s, list(t.live()), keep_cached=keep, aborted_at=at, group=g)
+                at = None
 
     def holds(self, req: Request) -> bool:
         return req in self.seqs
@@ -444,16 +528,17 @@ class KVManager:
             d.keep_cached = False
         for s in self.seqs.values():
             s.stale = True
-        return self.pool.forget_hashes()
+        return sum(p.forget_hashes() for p in self.pools)
 
     def _free(self, s: SeqKV, blocks: list[int], keep_cached: bool,
-              aborted_at: float | None) -> None:
-        """Give back blocks of the request whose state is s, behind its fence."""
+              aborted_at: float | None, group: int = 0) -> None:
+        """Give back blocks (of group `group`'s pool) of the request whose state is s,
+        behind its fence."""
         keep = keep_cached and self.prefix_caching
         if s.fence > self.last_processed_step:
-            self.deferred.append(_Deferred(s.fence, blocks, keep, aborted_at))
+            self.deferred.append(_Deferred(s.fence, blocks, keep, aborted_at, group))
             return
-        self.pool.release(blocks, keep_cached=keep)
+        self.pools[group].release(blocks, keep_cached=keep)
         if aborted_at is not None:
             self.stats.abort_to_reclaim_steps.observe(0)
             self.stats.reclaim_seconds.observe(time.monotonic() - aborted_at)
@@ -469,19 +554,23 @@ class KVManager:
             if d.fence > step_id:
                 still.append(d)
                 continue
-            self.pool.release(d.blocks, keep_cached=d.keep_cached)
+            self.pools[d.group].release(d.blocks, keep_cached=d.keep_cached)
             if d.aborted_at is not None:
                 self.stats.abort_to_reclaim_steps.observe(1)
                 self.stats.reclaim_seconds.observe(now - d.aborted_at)
         self.deferred = still
 
     # ---- the ledger -----------------------------------------------------------------------
-    def tables(self, live: Iterable[Request]) -> Iterator[Sequence[int]]:
-        """Every holder of block references: live block tables and the fence's holds."""
+    def tables(self, live: Iterable[Request], group: int = 0) -> Iterator[Sequence[int]]:
+        """Every holder of references to group's blocks: live block tables and the fence's
+        holds."""
         for r in live:
-            yield self.seq(r).live()
+            tabs = self.seq(r).groups()
+            if group < len(tabs):  # a request without KV state has one empty table
+                yield tabs[group].live()
         for d in self.deferred:
-            yield d.blocks
+            if d.group == group:
+                yield d.blocks
 
     def audit(self, live: Sequence[Request]) -> None:
         """The pool's ledger against every table, and the swap space against every swapped
@@ -492,9 +581,17 @@ class KVManager:
                 raise LedgerError(f"request {r.incarnation!r} ({r.status.value}) is not live "
                                   "but has KV state")
         for r, s in self.seqs.items():
-            if any(b == HOLE for b in s.live()) or any(b != HOLE for b in s.block_ids[:s.dropped]):
-                raise LedgerError(f"request {r.incarnation!r}: holes not exactly its {s.dropped} leading entries")
-        self.pool.audit(self.tables(live))
+            for g, t in enumerate(s.groups()):
+                if any(b == HOLE for b in t.live()) or any(b != HOLE for b in t.block_ids[:t.dropped]):
+                    raise LedgerError(f"request {r.incarnation!r}: group {g}'s holes not exactly its "
+                                      f"{t.dropped} leading entries")
+                if len(t.block_ids) != len(s.block_ids):
+                    raise LedgerError(f"request {r.incarnation!r}: group {g}'s table covers "
+                                      f"{len(t.block_ids)} blocks, group 0's {len(s.block_ids)}")
+                if t.dropped and not self.windows[g]:
+                    raise LedgerError(f"request {r.incarnation!r}: group {g} has no window but holes")
+        for g, pool in enumerate(self.pools):
+            pool.audit(self.tables(live, g))
         if self.swap is None:
             return
         held: set[int] = set()

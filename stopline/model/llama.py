@@ -69,6 +69,9 @@ class StepInputs:
     paged: PagedRows | None = None
     # LoRA: the step's rows by adapter (model/lora.py); None: every row runs the base model.
     lora: Groups | None = None
+    # Several KV layer groups (kv_cache.layer_groups): each group's inputs (write slots and
+    # tables in its blocks; the first is this one); layer li reads groups[kv.layer_group[li]].
+    groups: list[StepInputs] | None = None
 
 
 def fast_weight(full: torch.Tensor, raw: dict[str, torch.Tensor]) -> BF16Weight | Int8Weight:
@@ -214,7 +217,7 @@ class LlamaModel:
         x = self.embed.index_select(0, inp.token_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        if inp.paged is not None and self.c_glue and c.plain_llama:
+        if inp.paged is not None and self.c_glue and c.plain_llama and inp.groups is None:
             # Rows with adapters take the Python layer loop (the same bits for the base rows).
             if (self.c_layers and self.decoder is not None and inp.lora is None
                     and self.decoder.can_run(x.shape[0], interrupt)):
@@ -268,7 +271,12 @@ class LlamaModel:
                 rope[id(t)] = tuple(a.index_select(0, inp.positions)[:, None, :] for a in t)
         # For torch attention, the step's inputs with each window's keys masked too (the C
         # attention takes the window itself).
-        windowed = {wd: self._windowed(inp, wd) for wd in set(c.layer_windows) if wd and inp.paged is None}
+        groups = inp.groups or [inp]
+        lg = kv.layer_group if inp.groups else [0] * len(self.layers)
+        windowed: dict[tuple[int, int], StepInputs] = {}
+        for li, wd in enumerate(c.layer_windows):
+            if wd and inp.paged is None and (lg[li], wd) not in windowed:
+                windowed[lg[li], wd] = self._windowed(groups[lg[li]], wd)
         act = (lambda g: F.gelu(g, approximate="tanh")) if c.hidden_act == GELU_TANH else F.silu
         for li, layer in enumerate(self.layers):
             self._check(interrupt, li)
@@ -285,9 +293,10 @@ class LlamaModel:
                 qk = self._rope(qk, *rope[id(self.rope[li])])
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
-            kv.k[li].index_copy_(1, inp.write_slots, k.transpose(0, 1))
-            kv.v[li].index_copy_(1, inp.write_slots, v.transpose(0, 1))
-            o = lin("o", self._attention(li, q, k, v, windowed.get(c.window(li), inp), kv, decode_rows))
+            gi = groups[lg[li]]  # this layer's group's slots and tables
+            kv.k[li].index_copy_(1, gi.write_slots, k.transpose(0, 1))
+            kv.v[li].index_copy_(1, gi.write_slots, v.transpose(0, 1))
+            o = lin("o", self._attention(li, q, k, v, windowed.get((lg[li], c.window(li)), gi), kv, decode_rows))
             if "attn_out_norm" in layer:
                 o = rms_norm(o, layer["attn_out_norm"], c.rms_norm_eps)
             x = x + o

@@ -21,6 +21,7 @@ class ScheduledChunk:
     sample: bool  # the chunk reaches the request's last token: a new token is sampled
     token_ids: list[int] = field(default_factory=list)  # the tokens at [start, start + num_tokens)
     block_ids: list[int] = field(default_factory=list)  # the table covering them (a copy)
+    group_tables: list[list[int]] = field(default_factory=list)  # layer groups 1 ..'s (copies)
     epoch: int = 0  # the request's epoch when scheduled: a result for an older one is void
     # Speculative decoding: the drafted tokens at the end of token_ids. The chunk then needs
     # logits at its last len(drafts) + 1 rows: one per token that may be accepted.

@@ -175,8 +175,9 @@ class Scheduler:
         if req.scores_prompt:  # positions q < p - 1 score prompt token q + 1; earlier ones are done
             score_from = max(start, len(req.prompt_logprobs))
             num_scored = max(0, min(end, p - 1) - score_from)
-        plan.chunks.append(ScheduledChunk(req, start, n, sample, tokens,
-                                          list(self.kv.table(req)[:self.kv.blocks_for(end)]), req.epoch, drafts,
+        nb = self.kv.blocks_for(end)
+        plan.chunks.append(ScheduledChunk(req, start, n, sample, tokens, list(self.kv.table(req)[:nb]),
+                                          self.kv.group_tables(req, nb), req.epoch, drafts,
                                           score_from, num_scored))
 
     def _grow(self, req: Request, upto: int, scheduled: set[int]) -> bool:

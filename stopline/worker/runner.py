@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -58,7 +58,8 @@ class ModelRunner:
         self.paged = model.attention is AttentionBackend.NATIVE  # reads the cache in place: no rows to keep
         share = CpuShare() if config.adapt_threads and self.device == "cpu" else None
         self.threads = ThreadPolicy(torch.get_num_threads(), share)
-        if config.decode_rows and not self.paged:
+        # Decode rows copy one table's blocks: a model with several layer groups gathers.
+        if config.decode_rows and not self.paged and len(kv.groups) == 1:
             mc = model.config
             pool_bytes = sum(t.numel() * t.element_size() for t in kv.k + kv.v)
             self.rows = DecodeRows(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.bs, KEY_TILE,
@@ -83,10 +84,21 @@ class ModelRunner:
         model.calibrate()
         return model
 
-    def _table(self, ch: ScheduledChunk, nb: int) -> list[int]:
-        """ch's first nb table entries; those a sliding window passed (HOLE, given back) point
-        at the zero block: the window masks them, and a given-back block may be anyone's."""
-        return [b if b >= 0 else self.kv.null_block for b in ch.block_ids[:nb]]
+    def _table(self, ch: ScheduledChunk, nb: int, group: int = 0) -> list[int]:
+        """ch's first nb table entries in a layer group; those a sliding window passed (HOLE,
+        given back) point at the zero block: the window masks them, and a given-back block
+        may be anyone's."""
+        table = ch.group_tables[group - 1] if group else ch.block_ids
+        return [b if b >= 0 else self.kv.null_block for b in table[:nb]]
+
+    def _slots(self, chunks: list[ScheduledChunk], group: int) -> list[int]:
+        """Where each row's K/V goes in a layer group's blocks."""
+        bs = self.bs
+        slots: list[int] = []
+        for ch in chunks:
+            table = ch.group_tables[group - 1] if group else ch.block_ids
+            slots += [table[pos // bs] * bs + pos % bs for pos in range(ch.start, ch.start + ch.num_tokens)]
+        return slots
 
     def _width(self, nb: int) -> int:
         return -(-nb // self.tile_blocks) * self.tile_blocks
@@ -140,7 +152,11 @@ class ModelRunner:
             r.tokens, r.positions, r.slots, r.logit_rows = r.tokens * 2, r.positions * 2, r.slots * 2, r.logit_rows * 2
             r.starts = [0, 1]
         chunks = plan.chunks * 2 if twice else plan.chunks
-        inputs = self._prepare_paged(r, chunks) if self.paged else self._prepare_torch(r, chunks)
+        prep = self._prepare_paged if self.paged else self._prepare_torch
+        inputs = prep(r, chunks, 0)
+        if len(self.kv.groups) > 1:  # each layer group reads its own tables and slots
+            inputs.groups = [inputs] + [prep(replace(r, slots=self._slots(chunks, g)), chunks, g)
+                                        for g in range(1, len(self.kv.groups))]
         inputs.lora = self._adapters(chunks, r.starts)
         return inputs, r
 
@@ -156,14 +172,14 @@ class ModelRunner:
         return [(torch.tensor(rows[n], dtype=torch.long, device=self.device), self.model.adapters[n])
                 for n in sorted(rows)]
 
-    def _prepare_paged(self, r: _Rows, chunks: list[ScheduledChunk]) -> StepInputs:
+    def _prepare_paged(self, r: _Rows, chunks: list[ScheduledChunk], group: int = 0) -> StepInputs:
         """Inputs for the native attention: each row attends its sequence's keys up to its own
-        position, through the sequence's block table."""
+        position, through the sequence's block table (of the layer group)."""
         tables: list[int] = []
         table_at: list[int] = []
         for ch in chunks:
             table_at += [len(tables)] * ch.num_tokens
-            tables += self._table(ch, (ch.start + ch.num_tokens + self.bs - 1) // self.bs)
+            tables += self._table(ch, (ch.start + ch.num_tokens + self.bs - 1) // self.bs, group)
         # The zero block (num_blocks: holes a sliding window left) is inside the tensors.
         if tables and not 0 <= min(tables) <= max(tables) <= self.kv.num_blocks:
             # The kernel reads where the tables point: a bad entry would read out of bounds.
@@ -171,9 +187,9 @@ class ModelRunner:
         return self._inputs(r, prefills=[], decode=None,
                             paged=PagedRows.build([p + 1 for p in r.positions], table_at, tables))
 
-    def _prepare_torch(self, r: _Rows, chunks: list[ScheduledChunk]) -> StepInputs:
-        """Inputs for torch attention: prefill chunks with padded tables and causal masks, and
-        the decodes in DecodeRows, or gathering their padded tables."""
+    def _prepare_torch(self, r: _Rows, chunks: list[ScheduledChunk], group: int = 0) -> StepInputs:
+        """Inputs for torch attention: prefill chunks with padded tables (of the layer group)
+        and causal masks, and the decodes in DecodeRows, or gathering their padded tables."""
         bs = self.bs
         prefills: list[PrefillSeq] = []
         dec_rows: list[int] = []
@@ -184,13 +200,14 @@ class ModelRunner:
             end = ch.start + ch.num_tokens
             if ch.num_tokens == 1:
                 dec_rows.append(row0)
-                dec_tables.append(self._table(ch, (end + bs - 1) // bs))
+                dec_tables.append(self._table(ch, (end + bs - 1) // bs, group))
                 dec_lens.append(end)
                 dec_keys.append(ch.req.internal_id)
             else:
                 nb = (end + bs - 1) // bs
                 width = self._width(nb)
-                table = torch.tensor(self._table(ch, nb) + [self.kv.null_block] * (width - nb), dtype=torch.long)
+                table = torch.tensor(self._table(ch, nb, group) + [self.kv.null_block] * (width - nb),
+                                     dtype=torch.long)
                 row_pos = torch.arange(ch.start, end)
                 masked = torch.arange(width * bs)[None, :] > row_pos[:, None]  # causal
                 prefills.append(PrefillSeq(row0, row0 + ch.num_tokens, table.to(self.device),
