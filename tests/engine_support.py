@@ -180,7 +180,7 @@ def greedy_logprobs(eng: EngineCore, prompts: Sequence[Sequence[int]]) -> dict:
 def assert_idle(engine: EngineCore) -> None:
     engine.audit()
     assert not engine.families, f"finished engine still tracks {list(engine.families)}"
-    assert engine.pool.num_used == 0, f"{engine.pool.num_used} blocks still owned"
+    assert engine.kv_manager.num_used == 0, f"{engine.kv_manager.num_used} blocks still owned"
     assert not engine.kv_manager.deferred, "blocks still wait behind the fence"
     assert not engine.queues.running and not engine.queues.waiting
 

@@ -12,7 +12,7 @@ engine core, for the scheduler and KV manager tests.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -116,9 +116,10 @@ class HandDriven:
     step and completes it with the given sampled tokens (by request), as the core would."""
 
     def __init__(self, num_blocks: int = 16, block_size: int = 4, swap: bool = False,
-                 window: int = 0, **config: object) -> None:
+                 window: int = 0, more: Sequence[int] = (), **config: object) -> None:
         """window: the layers' sliding window (KVManager's): blocks it passed go back as
-        steps complete, as the core's apply does."""
+        steps complete, as the core's apply does. more: the windows of further layer
+        groups (one layer each, a pool of num_blocks each: `pools`)."""
         cfg = dict(block_size=block_size, num_blocks=num_blocks, max_num_seqs=8,
                    max_num_batched_tokens=64, target_step_ms=None, debug=True,
                    admission_lookahead=0, preemption_mode="swap" if swap else "recompute")
@@ -126,9 +127,12 @@ class HandDriven:
         self.config = EngineConfig(**cfg)
         self.pool = BlockPool(num_blocks, block_size)
         self.stats = StopStats()
-        cache = KVCache(1, num_blocks, block_size, 1, 2) if swap else None
-        self.swap = SwapSpace(num_blocks) if swap else None
-        self.kv = KVManager(self.pool, cache, self.swap, self.stats, window=window)
+        self.pools = [self.pool] + [BlockPool(num_blocks, block_size) for _ in more]
+        layer_group = list(range(len(self.pools))) if more else None
+        self.cache = KVCache(len(self.pools), num_blocks, block_size, 1, 2, layer_group=layer_group) if swap else None
+        self.swap = SwapSpace(num_blocks * len(self.pools)) if swap else None
+        self.kv = KVManager(self.pool, self.cache, self.swap, self.stats, window=window,
+                            more=list(zip(self.pools[1:], more, strict=True)))
         self.queues = Queues()
         holders = [self.queues, self.kv]
         self.lifecycle = Lifecycle(self.config, self.kv, holders, self.stats)

@@ -474,3 +474,33 @@ def test_storm_on_a_sliding_window_model(windowed, mode, async_scheduling):
     assert any(j.params.n > 1 for j in work)
     assert check_storm(work, ref, res) > 30
     assert stats.finished.get("error", 0) == 0
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A model of two KV layer groups (tiny Gemma 3: two local layers of window 16, one
+    global layer): the local group's blocks go back as the window slides, the global's stay."""
+    d = make_family_dir(tmp_path_factory.mktemp("chaos_hybrid"), "gemma3")
+    return load_model(str(d), progress=False)
+
+
+@pytest.mark.parametrize("mode,async_scheduling,attention",
+                         [("swap", True, "auto"), ("recompute", False, "auto"), ("auto", True, "auto"),
+                          ("swap", True, "torch")])
+def test_storm_on_a_model_with_local_and_global_layers(hybrid, mode, async_scheduling, attention):
+    """The sliding-window storm on per-group block tables: cancels (mid-prefill too), n > 1
+    families, swap and recompute preemption, async scheduling; the audit checks both pools
+    and every request's tables after every step (debug poisons freed blocks of either)."""
+    work = make_workload(seed=23, count=160, vocab=hybrid.config.vocab_size)
+    ref = run_reference(hybrid, work)
+    res = run_storm(hybrid, work, storm_config(mode, async_scheduling, attention=attention), seed=9)
+    stats = res.engine.lifecycle.stats
+    kv = res.engine.kv_manager
+    assert kv.windows == [0, 16] and stats.window_freed_blocks > 50, stats.window_freed_blocks
+    assert sum(stats.preemptions.values()) > 10, stats.preemptions
+    if mode != "recompute":
+        assert stats.preemptions["swap"] > 0
+    assert res.states_hit["prefilling"] > 0 and res.states_hit["running"] > 0, dict(res.states_hit)
+    assert check_storm(work, ref, res) > 30
+    assert stats.finished.get("error", 0) == 0
+    assert kv.num_used == 0

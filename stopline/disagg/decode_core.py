@@ -55,6 +55,7 @@ class DecodeRole(Role):
         self.transfer_log: list[tuple[int, float]] = []
 
     def bind(self, core: EngineCore) -> list[Holder]:
+        core.kv_manager.one_group("the prefill/decode split")
         if not core.kv_manager.prefix_caching:
             raise ValueError("the decode role needs prefix caching: received KV enters it")
         self.core = core

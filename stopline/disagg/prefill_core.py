@@ -65,6 +65,7 @@ class PrefillRole(Role):
         self.spec = spec
 
     def bind(self, core: EngineCore) -> list[Holder]:
+        core.kv_manager.one_group("the prefill/decode split")
         self.core = core
         self.epochs = BlockEpochs(core.pool)
         self.sending = Transfers(Side.SEND, self.spec.reclaim_s)

@@ -334,9 +334,7 @@ class KVManager:
         sliding window passed, not shipped (blocks first .. n_blocks - 1 come)."""
         if not self.prefix_caching:
             raise ValueError("importing a prefix needs prefix caching")
-        if len(self.pools) > 1:
-            raise ValueError("the prefill/decode split ships one layer group's KV; this model has "
-                             f"{len(self.pools)} (docs/sliding-window.md)")
+        self.one_group("importing a prefix")
         if n_blocks - first <= 0 or not self.pool.can_allocate(n_blocks - first):
             return 0
         hashes = extend_hashes([], token_ids, self.block_size, n_blocks)[first:]
@@ -350,6 +348,13 @@ class KVManager:
             self.pool.register(b, h)
         self.pool.release(blocks)
         return len(blocks)
+
+    def one_group(self, what: str) -> None:
+        """Refuse `what` (the prefill/decode split) on a model of several layer groups: it
+        ships and imports one table's blocks."""
+        if len(self.pools) > 1:
+            raise ValueError(f"{what} takes models of one KV layer group; this one has {len(self.pools)} "
+                             f"(layers of windows {self.windows}: docs/sliding-window.md)")
 
     def admit_need(self, num_tokens: int, forks: int = 0) -> int:
         """Blocks a request of num_tokens tokens (and `forks` samples waiting to fork) takes
