@@ -492,7 +492,7 @@ def test_storm_on_a_model_with_local_and_global_layers(hybrid, mode, async_sched
     families, swap and recompute preemption, async scheduling; the audit checks both pools
     and every request's tables after every step (debug poisons freed blocks of either)."""
     work = make_workload(seed=23, count=160, vocab=hybrid.config.vocab_size)
-    ref = run_reference(hybrid, work)
+    ref = run_reference(hybrid, work, attention=attention)  # each attention has its own bits
     res = run_storm(hybrid, work, storm_config(mode, async_scheduling, attention=attention), seed=9)
     stats = res.engine.lifecycle.stats
     kv = res.engine.kv_manager
