@@ -49,12 +49,13 @@ class _Deferred:
     group: int = 0  # the layer group whose pool the blocks are of
 
 
-HOLE = -1  # a table entry whose block every layer has slid past (given back)
+HOLE = -1  # a table entry whose block every layer of its group has slid past (given back)
 
 
 def group_window(layer_windows: Sequence[int]) -> int:
-    """The window of layers that share each block: the largest of theirs; 0 (every block
-    kept) when any layer attends to all positions, or none has a window."""
+    """The window of layers that would share each block in one group: the largest of
+    theirs; 0 (every block kept) when any layer attends to all positions, or none has a
+    window. (The engine groups layers by window instead: kv_cache.layer_groups.)"""
     return max(layer_windows) if layer_windows and all(layer_windows) else 0
 
 
