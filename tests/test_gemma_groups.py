@@ -60,6 +60,8 @@ def test_local_pool_bounded_by_the_window_global_by_the_context(gemma, prompts, 
         peak = [max(p, pool.num_used) for p, pool in zip(peak, e.pools, strict=True)]
         e.audit()
     assert toks == oracle[0]
+    if backend == "torch":  # the decodes ran from DecodeRows holding both groups' K/V (checked: debug)
+        assert e.runner.rows is not None and e.runner.rows.relayouts > 0
     context = -(-(len(prompts[0]) + MAX_NEW) // BS)  # 22 blocks
     assert peak[0] >= context - 1  # the global layers read every position
     assert peak[1] <= 16 // BS + 2 < context  # the window's 16 keys, and the block the next opens

@@ -25,7 +25,7 @@ freed memory still fails the request as it would through a gather.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,16 +56,21 @@ class RowPlan:
     fill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, block in row, cache block)
     joined: torch.Tensor | None  # rows cleared and filled this step
     widen: tuple[int, int, int] | None  # (from, to, rows): columns cleared as the width grows
-    check: list[tuple[int, int, torch.Tensor]]  # debug: (row, length, blocks) of every row
+    check: list[tuple[int, int, torch.Tensor, int]]  # debug: (row, length, blocks, first live position)
+    # Several KV layer groups: the joiners' cache blocks and the debug checks in groups 1 ..
+    fill_more: list[torch.Tensor] | None = None
+    check_more: list[list[tuple[int, int, torch.Tensor, int]]] | None = None
 
 
 class DecodeRows:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  tile: int, max_rows: int, max_bytes: int, *, verify: bool = False,
-                 device: str = "cpu", null_block: int = -1) -> None:
+                 device: str = "cpu", null_block: int = -1,
+                 layer_group: Sequence[int] | None = None) -> None:
         """tile: attention's key tile (the width is a whole number of them and of blocks);
         max_rows: the most sequences decoding at once; max_bytes: the most memory the
-        buffers may take, beyond which a step gathers."""
+        buffers may take, beyond which a step gathers; layer_group: each layer's KV group
+        (kv_cache.layer_groups; None: one), whose blocks its rows copy."""
         self.num_layers, self.hk, self.d = num_layers, num_kv_heads, head_dim
         self.bs = block_size
         self.unit = math.lcm(tile, block_size)
@@ -73,6 +78,7 @@ class DecodeRows:
         self.max_bytes = max_bytes
         self.verify = verify
         self.null_block = null_block  # a table's leading entries a sliding window passed point here
+        self.layer_group = list(layer_group) if layer_group else [0] * num_layers
         self.device = device
         self.k: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.v: list[torch.Tensor] = []
@@ -118,11 +124,12 @@ class DecodeRows:
     def _bytes(self, rows: int, width: int) -> int:
         return 2 * self.num_layers * self.hk * rows * width * self.d * 4
 
-    def plan(self, keys: Sequence[int], lens: Sequence[int],
-             tables: Sequence[Sequence[int]]) -> RowPlan | None:
+    def plan(self, keys: Sequence[int], lens: Sequence[int], tables: Sequence[Sequence[int]],
+             more: Sequence[Sequence[Sequence[int]]] = ()) -> RowPlan | None:
         """keys: one per decode row (a lone decode comes twice, with the same key); lens: its
-        length including the token this step computes; tables: its block table. Returns
-        None when the rows would not fit in max_bytes (the step gathers instead)."""
+        length including the token this step computes; tables: its block table; more: its
+        tables in KV groups 1 .. (one list per group). Returns None when the rows would not
+        fit in max_bytes (the step gathers instead)."""
         seqs = dict(zip(keys, zip(lens, tables, strict=True), strict=True))
         need_rows = max(len(seqs), 2)  # the GEMMs take another path for a single row
         width = -(-max(lens) // self.unit) * self.unit
@@ -176,9 +183,19 @@ class DecodeRows:
             fill_rows += [self.owner[key]] * nb
             fill_blocks += range(nb)
             fill_src += table[:nb]
-        check = ([(self.owner[k], n, torch.tensor(list(t[:-(-n // self.bs)]), device=dev),
-                   self.bs * next((i for i, b in enumerate(t) if b != self.null_block), len(t)))
-                  for k, (n, t) in seqs.items()] if self.verify else [])
+        # A key's tables in groups 1 .. (a lone decode comes twice: the first copy's).
+        at = {k: i for i, k in reversed(list(enumerate(keys)))} if more else {}
+        more_src = [[b for key in joiners for b in g[at[key]][:-(-seqs[key][0] // self.bs)]] for g in more]
+
+        def checks(table_of: Callable[[int], Sequence[int]]) -> list[tuple[int, int, torch.Tensor, int]]:
+            if not self.verify:
+                return []
+            out = []
+            for k, (n, _) in seqs.items():
+                t = table_of(k)
+                out.append((self.owner[k], n, torch.tensor(list(t[:-(-n // self.bs)]), device=dev),
+                            self.bs * next((i for i, b in enumerate(t) if b != self.null_block), len(t))))
+            return out
 
         def idx(xs: list[int]) -> torch.Tensor:
             return torch.tensor(xs, dtype=torch.long, device=dev)
@@ -192,7 +209,9 @@ class DecodeRows:
             fill=(idx(fill_rows), idx(fill_blocks), idx(fill_src)) if joiners else None,
             joined=idx(sorted({self.owner[k] for k in joiners})) if joiners else None,
             widen=widen,
-            check=check,
+            check=checks(lambda k: seqs[k][1]),
+            fill_more=[idx(src) for src in more_src] if more and joiners else None,
+            check_more=[checks(lambda k, g=g: g[at[k]]) for g in more] if more else None,
         )
 
     def _relayout(self, need_rows: int, width: int) -> None:
@@ -287,18 +306,24 @@ class DecodeRows:
                 buf[:top, :, start:end].zero_()
             if plan.fill is not None:
                 rows, blocks, src = plan.fill
+                group = self.layer_group[layer]
+                if group and plan.fill_more is not None:  # the layer's own group's blocks
+                    src = plan.fill_more[group - 1]
                 # Cleared first: a row's last owner may have left NaN past this one's length.
                 buf[:, :, :w].index_fill_(0, plan.joined, 0.0)
                 data = gather_blocks(cache.view(hk, -1, bs, d), src).transpose(0, 1)  # [n, hk, bs, d]
                 buf.view(self.num_rows, hk, -1, bs, d).transpose(1, 2).index_put_((rows, blocks), data)
             buf.transpose(1, 2).index_put_((plan.rows, plan.positions), new)
-        if plan.check:
-            self._verify(layer, kc, vc, plan)
+        group = self.layer_group[layer]
+        check = plan.check_more[group - 1] if group and plan.check_more is not None else plan.check
+        if check:
+            self._verify(layer, kc, vc, check)
         return self.k[layer][:plan.used, :, :w], self.v[layer][:plan.used, :, :w]
 
-    def _verify(self, layer: int, kc: torch.Tensor, vc: torch.Tensor, plan: RowPlan) -> None:
+    def _verify(self, layer: int, kc: torch.Tensor, vc: torch.Tensor,
+                check: list[tuple[int, int, torch.Tensor, int]]) -> None:
         hk, d, bs = self.hk, self.d, self.bs
-        for row, n, blocks, lo in plan.check:
+        for row, n, blocks, lo in check:
             # Positions before lo: blocks a sliding window passed (given back, never read).
             for name, buf, cache in (("K", self.k[layer], kc), ("V", self.v[layer], vc)):
                 want = gather_blocks(cache.view(hk, -1, bs, d), blocks).view(hk, -1, d)[:, lo:n]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from stopline.config import AttentionBackend, EngineConfig
-from stopline.kv.decode_rows import DecodeRows
+from stopline.kv.decode_rows import DecodeRows, RowPlan
 from stopline.kv.kv_cache import KVCache
 from stopline.model.attention import KEY_TILE
 from stopline.model.batch_invariant import threads_pinned
@@ -58,14 +58,14 @@ class ModelRunner:
         self.paged = model.attention is AttentionBackend.NATIVE  # reads the cache in place: no rows to keep
         share = CpuShare() if config.adapt_threads and self.device == "cpu" else None
         self.threads = ThreadPolicy(torch.get_num_threads(), share)
-        # Decode rows copy one table's blocks: a model with several layer groups gathers.
-        if config.decode_rows and not self.paged and len(kv.groups) == 1:
+        if config.decode_rows and not self.paged:
             mc = model.config
             pool_bytes = sum(t.numel() * t.element_size() for t in kv.k + kv.v)
             self.rows = DecodeRows(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.bs, KEY_TILE,
                                    max_rows=config.max_num_seqs, max_bytes=2 * pool_bytes,
                                    verify=config.debug, device=self.device,
-                                   null_block=kv.null_block)
+                                   null_block=kv.null_block, layer_group=kv.layer_group)
+        self._staged: RowPlan | None = None  # this step's decode rows, for every layer group
 
     @classmethod
     def for_model(cls, loaded: LoadedModel, kv: KVCache, config: EngineConfig) -> ModelRunner:
@@ -214,7 +214,13 @@ class ModelRunner:
                                            masked.to(self.device)))
         decode = None
         if dec_rows:
-            staged = self.rows.plan(dec_keys, dec_lens, dec_tables) if self.rows else None
+            if group:  # the rows planned with group 0's inputs hold every group's K/V
+                staged = self._staged
+            else:
+                more = [[self._table(ch, (ch.start + 1 + bs - 1) // bs, g) for ch in chunks if ch.num_tokens == 1]
+                        for g in range(1, len(self.kv.groups))]
+                staged = self.rows.plan(dec_keys, dec_lens, dec_tables, more) if self.rows else None
+                self._staged = staged
             table = masked = None
             if staged is None:  # the decodes gather their blocks: padded tables and masks
                 width = self._width(max(len(t) for t in dec_tables))
