@@ -103,13 +103,29 @@ def vllm_spec(block_size: int = 32) -> EngineSpec:
                       start_timeout=900.0)
 
 
-def llamacpp_spec() -> EngineSpec:
+def llamacpp_spec(model: str | None = None) -> EngineSpec:
+    """llama-server on the GGUF stopline serves: the embedded one, a file, or a package's."""
+    env = {"MODEL": str(gguf_file(model))} if model is not None else {}
+
     def command(port: int, kv_tokens: int | None, variant: dict[str, str]) -> list[str]:
         return ["bash", str(PEERS_DIR / "start_llamacpp.sh")]
-    return EngineSpec("llamacpp", command, LLAMACPP_METRICS, start_timeout=300.0,
+    return EngineSpec("llamacpp", command, LLAMACPP_METRICS, env=env, start_timeout=300.0,
                       can_size_kv=False,
                       no_kv_why="llama-server reserves each slot's context up front (-np x -c/np); "
                                 "a smaller pool truncates or rejects requests instead of preempting")
+
+
+def gguf_file(model: str) -> Path:
+    """The GGUF file a --model names (a path or an installed package's), for a peer that reads
+    GGUF only; an HF directory is refused."""
+    from stopline.model.loaders.loader import package_model_path
+
+    path = Path(model).expanduser()
+    if not path.exists():
+        path = package_model_path(model)
+    if not path.is_file():
+        raise ValueError(f"llama.cpp serves GGUF files only; {model!r} is not one")
+    return path
 
 
 def hf_spec() -> EngineSpec:
@@ -125,7 +141,7 @@ def spec_for(name: str, model: str | None = None) -> EngineSpec:
               # the fast numerics mode (docs/numerics.md), served the same way
               "stopline-fast": lambda: dataclasses.replace(
                   stopline_spec(model, extra=["--numerics", "fast"]), name="stopline-fast"),
-              "vllm": vllm_spec, "llamacpp": llamacpp_spec, "hf": hf_spec}
+              "vllm": vllm_spec, "llamacpp": lambda: llamacpp_spec(model), "hf": hf_spec}
     if name not in makers:
         raise ValueError(f"unknown engine {name!r}; known: {', '.join(makers)}")
     return makers[name]()
