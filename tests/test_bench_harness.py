@@ -195,3 +195,17 @@ def test_llamacpp_serves_the_model_stopline_serves(tmp_path: Path) -> None:
     assert spec_for("llamacpp", str(gguf)).env["MODEL"] == str(gguf)
     with pytest.raises(ValueError, match="GGUF files only"):
         spec_for("llamacpp", str(tmp_path))  # an HF directory
+
+
+def test_an_engine_that_dies_on_a_signal_is_named_by_it(tmp_path: Path) -> None:
+    from stopline.bench.engines import EngineSpec, EngineStartError, RunningEngine
+    from stopline.bench.probe import MetricNames
+
+    spec = EngineSpec("native-build", lambda port, kv, variant: [sys.executable, "-c",
+                      "import os, signal; os.kill(os.getpid(), signal.SIGILL)"], MetricNames(),
+                      start_timeout=30.0)
+    eng = RunningEngine(spec, tmp_path / "e.log")
+    with pytest.raises(EngineStartError, match="native-build died of SIGILL: an instruction this host"):
+        eng.wait_ready()
+    assert eng.death() is not None
+    eng.stop()

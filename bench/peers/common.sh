@@ -8,6 +8,9 @@ VLLM_VENV=$PEERS_DIR/vllm-venv
 LLAMACPP_DIR=$PEERS_DIR/llama.cpp
 LLAMA_SERVER=$LLAMACPP_DIR/build/bin/llama-server
 LLAMA_BENCH=$LLAMACPP_DIR/build/bin/llama-bench
+IKLLAMACPP_DIR=$PEERS_DIR/ik_llama.cpp
+IKLLAMA_SERVER=$IKLLAMACPP_DIR/build/bin/llama-server
+IKLLAMA_BENCH=$IKLLAMACPP_DIR/build/bin/llama-bench
 mkdir -p "$PEERS_DIR"
 
 gguf_path() {

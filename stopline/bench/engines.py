@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 import stopline
+from stopline.bench.llama_bench import died
 from stopline.bench.probe import MetricNames
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -115,6 +116,16 @@ def llamacpp_spec(model: str | None = None) -> EngineSpec:
                                 "a smaller pool truncates or rejects requests instead of preempting")
 
 
+def ikllamacpp_spec(model: str | None = None) -> EngineSpec:
+    """ik_llama.cpp's llama-server, its weights repacked at load (-rtr), on the same GGUF."""
+    env = {"MODEL": str(gguf_file(model))} if model is not None else {}
+
+    def command(port: int, kv_tokens: int | None, variant: dict[str, str]) -> list[str]:
+        return ["bash", str(PEERS_DIR / "start_ikllamacpp.sh")]
+    return EngineSpec("ikllamacpp", command, LLAMACPP_METRICS, env=env, start_timeout=300.0,
+                      can_size_kv=False, no_kv_why="as llama.cpp's: each slot's context is reserved up front")
+
+
 def gguf_file(model: str) -> Path:
     """The GGUF file a --model names (a path or an installed package's), for a peer that reads
     GGUF only; an HF directory is refused."""
@@ -141,7 +152,8 @@ def spec_for(name: str, model: str | None = None) -> EngineSpec:
               # the fast numerics mode (docs/numerics.md), served the same way
               "stopline-fast": lambda: dataclasses.replace(
                   stopline_spec(model, extra=["--numerics", "fast"]), name="stopline-fast"),
-              "vllm": vllm_spec, "llamacpp": lambda: llamacpp_spec(model), "hf": hf_spec}
+              "vllm": vllm_spec, "llamacpp": lambda: llamacpp_spec(model),
+              "ikllamacpp": lambda: ikllamacpp_spec(model), "hf": hf_spec}
     if name not in makers:
         raise ValueError(f"unknown engine {name!r}; known: {', '.join(makers)}")
     return makers[name]()
@@ -188,7 +200,7 @@ class RunningEngine:
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < self.spec.start_timeout:
             if self.proc.poll() is not None:
-                raise EngineStartError(f"{self.spec.name} exited with status {self.proc.returncode} "
+                raise EngineStartError(f"{self.spec.name} {died(self.proc.returncode)} "
                                        f"while starting:\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
@@ -197,6 +209,10 @@ class RunningEngine:
         self.stop()
         raise EngineStartError(f"{self.spec.name} not ready after {self.spec.start_timeout:.0f} s:\n"
                                f"{self.log_tail()}")
+
+    def death(self) -> str | None:
+        """How the engine ended if it is gone (a native build's SIGILL, say), else None."""
+        return None if self.proc.poll() is None else died(self.proc.returncode)
 
     def log_tail(self, lines: int = 25) -> str:
         try:

@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-ENGINES = ("stopline", "stopline-fast", "vllm", "llamacpp", "hf")
+ENGINES = ("stopline", "stopline-fast", "vllm", "llamacpp", "ikllamacpp", "hf")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
