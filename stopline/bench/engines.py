@@ -104,13 +104,14 @@ def vllm_spec(block_size: int = 32) -> EngineSpec:
                       start_timeout=900.0)
 
 
-def llamacpp_spec(model: str | None = None) -> EngineSpec:
+def llamacpp_spec(model: str | None = None, name: str = "llamacpp",
+                  script: str = "start_llamacpp.sh") -> EngineSpec:
     """llama-server on the GGUF stopline serves: the embedded one, a file, or a package's."""
     env = {"MODEL": str(gguf_file(model))} if model is not None else {}
 
     def command(port: int, kv_tokens: int | None, variant: dict[str, str]) -> list[str]:
-        return ["bash", str(PEERS_DIR / "start_llamacpp.sh")]
-    return EngineSpec("llamacpp", command, LLAMACPP_METRICS, env=env, start_timeout=300.0,
+        return ["bash", str(PEERS_DIR / script)]
+    return EngineSpec(name, command, LLAMACPP_METRICS, env=env, start_timeout=300.0,
                       can_size_kv=False,
                       no_kv_why="llama-server reserves each slot's context up front (-np x -c/np); "
                                 "a smaller pool truncates or rejects requests instead of preempting")
@@ -118,12 +119,7 @@ def llamacpp_spec(model: str | None = None) -> EngineSpec:
 
 def ikllamacpp_spec(model: str | None = None) -> EngineSpec:
     """ik_llama.cpp's llama-server, its weights repacked at load (-rtr), on the same GGUF."""
-    env = {"MODEL": str(gguf_file(model))} if model is not None else {}
-
-    def command(port: int, kv_tokens: int | None, variant: dict[str, str]) -> list[str]:
-        return ["bash", str(PEERS_DIR / "start_ikllamacpp.sh")]
-    return EngineSpec("ikllamacpp", command, LLAMACPP_METRICS, env=env, start_timeout=300.0,
-                      can_size_kv=False, no_kv_why="as llama.cpp's: each slot's context is reserved up front")
+    return llamacpp_spec(model, "ikllamacpp", "start_ikllamacpp.sh")
 
 
 def gguf_file(model: str) -> Path:
