@@ -90,6 +90,7 @@ def test_preemption_on_both_groups_resumes_exactly(gemma, prompts, oracle, mode)
     res = drive(e, [(f"r{i}", p, greedy(MAX_NEW)) for i, p in enumerate(prompts)])
     assert [res[f"r{i}", 0].token_ids for i in range(3)] == oracle
     assert e.lifecycle.stats.preemptions[mode] > 0, e.lifecycle.stats.preemptions
+    assert e.lifecycle.stats.window_freed_blocks > 0 and len(e.pools) == 2
 
 
 def test_cancel_mid_prefill_and_families(gemma, prompts, oracle):
