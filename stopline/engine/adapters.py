@@ -78,6 +78,7 @@ class Adapters:
         self.loads: Counter = Counter()
         self.unloads: Counter = Counter()
         self.evictions: Counter = Counter()
+        self.slot_waits = 0  # admissions put off: every slot's adapter was held
 
     # ---- which adapters serve ------------------------------------------------------------
     def serves(self, name: str) -> bool:
@@ -154,6 +155,7 @@ class Adapters:
         if slot < 0:
             idle = [n for n in names if n is not None and not self.refs.get(n)]
             if not idle:
+                self.slot_waits += 1
                 return False  # every slot's adapter is held by a live request
             victim = min(idle, key=lambda n: self.used_at.get(n, 0))
             slot = self._vacate(victim)
