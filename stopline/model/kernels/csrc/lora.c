@@ -15,52 +15,96 @@
  * decoder (decoder.c) and the Python layer loop call this same function. Rows run in parallel
  * (each on one thread), which changes no bit. Built with -ffp-contract=off: every a*b + c is two
  * roundings, as in the float32 reference the tests compute. */
+#include <immintrin.h>
 #include <stdint.h>
 
-enum { TILE = 64, PARTS = 3 };
+enum { TILE = 128, PARTS = 3 };
+
+/* u[j] = x[0]*a[0][j] + x[1]*a[1][j] + ... for j < rank (a: [K][R]). Up to 64 ranks the sums
+ * sit in four registers, each k one multiply and one add per lane: the 64 chains run side by
+ * side, nothing goes through memory. Lanes past the rank read zeros and are never stored. */
+static void low_rank_u(const float* x, const float* a, int K, int R, int rank, float* u) {
+    if (rank > 64) {
+        for (int j = 0; j < rank; j++) u[j] = 0.0f;
+        for (int k = 0; k < K; k++) {
+            float xk = x[k];
+            const float* ak = a + (long)k * R;
+            for (int j = 0; j < rank; j++) u[j] = u[j] + xk * ak[j];
+        }
+        return;
+    }
+    __mmask16 m[4];
+    for (int v = 0; v < 4; v++) {
+        int left = rank - 16 * v;
+        m[v] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+    }
+    __m512 u0 = _mm512_setzero_ps(), u1 = u0, u2 = u0, u3 = u0;
+    for (int k = 0; k < K; k++) {
+        __m512 xk = _mm512_set1_ps(x[k]);
+        const float* ak = a + (long)k * R;
+        u0 = _mm512_add_ps(u0, _mm512_mul_ps(xk, _mm512_maskz_loadu_ps(m[0], ak)));
+        if (m[1]) u1 = _mm512_add_ps(u1, _mm512_mul_ps(xk, _mm512_maskz_loadu_ps(m[1], ak + 16)));
+        if (m[2]) u2 = _mm512_add_ps(u2, _mm512_mul_ps(xk, _mm512_maskz_loadu_ps(m[2], ak + 32)));
+        if (m[3]) u3 = _mm512_add_ps(u3, _mm512_mul_ps(xk, _mm512_maskz_loadu_ps(m[3], ak + 48)));
+    }
+    _mm512_mask_storeu_ps(u, m[0], u0);
+    _mm512_mask_storeu_ps(u + 16, m[1], u1);
+    _mm512_mask_storeu_ps(u + 32, m[2], u2);
+    _mm512_mask_storeu_ps(u + 48, m[3], u3);
+}
+
+/* y[n] += sc * (u[j0]*b[j0][n] + ... + u[j1-1]*b[j1-1][n]) for n in [lo, hi) (b: [R][N]):
+ * eight registers of outputs at a time, the ranks added one after another. */
+static void low_rank_y(const float* u, const float* b, long N, int j0, int j1, int lo, int hi,
+                       float sc, float* y) {
+    __m512 scv = _mm512_set1_ps(sc);
+    for (int n0 = lo; n0 < hi; n0 += TILE) {
+        int w = hi - n0 < TILE ? hi - n0 : TILE;
+        __mmask16 m[8];
+        for (int v = 0; v < 8; v++) {
+            int left = w - 16 * v;
+            m[v] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+        }
+        __m512 acc[8];
+        for (int v = 0; v < 8; v++) acc[v] = _mm512_setzero_ps();
+        for (int j = j0; j < j1; j++) {
+            __m512 uj = _mm512_set1_ps(u[j]);
+            const float* bj = b + (long)j * N + n0;
+            for (int v = 0; v < 8; v++)
+                acc[v] = _mm512_add_ps(acc[v], _mm512_mul_ps(uj, _mm512_maskz_loadu_ps(m[v], bj + 16 * v)));
+        }
+        for (int v = 0; v < 8; v++) {
+            float* yv = y + n0 + 16 * v;
+            __m512 out = _mm512_add_ps(_mm512_maskz_loadu_ps(m[v], yv), _mm512_mul_ps(scv, acc[v]));
+            _mm512_mask_storeu_ps(yv, m[v], out);
+        }
+    }
+}
 
 /* x [rows][ldx], y [rows][ldy] (updated in place), slot [rows] (-1: base), at [slots][K][R],
  * bt [slots][R][N], parts [slots][PARTS][3]: per part (rank end, first column, end column),
  * parts in rank order, an unused part repeating the rank end with no columns; the last rank
- * end is the slot's rank for this linear (0: its adapter leaves the linear alone). */
+ * end is the slot's rank for this linear (0: its adapter leaves the linear alone). Rows go
+ * to threads only for big steps (prefill): a decode's few rows take tens of microseconds,
+ * less than waking the other thread on a busy host costs. */
 void stopline_lora_rows(const float* x, long ldx, float* y, long ldy, int rows,
                         const int32_t* slot, const float* at, const float* bt,
                         const int32_t* parts, const float* scale, int R, int K, int N) {
-    #pragma omp parallel for if (rows > 1) schedule(static)
+    #pragma omp parallel for if ((long)rows * R * (K + N) >= (1L << 22)) schedule(static)
     for (int i = 0; i < rows; i++) {
         int s = slot[i];
         if (s < 0) continue;
         const int32_t* p = parts + (long)s * PARTS * 3;
         int rank = p[(PARTS - 1) * 3];
         if (rank <= 0) continue;
-        const float* a = at + (long)s * K * R;
-        const float* b = bt + (long)s * R * N;
-        const float* xi = x + (long)i * ldx;
-        float* yi = y + (long)i * ldy;
-        float sc = scale[s];
-        float u[rank];
-        for (int j = 0; j < rank; j++) u[j] = 0.0f;
-        for (int k = 0; k < K; k++) {
-            float xk = xi[k];
-            const float* ak = a + (long)k * R;
-            for (int j = 0; j < rank; j++) u[j] = u[j] + xk * ak[j];
-        }
+        float u[rank > 64 ? rank : 64];
+        low_rank_u(x + (long)i * ldx, at + (long)s * K * R, K, R, rank, u);
         int j0 = 0;
         for (int q = 0; q < PARTS; q++) {
-            int j1 = p[q * 3], lo = p[q * 3 + 1], hi = p[q * 3 + 2];
-            if (j1 > j0) {
-                for (int n0 = lo; n0 < hi; n0 += TILE) {
-                    int w = hi - n0 < TILE ? hi - n0 : TILE;
-                    float acc[TILE];
-                    for (int t = 0; t < w; t++) acc[t] = 0.0f;
-                    for (int j = j0; j < j1; j++) {
-                        float uj = u[j];
-                        const float* bj = b + (long)j * N + n0;
-                        for (int t = 0; t < w; t++) acc[t] = acc[t] + uj * bj[t];
-                    }
-                    for (int t = 0; t < w; t++) yi[n0 + t] = yi[n0 + t] + sc * acc[t];
-                }
-            }
+            int j1 = p[q * 3];
+            if (j1 > j0)
+                low_rank_y(u, bt + (long)s * R * N, N, j0, j1, p[q * 3 + 1], p[q * 3 + 2], scale[s],
+                           y + (long)i * ldy);
             j0 = j1;
         }
     }
