@@ -124,6 +124,26 @@ def test_the_kernel_gives_the_float32_references_bits(q4_lora) -> None:
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_ranks_over_64_take_the_kernels_other_path_with_the_same_order(q4_lora) -> None:
+    """q, k and v at rank 30 each: 90 ranks for qkv, past the 64 the kernel keeps in registers."""
+    from stopline.model.lora import build
+
+    eng = engine(q4_lora)
+    c = eng.model.config
+    g = torch.Generator().manual_seed(6)
+    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    pairs = {(0, m): (torch.randn(30, h, generator=g), torch.randn(o, 30, generator=g))
+             for m, o in (("q_proj", q), ("k_proj", kv), ("v_proj", kv))}
+    slots = Slots(c, 3)
+    slots.place(1, build("wide", "-", c, 64, 0.5, pairs))
+    slots.place(2, eng.model.adapters["all"])
+    slot = [1, -1, 2, 1, 1, 2, 0, 1, 1]  # slot 0: empty
+    x, y = torch.randn(len(slot), h, generator=g), torch.randn(len(slot), q + 2 * kv, generator=g)
+    got = apply(y.clone(), x, 0, "qkv", LoraRows(torch.tensor(slot, dtype=torch.int32), slots))
+    assert slots.linears[(0, "qkv")].parts[1, -1, 0] == 90
+    assert torch.equal(got, reference(x, y, slot, slots, 0, "qkv"))
+
+
 def test_a_row_has_the_same_bits_alone_and_among_adapters_and_base_rows(q4_lora) -> None:
     slots = slots_of(q4_lora)
     g = torch.Generator().manual_seed(4)

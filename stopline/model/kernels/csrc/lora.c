@@ -20,37 +20,44 @@
 
 enum { TILE = 128, PARTS = 3 };
 
-/* u[j] = x[0]*a[0][j] + x[1]*a[1][j] + ... for j < rank (a: [K][R]). Up to 64 ranks the sums
- * sit in four registers, each k one multiply and one add per lane: the 64 chains run side by
- * side, nothing goes through memory. Lanes past the rank read zeros and are never stored. */
+/* u[j] = x[0]*a[0][j] + x[1]*a[1][j] + ... for j < rank (a: [K][R]), for rank > 64. */
 static void low_rank_u(const float* x, const float* a, int K, int R, int rank, float* u) {
-    if (rank > 64) {
-        for (int j = 0; j < rank; j++) u[j] = 0.0f;
-        for (int k = 0; k < K; k++) {
-            float xk = x[k];
-            const float* ak = a + (long)k * R;
-            for (int j = 0; j < rank; j++) u[j] = u[j] + xk * ak[j];
-        }
-        return;
-    }
-    __mmask16 m[4];
-    for (int v = 0; v < 4; v++) {
-        int left = rank - 16 * v;
-        m[v] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
-    }
-    __m512 u0 = _mm512_setzero_ps(), u1 = u0, u2 = u0, u3 = u0;
+    for (int j = 0; j < rank; j++) u[j] = 0.0f;
     for (int k = 0; k < K; k++) {
-        __m512 xk = _mm512_set1_ps(x[k]);
+        float xk = x[k];
         const float* ak = a + (long)k * R;
-        u0 = _mm512_add_ps(u0, _mm512_mul_ps(xk, _mm512_maskz_loadu_ps(m[0], ak)));
-        if (m[1]) u1 = _mm512_add_ps(u1, _mm512_mul_ps(xk, _mm512_maskz_loadu_ps(m[1], ak + 16)));
-        if (m[2]) u2 = _mm512_add_ps(u2, _mm512_mul_ps(xk, _mm512_maskz_loadu_ps(m[2], ak + 32)));
-        if (m[3]) u3 = _mm512_add_ps(u3, _mm512_mul_ps(xk, _mm512_maskz_loadu_ps(m[3], ak + 48)));
+        for (int j = 0; j < rank; j++) u[j] = u[j] + xk * ak[j];
     }
-    _mm512_mask_storeu_ps(u, m[0], u0);
-    _mm512_mask_storeu_ps(u + 16, m[1], u1);
-    _mm512_mask_storeu_ps(u + 32, m[2], u2);
-    _mm512_mask_storeu_ps(u + 48, m[3], u3);
+}
+
+/* The same sums for G rows of ranks <= 64 at once (rank 0: no row), each row's in four
+ * registers, each k one multiply and one add per lane: the rows' chains run side by side and
+ * nothing goes through memory. A row's sums are its own whatever shares the group. Lanes
+ * past a rank read zeros and are never stored. */
+enum { G = 4 };
+static void low_rank_u_rows(const float* const x[G], const float* const a[G], const int rank[G],
+                            int K, int R, float u[G][64]) {
+    __mmask16 m[G][4];
+    __m512 acc[G][4];
+    for (int r = 0; r < G; r++)
+        for (int v = 0; v < 4; v++) {
+            int left = rank[r] - 16 * v;
+            m[r][v] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+            acc[r][v] = _mm512_setzero_ps();
+        }
+    for (int k = 0; k < K; k++) {
+        for (int r = 0; r < G; r++) {
+            if (!m[r][0]) continue;
+            __m512 xk = _mm512_set1_ps(x[r][k]);
+            const float* ak = a[r] + (long)k * R;
+            for (int v = 0; v < 4; v++)
+                if (m[r][v])
+                    acc[r][v] = _mm512_add_ps(acc[r][v],
+                                              _mm512_mul_ps(xk, _mm512_maskz_loadu_ps(m[r][v], ak + 16 * v)));
+        }
+    }
+    for (int r = 0; r < G; r++)
+        for (int v = 0; v < 4; v++) _mm512_mask_storeu_ps(u[r] + 16 * v, m[r][v], acc[r][v]);
 }
 
 /* y[n] += sc * (u[j0]*b[j0][n] + ... + u[j1-1]*b[j1-1][n]) for n in [lo, hi) (b: [R][N]):
@@ -90,22 +97,41 @@ static void low_rank_y(const float* u, const float* b, long N, int j0, int j1, i
 void stopline_lora_rows(const float* x, long ldx, float* y, long ldy, int rows,
                         const int32_t* slot, const float* at, const float* bt,
                         const int32_t* parts, const float* scale, int R, int K, int N) {
+    int groups = (rows + G - 1) / G;
     #pragma omp parallel for if ((long)rows * R * (K + N) >= (1L << 22)) schedule(static)
-    for (int i = 0; i < rows; i++) {
-        int s = slot[i];
-        if (s < 0) continue;
-        const int32_t* p = parts + (long)s * PARTS * 3;
-        int rank = p[(PARTS - 1) * 3];
-        if (rank <= 0) continue;
-        float u[rank > 64 ? rank : 64];
-        low_rank_u(x + (long)i * ldx, at + (long)s * K * R, K, R, rank, u);
-        int j0 = 0;
-        for (int q = 0; q < PARTS; q++) {
-            int j1 = p[q * 3];
-            if (j1 > j0)
-                low_rank_y(u, bt + (long)s * R * N, N, j0, j1, p[q * 3 + 1], p[q * 3 + 2], scale[s],
-                           y + (long)i * ldy);
-            j0 = j1;
+    for (int g = 0; g < groups; g++) {
+        const float* xs[G];
+        const float* as[G];
+        int ranks[G];
+        float u[G][64];
+        for (int r = 0; r < G; r++) {
+            int i = g * G + r, s = i < rows ? slot[i] : -1;
+            int rank = s >= 0 ? parts[((long)s * PARTS + PARTS - 1) * 3] : 0;
+            xs[r] = x + (long)(i < rows ? i : 0) * ldx;
+            as[r] = at + (long)(s >= 0 ? s : 0) * K * R;
+            ranks[r] = rank <= 64 ? rank : 0;  /* wider ranks: one at a time below */
+        }
+        low_rank_u_rows(xs, as, ranks, K, R, u);
+        for (int r = 0; r < G && g * G + r < rows; r++) {
+            int i = g * G + r, s = slot[i];
+            if (s < 0) continue;
+            const int32_t* p = parts + (long)s * PARTS * 3;
+            int rank = p[(PARTS - 1) * 3];
+            if (rank <= 0) continue;
+            float wide[rank > 64 ? rank : 1];
+            const float* ur = u[r];
+            if (rank > 64) {
+                low_rank_u(xs[r], as[r], K, R, rank, wide);
+                ur = wide;
+            }
+            int j0 = 0;
+            for (int q = 0; q < PARTS; q++) {
+                int j1 = p[q * 3];
+                if (j1 > j0)
+                    low_rank_y(ur, bt + (long)s * R * N, N, j0, j1, p[q * 3 + 1], p[q * 3 + 2], scale[s],
+                               y + (long)i * ldy);
+                j0 = j1;
+            }
         }
     }
 }
