@@ -102,6 +102,27 @@ def test_adapters_match_the_merged_oracle_alone_and_mixed(name: str, tmp_path_fa
     assert_idle(mixed.engine)
 
 
+def test_the_torch_fallback_matches_the_merged_oracle(tmp_path_factory, prompts, monkeypatch) -> None:
+    """Where the C kernels are off, the deltas run in torch (model/lora.py `_apply_torch`):
+    greedy output still equals HF + peft merged."""
+    import stopline.model.lora as lora
+
+    base_dir, adapters = family(tmp_path_factory, "llama")
+    want = hf_greedy(merged(base_dir, adapters["all"]), prompts, MAX_NEW)
+    calls = []
+
+    def torch_only(*args):
+        calls.append(1)
+        return original(*args)
+
+    original = lora._apply_torch
+    monkeypatch.setattr(lora, "_lib", lambda: None)
+    monkeypatch.setattr(lora, "_apply_torch", torch_only)
+    llm = _engine(base_dir, {"all": adapters["all"]}, enable_prefix_caching=False)
+    assert _run(llm, prompts, [greedy(MAX_NEW, lora="all")] * len(prompts)) == want.tokens
+    assert calls
+
+
 def test_a_row_delta_does_not_depend_on_its_neighbours(tmp_path_factory) -> None:
     """The delta kernel alone: each row's bits are the same in batches of 1 to 300 rows."""
     from stopline.model.lora import LoraRows, Slots, apply
