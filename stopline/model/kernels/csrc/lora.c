@@ -12,9 +12,11 @@
  * Each sum runs in one fixed order, vectorized across outputs only (the j of u, the n of y;
  * A is stored transposed, [K][R], so a k's ranks are contiguous): a row's bits depend on its
  * own input and slot, never on the row count or its neighbours (batch invariance), and the C
- * decoder (decoder.c) and the Python layer loop call this same function. Rows run in parallel
- * (each on one thread), which changes no bit. Built with -ffp-contract=off: every a*b + c is two
- * roundings, as in the float32 reference the tests compute. */
+ * decoder (decoder.c) and the Python layer loop call this same function. Four rows' sums run
+ * side by side, and big steps spread groups of rows over threads; neither changes a bit. The
+ * intrinsics multiply and add separately (no FMA), and the file is built with
+ * -ffp-contract=off: every a*b + c is two roundings, as in the float32 reference the tests
+ * compute. */
 #include <immintrin.h>
 #include <stdint.h>
 
