@@ -62,7 +62,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="batches of up to this many rows read a GGUF's Q4_1/Q8_0 weights in their "
                         "blocks through stopline's C kernel (same bits as float32; 0: never)")
     g.add_argument("--max-loras", type=int, default=EngineConfig.max_loras,
-                   help="most LoRA adapters loaded at once (docs/lora.md)")
+                   help="most LoRA adapters resident at once, in the step's stacked slots; requests "
+                        "of others wait for an unused one to be evicted (docs/lora.md)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="most LoRA adapters loaded at once, in host memory (default: --max-loras)")
     g.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank,
                    help="highest rank a LoRA adapter may have; a higher one is refused")
     g.add_argument("--numerics", default=EngineConfig.numerics.value, choices=[m.value for m in Numerics],
@@ -90,5 +93,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative=args.speculative, speculative_tokens=args.speculative_tokens,
         audit_every=getattr(args, "audit_every", 0),
         max_loras=getattr(args, "max_loras", EngineConfig.max_loras),
+        max_cpu_loras=getattr(args, "max_cpu_loras", None),
         max_lora_rank=getattr(args, "max_lora_rank", EngineConfig.max_lora_rank),
     )

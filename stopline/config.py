@@ -92,8 +92,10 @@ class EngineConfig:
     # is only preempted again, its prefill thrown away (0: off).
     admission_lookahead: int = 8
     async_scheduling: bool = False
-    # LoRA (docs/lora.md): most adapters loaded at once, and the highest rank one may have.
+    # LoRA (docs/lora.md): most adapters resident (in the step's stacked slots) at once, most
+    # loaded (in host memory; None: max_loras), and the highest rank one may have.
     max_loras: int = 8
+    max_cpu_loras: int | None = None
     max_lora_rank: int = 64
     # Small decode steps drop a thread while neighbours take our CPUs (worker/cpu_share.py).
     adapt_threads: bool = True
@@ -149,6 +151,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"EngineConfig.max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"EngineConfig.num_blocks must be >= 1, got {self.num_blocks}")
         if self.linear_backend not in LINEAR_BACKENDS:

@@ -102,30 +102,55 @@ def test_adapters_match_the_merged_oracle_alone_and_mixed(name: str, tmp_path_fa
     assert_idle(mixed.engine)
 
 
+def test_the_torch_fallback_matches_the_merged_oracle(tmp_path_factory, prompts, monkeypatch) -> None:
+    """Where the C kernels are off, the deltas run in torch (model/lora.py `_apply_torch`):
+    greedy output still equals HF + peft merged."""
+    import stopline.model.lora as lora
+
+    base_dir, adapters = family(tmp_path_factory, "llama")
+    want = hf_greedy(merged(base_dir, adapters["all"]), prompts, MAX_NEW)
+    calls = []
+
+    def torch_only(*args):
+        calls.append(1)
+        return original(*args)
+
+    original = lora._apply_torch
+    monkeypatch.setattr(lora, "_lib", lambda: None)
+    monkeypatch.setattr(lora, "_apply_torch", torch_only)
+    llm = _engine(base_dir, {"all": adapters["all"]}, enable_prefix_caching=False)
+    assert _run(llm, prompts, [greedy(MAX_NEW, lora="all")] * len(prompts)) == want.tokens
+    assert calls
+
+
 def test_a_row_delta_does_not_depend_on_its_neighbours(tmp_path_factory) -> None:
-    """The delta kernel alone: each row's bits are the same in batches of 1 to 70 rows."""
-    from stopline.model.lora import apply
+    """The delta kernel alone: each row's bits are the same in batches of 1 to 300 rows."""
+    from stopline.model.lora import LoraRows, Slots, apply
 
     base_dir, adapters = family(tmp_path_factory, "llama")
     eng = _engine(base_dir, adapters).engine
-    ad = [eng.model.adapters[a] for a in sorted(adapters)]
+    slots = Slots(eng.model.config, 3)
+    for i, a in enumerate(sorted(adapters)):
+        slots.place(i, eng.model.adapters[a])
     g = torch.Generator().manual_seed(0)
 
-    def groups(n: int):
-        rows = torch.arange(n)
-        return [(rows[rows % 4 == i], ad[i]) for i in range(3)]  # every fourth row: the base
+    def rows(slot: list[int]) -> LoraRows:
+        return LoraRows(torch.tensor(slot, dtype=torch.int32), slots)
+
+    def every(n: int) -> LoraRows:
+        return rows([i % 4 if i % 4 < 3 else -1 for i in range(n)])  # every fourth row: the base
 
     # (linear, in, out) of the tiny model
     for linear, k, width in (("qkv", 64, 128), ("o", 64, 64), ("gate_up", 64, 256), ("down", 128, 64)):
         x = torch.randn(300, k, generator=g)
         y = torch.randn(300, width, generator=g)
-        full = apply(y, x, 0, linear, groups(300))
+        full = apply(y.clone(), x, 0, linear, every(300))
         assert not torch.equal(full, y)
         for n in (1, 2, 3, 7, 16, 33, 64, 100, 257):
-            assert torch.equal(apply(y[:n], x[:n], 0, linear, groups(n)), full[:n]), (linear, n)
+            assert torch.equal(apply(y[:n].clone(), x[:n], 0, linear, every(n)), full[:n]), (linear, n)
         # A row alone, whatever its place in the batch.
         for i in (1, 150, 299):
-            alone = apply(y[i:i + 1], x[i:i + 1], 0, linear, [(torch.tensor([0]), ad[i % 4])] if i % 4 < 3 else None)
+            alone = apply(y[i:i + 1].clone(), x[i:i + 1], 0, linear, rows([i % 4 if i % 4 < 3 else -1]))
             assert torch.equal(alone, full[i:i + 1]), (linear, i)
 
 

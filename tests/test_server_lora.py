@@ -159,3 +159,36 @@ def test_unload_policies_over_http(lora_server) -> None:
     assert m['stopline_lora_requests_total{adapter="two"}'] == 2
     assert m['stopline_lora_loads_total{adapter="one"}'] == 1
     srv.wait_idle()
+
+
+def test_one_slot_serves_two_adapters_over_http(tiny_long_model_dir: Path, tmp_path_factory) -> None:
+    """--max-loras 1 with two adapters loaded (--max-cpu-loras 2): concurrent requests of both
+    and the base all finish with each one's text alone; the adapters take turns in the slot
+    (evictions counted, one resident at a time)."""
+    root = tmp_path_factory.mktemp("slot_loras")
+    adapters = {n: make_adapter(tiny_long_model_dir, root / n, seed=s, std=0.3) for n, s in (("a", 4), ("b", 5))}
+    srv = ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", "tiny",
+                        "--num-blocks", "256", "--max-loras", "1", "--max-cpu-loras", "2", "--max-lora-rank", "8",
+                        "--lora", *(f"{n}={p}" for n, p in adapters.items()))
+    try:
+        srv.wait_ready()
+        models = ["a", "b", "tiny", "b", "a", "tiny", "a", "b"]
+        alone = {m: _complete(srv, m, max_tokens=24)["choices"][0]["text"] for m in ("a", "b", "tiny")}
+        assert len(set(alone.values())) == 3
+        got: dict[int, str] = {}
+
+        def one(i: int) -> None:
+            got[i] = _complete(srv, models[i], max_tokens=24)["choices"][0]["text"]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(models))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == {i: alone[m] for i, m in enumerate(models)}
+        srv.wait_idle(timeout=10)
+        m = srv.metrics()
+        assert m['stopline_lora_evictions_total{adapter="a"}'] + m['stopline_lora_evictions_total{adapter="b"}'] >= 1
+        assert m['stopline_lora_resident{adapter="a"}'] + m['stopline_lora_resident{adapter="b"}'] == 1
+    finally:
+        srv.stop()

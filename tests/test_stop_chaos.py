@@ -178,17 +178,22 @@ def lora_work(tiny, tiny_dir, tmp_path_factory):
     return work, run_reference(tiny, work, adapters=adapters), adapters
 
 
-@pytest.mark.parametrize("mode,async_scheduling,speculative", [
-    ("recompute", False, "off"), ("auto", True, "off"), ("swap", False, "on")])
-def test_lora_storm(tiny, lora_work, mode, async_scheduling, speculative):
+@pytest.mark.parametrize("mode,async_scheduling,speculative,slots", [
+    ("recompute", False, "off", 8), ("auto", True, "off", 8), ("swap", False, "on", 8), ("auto", True, "on", 2)])
+def test_lora_storm(tiny, lora_work, mode, async_scheduling, speculative, slots):
     """The storm with adapters: jobs of three adapters and the base share steps while cancels,
     preemption (recompute and swap), speculation and unloads (abort: its requests end `abort`; wait: new ones are refused) race;
     every survivor equals its reference, the audit (each adapter's count is its live requests)
-    holds after every step and the counts are zero at the end."""
+    holds after every step and the counts are zero at the end. slots: --max-loras; with 2 for
+    three adapters, requests wait for a slot and unused adapters are evicted (the audit checks
+    that no scheduled request's adapter ever leaves its slot)."""
     work, ref, adapters = lora_work
     assert len({j.params.lora for j in work}) == 4
-    res = run_storm(tiny, work, storm_config(mode, async_scheduling, speculative=speculative), seed=33,
-                    adapters=adapters, unload_p=0.03)
+    config = dataclasses.replace(storm_config(mode, async_scheduling, speculative=speculative),
+                                 max_loras=slots, max_cpu_loras=max(slots, len(adapters)))
+    res = run_storm(tiny, work, config, seed=33, adapters=adapters, unload_p=0.03)
+    if slots < len(adapters):
+        assert res.engine.adapters.slot_waits > 0  # requests waited for a slot
     stats = res.engine.lifecycle.stats
     if speculative == "on":  # verify steps of adapter rows, losslessly
         assert stats.spec_verify_steps > 0 and stats.spec_accepted > 0, stats

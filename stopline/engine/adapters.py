@@ -13,6 +13,14 @@ inside a step, so no step sees an adapter come or go. Unload is a stop with a po
 - `abort`: its requests end `abort` with source `unload`, then it goes at once;
 - `refuse`: refused (409) while any request holds it.
 
+Residency: at most `max_loras` loaded adapters sit in the model's stacked slots (model/lora.py
+`Slots`), the only place a step reads adapter weights from. The scheduler admits a waiting
+request only once its adapter is resident (`resident`): a free slot takes it, or the least
+recently used resident adapter that no live request holds is evicted for it; otherwise the
+request waits in the queue while base rows and resident adapters' requests go on. A held
+adapter is never evicted, so a running, preempted or swapped request always finds its slot.
+Loaded adapters stay in host memory (up to `max_cpu_loras`) whether resident or not.
+
 Answers are dicts (`status`, `message`) so they cross the process transport as they are.
 """
 
@@ -26,9 +34,9 @@ from typing import Any
 from stopline.config import Choice
 from stopline.kv.block_pool import LedgerError
 from stopline.model.config import ModelConfig
-from stopline.model.lora import Adapter, LoraError
+from stopline.model.lora import Adapter, LoraError, Slots
 from stopline.model.lora import load as load_adapter
-from stopline.request import Request
+from stopline.request import Request, RequestStatus
 
 _loads = itertools.count(1)
 
@@ -47,12 +55,17 @@ class Adapters:
     name = "adapters"
 
     def __init__(self, config: ModelConfig, loaded: dict[str, Adapter], *, max_loras: int,
-                 max_rank: int) -> None:
-        """loaded: the model's table of adapters (LlamaModel.adapters), which the runner reads."""
+                 max_rank: int, max_cpu_loras: int | None = None) -> None:
+        """loaded: the model's table of adapters (LlamaModel.adapters); max_loras: resident
+        slots (the model's lora_slots is `self.slots`); max_cpu_loras: most loaded."""
         self.config = config
         self.loaded = loaded
         self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras or max_loras
         self.max_rank = max_rank
+        self.slots = Slots(config, max_loras)
+        self.used_at: dict[str, int] = {}  # resident adapter -> the last step tick that used it
+        self._tick = 0
         self.refs: dict[str, set[Request]] = {}
         self.held: dict[Request, tuple[str, int]] = {}  # request -> (adapter, its load)
         self.load_id: dict[str, int] = {}
@@ -64,6 +77,8 @@ class Adapters:
         self.tokens: Counter = Counter()
         self.loads: Counter = Counter()
         self.unloads: Counter = Counter()
+        self.evictions: Counter = Counter()
+        self.slot_waits = 0  # admissions put off: every slot's adapter was held
 
     # ---- which adapters serve ------------------------------------------------------------
     def serves(self, name: str) -> bool:
@@ -76,9 +91,9 @@ class Adapters:
         if name in self.loaded:
             return answer(400, f"adapter {name!r} is already loaded"
                           + (" (unloading: wait until it is gone)" if name in self.draining else ""))
-        if len(self.loaded) >= self.max_loras:
-            return answer(400, f"{len(self.loaded)} adapters are loaded, the limit (--max-loras) is "
-                          f"{self.max_loras}: unload one first")
+        if len(self.loaded) >= self.max_cpu_loras:
+            return answer(400, f"{len(self.loaded)} adapters are loaded, the limit (--max-cpu-loras, "
+                          f"by default --max-loras) is {self.max_cpu_loras}: unload one first")
         try:
             adapter = load_adapter(name, path, self.config, self.max_rank)
         except LoraError as exc:
@@ -116,12 +131,56 @@ class Adapters:
         """Drop draining adapters no request holds any more (after each step and each unload)."""
         gone = [n for n in self.draining if not self.refs.get(n)]
         for n in gone:
+            self._vacate(n)
             del self.draining[n]
             del self.loaded[n]
             self.refs.pop(n, None)
             self.load_id.pop(n, None)
             self.unloads[n] += 1
         return gone
+
+    # ---- residency ----------------------------------------------------------------------------
+    def resident(self, req: Request) -> bool:
+        """Whether req's adapter (if any) is in a slot, placing it there if a slot is free or
+        an unused one can be evicted (least recently used first). False: it waits."""
+        name = req.params.lora
+        if name is None:
+            return True
+        self._tick += 1
+        if self.slots.index(name) >= 0:
+            self.used_at[name] = self._tick
+            return True
+        names = self.slots.names
+        slot = names.index(None) if None in names else -1
+        if slot < 0:
+            idle = [n for n in names if n is not None and not self.refs.get(n)]
+            if not idle:
+                self.slot_waits += 1
+                return False  # every slot's adapter is held by a live request
+            victim = min(idle, key=lambda n: self.used_at.get(n, 0))
+            slot = self._vacate(victim)
+            self.evictions[victim] += 1
+        self.slots.place(slot, self.loaded[name])
+        self.used_at[name] = self._tick
+        return True
+
+    def ran(self, names: Sequence[str | None]) -> None:
+        """The adapters of a step's rows were used now (the LRU order)."""
+        self._tick += 1
+        for n in names:
+            if n is not None:
+                self.used_at[n] = self._tick
+
+    def _vacate(self, name: str) -> int:
+        """Take an adapter out of its slot (evicted, or unloaded); its slot, or -1."""
+        slot = self.slots.index(name)
+        if slot >= 0:
+            self.slots.clear(slot)
+        self.used_at.pop(name, None)
+        return slot
+
+    def is_resident(self, name: str) -> bool:
+        return self.slots.index(name) >= 0
 
     # ---- the holder --------------------------------------------------------------------------
     def hold(self, req: Request) -> bool:
@@ -168,3 +227,11 @@ class Adapters:
             raise LedgerError(f"adapter references {have} != live requests per adapter {dict(want)}")
         if set(self.refs) != set(self.loaded) or any(n not in self.loaded for n in self.draining):
             raise LedgerError("adapter tables disagree: references for an adapter not loaded")
+        resident = [n for n in self.slots.names if n is not None]
+        if len(resident) != len(set(resident)) or not set(resident) <= set(self.loaded):
+            raise LedgerError(f"adapter slots {self.slots.names} hold an adapter twice or one not loaded")
+        scheduled = (RequestStatus.RUNNING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
+        away = {r.params.lora for r in live if r.params.lora is not None and r.status in scheduled
+                and not self.is_resident(r.params.lora)}
+        if away:
+            raise LedgerError(f"adapters {sorted(away)} of scheduled requests are not resident")

@@ -116,7 +116,10 @@ class EngineCore:
         self.worker: Worker = worker or StepWorker(runner, mc.eos_token_ids, self.grammar)
         # LoRA references: auxiliary state, released before the outputs count the tokens.
         self.adapters = Adapters(mc, self.model.adapters if self.model is not None else {},
-                                 max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank)
+                                 max_loras=cfg.max_loras, max_rank=cfg.max_lora_rank,
+                                 max_cpu_loras=cfg.max_cpu_loras)
+        if self.model is not None:
+            self.model.lora_slots = self.adapters.slots
         self.kv_manager.salt = self.adapters.salt  # no prefix reuse across adapters
         holders: list[Holder] = [self.grammar, self.queues, self.drafts, self.adapters, self.outputs]
         if self.worker.rows is not None:
@@ -127,6 +130,7 @@ class EngineCore:
         holders.append(self.kv_manager)
         self.lifecycle = Lifecycle(cfg, self.kv_manager, holders, self.stats)
         self.scheduler = Scheduler(cfg, self.kv_manager, self.queues, self.lifecycle, self.drafts)
+        self.scheduler.resident = self.adapters.resident  # a request waits for its adapter's slot
         self.applier = StepApplier(self.lifecycle, self.kv_manager, self.outputs, self.grammar, self.drafts,
                                    defer_text=cfg.async_scheduling, prefilled=self.role.prefilled)
         if cfg.preemption_mode is PreemptionMode.AUTO:
@@ -249,6 +253,7 @@ class EngineCore:
 
     def _schedule(self) -> StepPlan:
         plan = self.scheduler.schedule()
+        self.adapters.ran([c.req.params.lora for c in plan.chunks])
         if self.config.debug and any(c.req.paused for c in plan.chunks):  # docs/stop-path.md
             raise LedgerError(f"a paused request is in step {plan.step_id}: "
                               f"{[c.req.incarnation for c in plan.chunks if c.req.paused]}")

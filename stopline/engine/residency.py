@@ -172,4 +172,5 @@ class Residency:
         assert isinstance(core.runner, ModelRunner)
         core.runner.model = core.model = ModelRunner.build_model(loaded, core.config)
         core.model.adapters = core.adapters.loaded  # loaded adapters outlive the network
+        core.model.lora_slots = core.adapters.slots  # and so do the resident ones' slots
         core.loaded = loaded

@@ -153,5 +153,6 @@ def take_snapshot(core: EngineCore) -> Snapshot:
 def _loras(core: EngineCore) -> dict[str, list[int]]:
     a = core.adapters
     names = set(a.loaded) | set(a.loads)
-    return {n: [len(a.refs.get(n, ())), a.requests[n], a.tokens[n], a.loads[n], a.unloads[n]]
+    return {n: [len(a.refs.get(n, ())), a.requests[n], a.tokens[n], a.loads[n], a.unloads[n],
+                a.evictions[n], int(a.is_resident(n))]
             for n in sorted(names)}

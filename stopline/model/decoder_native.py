@@ -54,7 +54,10 @@ class StepInterrupt(threading.Event):
 class Layer(ctypes.Structure):
     _fields_ = [("w", _P * 4), ("fmt", ctypes.c_int32 * 4), ("kc", ctypes.c_int32 * 4),
                 ("ln1", _P), ("ln2", _P), ("k_cache", _P), ("v_cache", _P),
-                ("bf", _P * 4), ("q4", _P * 4), ("q4_max", ctypes.c_int32 * 4), ("amx", ctypes.c_int32 * 4)]
+                ("bf", _P * 4), ("q4", _P * 4), ("q4_max", ctypes.c_int32 * 4), ("amx", ctypes.c_int32 * 4),
+                # LoRA slots of each linear (model/lora.py LinearSlots); null: no resident
+                # adapter touches it
+                ("lora_at", _P * 4), ("lora_bt", _P * 4), ("lora_parts", _P * 4), ("lora_r", ctypes.c_int32 * 4)]
 
 
 class Step(ctypes.Structure):
@@ -63,7 +66,8 @@ class Step(ctypes.Structure):
                [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("slots", ctypes.c_int64)] + \
                [(name, _P) for name in ("positions", "write_slots", "cos", "sin", "nkeys", "table_at",
                                         "tables", "h", "qkv", "q", "attn", "o", "gu", "act", "res",
-                                        "interrupt", "xb", "linear_s", "q8x", "q8d", "q8ds", "q8s")]
+                                        "interrupt", "xb", "linear_s", "q8x", "q8d", "q8ds", "q8s",
+                                        "lora_slot", "lora_scale")]
 
 
 class DecoderLoop:
@@ -83,6 +87,7 @@ class DecoderLoop:
         # float64 [1] the C loop adds its linears' seconds to, while a benchmark sets it.
         self.linear_s: torch.Tensor | None = None
         self._fn = kernels().stopline_decoder_layers
+        self.lora_steps = 0  # steps with adapter rows that ran here (tests, benchmarks)
 
     @staticmethod
     def supports(model: LlamaModel) -> bool:
@@ -96,8 +101,9 @@ class DecoderLoop:
 
     def _table(self, kv: KVCache) -> ctypes.Array:
         # Keyed by the tensors' address too: a cache that slept and woke up (engine-stops.md)
-        # holds new tensors under the same object.
-        key = (id(kv), kv.k[0].data_ptr())
+        # holds new tensors under the same object; and by the LoRA slots' buffers, which grow.
+        slots = self.model.lora_slots
+        key = (id(kv), kv.k[0].data_ptr(), id(slots), slots.version if slots is not None else 0)
         table = self._tables.get(key)
         if table is None:
             table = (Layer * len(self.model.layers))()
@@ -114,6 +120,11 @@ class DecoderLoop:
                         t.q4[j], t.q4_max[j] = (f.q4.data_ptr(), f.q4_max_rows) if f.q4 is not None else (None, 0)
                         continue
                     t.w[j], t.fmt[j], t.kc[j] = lin.quant.packed.data_ptr(), _FMT[lin.quant.fmt], lin.kc()
+                for j, name in enumerate(_LINEARS):
+                    ls = slots.linears.get((li, name)) if slots is not None else None
+                    if ls is not None:
+                        t.lora_at[j], t.lora_bt[j] = ls.at.data_ptr(), ls.bt.data_ptr()
+                        t.lora_parts[j], t.lora_r[j] = ls.parts.data_ptr(), ls.r
                 t.ln1, t.ln2 = layer["ln1"].data_ptr(), layer["ln2"].data_ptr()
                 t.k_cache, t.v_cache = kv.k[li].data_ptr(), kv.v[li].data_ptr()
             self._tables, self._kv = {key: table}, kv  # one cache at a time
@@ -143,6 +154,11 @@ class DecoderLoop:
         q8d, q8ds = (torch.empty(n * widest // 32 if self.int8 else 1) for _ in range(2))
         q8s = torch.empty(n * widest // 32 if self.int8 else 1, dtype=torch.int32)
         positions, slots = inp.positions.contiguous(), inp.write_slots.contiguous()
+        lora = inp.lora
+        if lora is not None:
+            if lora.slots is not m.lora_slots or lora.slot.dtype != torch.int32 or lora.slot.shape[0] != n:
+                raise ValueError("the step's LoRA rows do not name the model's slots, one int32 per row")
+            self.lora_steps += 1
         step = Step(rows=n, hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads,
                     d=c.head_dim, inter=inter, bs=kv.block_size, max_keys=paged.max_keys,
                     eps=c.rms_norm_eps, scale=m.scale, slots=kv.k[0].shape[1],
@@ -152,6 +168,8 @@ class DecoderLoop:
                     interrupt=flag.data_ptr(), xb=xb.data_ptr(), q8x=q8x.data_ptr(), q8d=q8d.data_ptr(),
                     q8ds=q8ds.data_ptr(), q8s=q8s.data_ptr(),
                     linear_s=None if self.linear_s is None else self.linear_s.data_ptr(),
+                    lora_slot=None if lora is None else lora.slot.data_ptr(),
+                    lora_scale=None if lora is None else lora.slots.scale.data_ptr(),
                     **{k: v.data_ptr() for k, v in bufs.items()})
         ran = ctypes.c_int(0)
         rc = self._fn(ctypes.addressof(self._table(kv)), len(m.layers), ctypes.addressof(step),

@@ -30,7 +30,7 @@ from stopline.model.kernels.layer_ops import add_rms_norm, rope_store, silu_mul
 from stopline.model.kernels.paged_attention import PagedRows, paged_attention
 from stopline.model.kernels.paged_attention import pick as pick_attention
 from stopline.model.kernels.quant_linear import Blocks, QuantWeight, can_pack, from_raw_rows
-from stopline.model.lora import Adapter, Groups
+from stopline.model.lora import Adapter, LoraRows, Slots
 from stopline.model.lora import apply as lora_apply
 from stopline.model.rope import layer_freqs, tables
 
@@ -67,8 +67,8 @@ class StepInputs:
     logit_rows: torch.Tensor  # rows whose next-token logits are needed
     # With the native attention: the keys of every row (prefills and decode are then unused).
     paged: PagedRows | None = None
-    # LoRA: the step's rows by adapter (model/lora.py); None: every row runs the base model.
-    lora: Groups | None = None
+    # LoRA: each row's adapter slot (model/lora.py); None: every row runs the base model.
+    lora: LoraRows | None = None
     # Several KV layer groups (kv_cache.layer_groups): each group's inputs (write slots and
     # tables in its blocks; the first is this one); layer li reads groups[kv.layer_group[li]].
     groups: list[StepInputs] | None = None
@@ -130,8 +130,10 @@ class LlamaModel:
                                    quant=quant(names), quant_max_rows=quant_max_rows)
 
         # LoRA adapters by name (model/lora.py): the engine loads and unloads them between
-        # steps; a step's rows name theirs in StepInputs.lora.
+        # steps, and places the resident ones in lora_slots (its own, so that they outlive a
+        # rebuilt network); a step's rows name their slots in StepInputs.lora.
         self.adapters: dict[str, Adapter] = {}
+        self.lora_slots: Slots | None = None
         self.embed = w("model.embed_tokens.weight")
         # Gemma scales the embeddings by sqrt(hidden), rounded to float32 as its buffer is.
         self.embed_scale = torch.tensor(c.hidden_size ** 0.5) if c.gemma else None
@@ -218,8 +220,8 @@ class LlamaModel:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         if inp.paged is not None and self.c_glue and c.plain_llama and inp.groups is None:
-            # Rows with adapters take the Python layer loop (the same bits for the base rows).
-            if (self.c_layers and self.decoder is not None and inp.lora is None
+            # Rows with adapters too: both loops add the deltas with the same kernel.
+            if (self.c_layers and self.decoder is not None
                     and self.decoder.can_run(x.shape[0], interrupt)):
                 x, stopped = self.decoder.run(x, inp, kv, interrupt)
                 if stopped is not None:
@@ -232,11 +234,11 @@ class LlamaModel:
         return self.lm_head(last)
 
     @staticmethod
-    def _linear(layer: dict, li: int, groups: Groups | None):  # -> (name, x) -> y
+    def _linear(layer: dict, li: int, lora: LoraRows | None):  # -> (name, x) -> y
         """Layer li's linears, each with the adapters' deltas added to their rows."""
-        if not groups:
+        if lora is None:
             return lambda name, x: layer[name](x)
-        return lambda name, x: lora_apply(layer[name](x), x, li, name, groups)
+        return lambda name, x: lora_apply(layer[name](x), x, li, name, lora)
 
     @staticmethod
     def _check(interrupt: threading.Event | None, li: int) -> None:

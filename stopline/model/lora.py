@@ -1,21 +1,22 @@
 """LoRA adapters: loading (PEFT directories, llama.cpp GGUF LoRA files), checking them against
-the base model, and adding their low-rank delta to a step's rows.
+the base model, the resident adapters' stacked weights (`Slots`), and adding their low-rank
+delta to a step's rows.
 
-An adapter's delta for a row x of a target module is `scale * B (A x)`. It is added to the
-base linear's output of that row only, after the base linear ran over the whole step. Each
-row's delta is computed by itself, in one fixed order, whatever shares the step:
+An adapter's delta for a row x of a target module is `scale * B (A x)`, added to the base
+linear's output of that row only, after the base linear ran over the whole step. At most
+`--max-loras` adapters are resident: each in a slot of `Slots`, which stacks per fused linear
+the slots' A (transposed, [slots, in, ranks]) and B^T ([slots, ranks, out]), zero-padded to the
+widest resident rank, plus a scale per slot. A step names each row's slot (-1: the base model)
+in `LoraRows`, and one C kernel (`csrc/lora.c`) adds every row's delta:
 
-- `u = sum_k x[k] * A[j, k]` as an element-wise product reduced over its last (contiguous)
-  axis: the reduction of one output never depends on how many outputs there are;
-- `d = u[0] * B[:, 0] + u[1] * B[:, 1] + ...`, element-wise products reduced over the rank
-  axis, which is not the innermost: each output adds its r products one after another (torch
-  vectorizes such a reduction across outputs, never across the reduced axis);
-- `y = y_base + scale * d`.
+- `u[j] = x[0] * A[j, 0] + x[1] * A[j, 1] + ...` in that order, for each rank j;
+- `y[n] = y[n] + scale * (u[j0] * B[n, j0] + u[j0 + 1] * B[n, j0 + 1] + ...)` over the ranks
+  of the part (q, k, v; gate, up) whose outputs hold n, in rank order.
 
-So a row's bits depend on its own input and adapter only (batch invariance with adapters),
-never on its neighbours or their adapters. The base rows of a step with adapters take the
-layer loop in Python (`LlamaModel._layers_native` or `_layers_torch`), which gives the same
-bits as the fused C decoder (tests/test_decoder_native.py), so base rows do not change either.
+So a row's bits depend on its own input and slot only (batch invariance with adapters), never
+on its neighbours or their adapters; the fused C decoder and the Python layer loops call the
+same kernel, so both give the same bits. Where the C kernels are off, torch runs the same sums
+per slot (`_apply_torch`), in torch's own fixed order.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ _GGUF_TARGETS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "at
 
 class LoraError(ValueError):
     """An adapter that cannot be served with this base model; the message names the problem."""
+
+
+MAX_PARTS = 3  # a fused linear's target modules: q, k, v of qkv
 
 
 @dataclass
@@ -74,40 +78,145 @@ class Adapter:
     parts: dict[tuple[int, str], Target] = field(default_factory=dict)
     modules: tuple[str, ...] = ()
 
-    def delta(self, x: torch.Tensor, li: int, linear: str, y: torch.Tensor) -> torch.Tensor | None:
-        """y (the base linear's output for rows x, [n, out]) plus this adapter's delta, or None
-        where the adapter leaves this linear alone."""
-        target = self.parts.get((li, linear))
-        if target is None:
-            return None
-        y = y.clone()
-        u_all = (x[:, None, :] * target.a[None]).sum(-1)  # [n, ranks], one reduction per output
-        for p, (lo, hi) in zip(target.parts, target.spans, strict=True):
-            u = u_all[:, lo:hi]
-            d = (u[:, :, None] * p.bt[None]).sum(1)  # [n, out]: summed over the rank in order
-            w = p.bt.shape[1]
-            y[:, p.off:p.off + w] = y[:, p.off:p.off + w] + d * self.scale
+
+class LinearSlots:
+    """One fused linear's slots: A transposed [slots, in, R], B^T [slots, R, out], zero-padded to
+    R (the widest resident rank sum), and per slot its parts (MAX_PARTS x (rank end, first
+    output, end output); all zero: the slot's adapter leaves this linear alone)."""
+
+    def __init__(self, k: int, n: int, capacity: int, r: int) -> None:
+        self.at = torch.zeros(capacity, k, r)
+        self.bt = torch.zeros(capacity, r, n)
+        self.parts = torch.zeros(capacity, MAX_PARTS, 3, dtype=torch.int32)
+
+    @property
+    def r(self) -> int:
+        return self.at.shape[2]
+
+
+class Slots:
+    """The resident adapters' weights, stacked per fused linear of each layer. The engine
+    (engine/adapters.py) decides which adapter sits in which slot; a linear no resident adapter
+    targets has no entry. Buffers grow (slots, ranks) when an adapter needs more: `version`
+    counts that, so the C decoder refreshes the pointers it keeps."""
+
+    def __init__(self, config: ModelConfig, capacity: int) -> None:
+        self.capacity = capacity
+        self.names: list[str | None] = [None] * capacity
+        self.scale = torch.zeros(capacity)
+        self.linears: dict[tuple[int, str], LinearSlots] = {}
+        self.version = 0
+        sh = _shapes(config)
+        self.dims = {"qkv": (sh["q_proj"][1], sh["q_proj"][0] + 2 * sh["k_proj"][0]),
+                     "o": sh["o_proj"][::-1], "gate_up": (sh["gate_proj"][1], 2 * sh["gate_proj"][0]),
+                     "down": sh["down_proj"][::-1]}  # (in, out) of each fused linear
+
+    def index(self, name: str) -> int:
+        """The slot of a resident adapter, or -1."""
+        try:
+            return self.names.index(name)
+        except ValueError:
+            return -1
+
+    def _room(self, key: tuple[int, str], r: int) -> LinearSlots:
+        cur = self.linears.get(key)
+        if cur is not None and cur.r >= r:
+            return cur
+        k, n = self.dims[key[1]]
+        # Every slot, whichever placed it: a row of any slot reads its parts here.
+        new = LinearSlots(k, n, self.capacity, max(r, cur.r if cur else 0))
+        if cur is not None:
+            new.at[:, :, :cur.r] = cur.at
+            new.bt[:, :cur.r] = cur.bt
+            new.parts[:] = cur.parts
+        self.linears[key] = new
+        self.version += 1
+        return new
+
+    def place(self, slot: int, adapter: Adapter) -> None:
+        """Copy an adapter's weights into a slot (between steps)."""
+        self.clear(slot)
+        for key, target in adapter.parts.items():
+            r = target.a.shape[0]
+            ls = self._room(key, r)
+            ls.at[slot, :, :r] = target.a.t()
+            row = 0
+            for q, (p, (lo, hi)) in enumerate(zip(target.parts, target.spans, strict=True)):
+                w = p.bt.shape[1]
+                ls.bt[slot, lo:hi, p.off:p.off + w] = p.bt
+                ls.parts[slot, q] = torch.tensor([hi, p.off, p.off + w], dtype=torch.int32)
+                row = hi
+            ls.parts[slot, len(target.parts):, 0] = row
+        self.scale[slot] = adapter.scale
+        self.names[slot] = adapter.name
+
+    def clear(self, slot: int) -> None:
+        """The slot holds no adapter: every linear skips its rows, its weights are zeroed."""
+        for ls in self.linears.values():
+            ls.at[slot].zero_()
+            ls.bt[slot].zero_()
+            ls.parts[slot].zero_()
+        self.scale[slot] = 0.0
+        self.names[slot] = None
+
+
+@dataclass
+class LoraRows:
+    """A step's rows' adapter slots (int32 [rows], -1: the base model) and the slots."""
+
+    slot: torch.Tensor
+    slots: Slots
+
+
+def _lib():  # -> the C kernels, or None where they are off
+    from stopline.model.kernels.native import NativeUnavailable, kernels
+
+    try:
+        return kernels()
+    except NativeUnavailable:
+        return None
+
+
+def apply(y: torch.Tensor, x: torch.Tensor, li: int, linear: str, lora: LoraRows | None) -> torch.Tensor:
+    """The linear's output y ([rows, out]) for the step's inputs x ([rows, in]) with each
+    adapter row's delta added (in place where y is contiguous); y itself when no resident
+    adapter touches this linear."""
+    ls = None if lora is None else lora.slots.linears.get((li, linear))
+    if ls is None:
         return y
+    lib = _lib()
+    if lib is None:
+        return _apply_torch(y, x, ls, lora)
+    x, y = x.contiguous(), y.contiguous()
+    slot = lora.slot
+    if slot.dtype != torch.int32 or slot.shape[0] != x.shape[0] or y.shape[0] != x.shape[0]:
+        raise ValueError(f"lora: {x.shape[0]} rows of x, {y.shape[0]} of y, slots {tuple(slot.shape)} {slot.dtype}")
+    lib.stopline_lora_rows(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0], slot.data_ptr(),
+                           ls.at.data_ptr(), ls.bt.data_ptr(), ls.parts.data_ptr(), lora.slots.scale.data_ptr(),
+                           ls.r, x.shape[1], y.shape[1])
+    return y
 
 
-# A step's rows by adapter: (rows of the step, as a long tensor, and their adapter), in a fixed
-# order (the adapters' names) so that a step runs the same ops whatever order its rows come in.
-Groups = list[tuple[torch.Tensor, Adapter]]
-
-
-def apply(y: torch.Tensor, x: torch.Tensor, li: int, linear: str, groups: Groups | None) -> torch.Tensor:
-    """The linear's output y for the step's inputs x with each group's adapter delta added to
-    its rows; y itself when no adapter touches this linear."""
-    if not groups:
-        return y
-    out = y
-    for rows, adapter in groups:
-        got = adapter.delta(x.index_select(0, rows), li, linear, y.index_select(0, rows))
-        if got is not None:
-            if out is y:
-                out = y.clone()
-            out.index_copy_(0, rows, got)
-    return out
+def _apply_torch(y: torch.Tensor, x: torch.Tensor, ls: LinearSlots, lora: LoraRows) -> torch.Tensor:
+    """apply() in torch ops, one slot's rows at a time: each reduction runs over a non-innermost
+    axis, which torch vectorizes across outputs, never across the reduced axis."""
+    slot = lora.slot.long()
+    for s in sorted(set(slot.tolist()) - {-1}):
+        parts = ls.parts[s].tolist()
+        rank = parts[-1][0]
+        if rank == 0:
+            continue
+        rows = (slot == s).nonzero()[:, 0]
+        u = (x.index_select(0, rows)[:, :, None] * ls.at[s, :, :rank][None]).sum(1)  # [n, rank]
+        ys = y.index_select(0, rows)
+        j0 = 0
+        for j1, lo, hi in parts:
+            if j1 > j0:
+                d = (u[:, j0:j1, None] * ls.bt[s, j0:j1, lo:hi][None]).sum(1)
+                ys[:, lo:hi] = ys[:, lo:hi] + lora.slots.scale[s] * d
+            j0 = j1
+        y = y.index_copy(0, rows, ys)
+    return y
 
 
 def _shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 from stopline.config import EngineConfig
 from stopline.kv.manager import KVManager
@@ -35,6 +36,9 @@ class Scheduler:
         self.prefill_cap: int | None = None
         self.ms_per_prefill_token: float | None = None  # the measured cost (`measured`)
         self.headroom = config.admission_headroom
+        # Whether a waiting request's LoRA adapter is (made) resident; False: it waits for a
+        # slot while the others are admitted (engine/adapters.py `Adapters.resident`).
+        self.resident: Callable[[Request], bool] = lambda req: True
 
     def add(self, req: Request) -> None:
         self.queues.add(req)
@@ -110,6 +114,9 @@ class Scheduler:
                 self.lifecycle.fail(req, FinishReason.ERROR,
                                     f"request needs {need} KV blocks of "
                                     f"{self.kv.block_size} tokens; the pool has {self.kv.pool.num_blocks}")
+                continue
+            if not self.resident(req):  # base rows and resident adapters' requests go on
+                i += 1
                 continue
             if not self._admit(req, growth):
                 break

@@ -64,8 +64,9 @@ def console_snapshot(state: ServerState) -> dict[str, Any]:
         "live": [{"id": q.incarnation, "index": q.index, "state": q.state, "tokens": q.tokens,
                   "blocks": q.num_blocks, "block_ids": q.block_ids, "adapter": q.lora or "base"}
                  for q in s.live],
-        # LoRA adapters: name -> references now, requests, tokens, loads, unloads
-        "adapters": {n: dict(zip(("references", "requests", "tokens", "loads", "unloads"), v, strict=True))
+        # LoRA adapters: name -> references now, requests, tokens, loads, unloads, evictions, resident
+        "adapters": {n: dict(zip(("references", "requests", "tokens", "loads", "unloads", "evictions",
+                                  "resident"), v, strict=True))
                      for n, v in s.loras.items()},
         "finished": s.finished,
         "aborts": [{"source": src, "state": st, "n": n} for src, st, n in s.aborts],

@@ -287,14 +287,16 @@ class _EngineCollector(Collector):
             masks.add_metric(key(r), buckets + [("+Inf", cum[-1])], s.grammar_mask_sum)
         yield masks
 
-        lora = {name: (GaugeMetricFamily if i == 0 else CounterMetricFamily)(
-            f"stopline_lora_{name}", doc, labels=lab + ["adapter"]) for i, (name, doc) in enumerate([
+        lora = {name: (GaugeMetricFamily if name in ("references", "resident") else CounterMetricFamily)(
+            f"stopline_lora_{name}", doc, labels=lab + ["adapter"]) for name, doc in [
                 ("references", "Live requests holding each LoRA adapter (0 when idle)."),
                 ("requests", "Requests admitted under each LoRA adapter."),
                 ("tokens", "Tokens generated under each LoRA adapter (ended requests)."),
                 ("loads", "Loads of each LoRA adapter."),
                 ("unloads", "Unloads of each LoRA adapter (done: its last request ended)."),
-            ])}
+                ("evictions", "Times each LoRA adapter left its slot, unused, for another (--max-loras)."),
+                ("resident", "1 while the LoRA adapter sits in one of the --max-loras slots."),
+            ]}
         for r, s in snaps.items():
             for adapter, values in s.loras.items():
                 for fam, v in zip(lora.values(), values, strict=True):

@@ -15,7 +15,7 @@ from stopline.model.batch_invariant import threads_pinned
 from stopline.model.kernels.paged_attention import PagedRows
 from stopline.model.llama import DecodeBatch, LlamaModel, PrefillSeq, StepInputs
 from stopline.model.loaders.loader import LoadedModel
-from stopline.model.lora import Groups
+from stopline.model.lora import LoraRows
 from stopline.sched.plan import ScheduledChunk, StepPlan
 from stopline.worker.cpu_share import CpuShare, ThreadPolicy
 
@@ -160,17 +160,22 @@ class ModelRunner:
         inputs.lora = self._adapters(chunks, r.starts)
         return inputs, r
 
-    def _adapters(self, chunks: list[ScheduledChunk], starts: list[int]) -> Groups | None:
-        """The step's rows by LoRA adapter, adapters in name order; None: all rows are base."""
-        rows: dict[str, list[int]] = {}
-        for ch, row0 in zip(chunks, starts, strict=True):
-            if ch.req.params.lora is not None:
-                rows.setdefault(ch.req.params.lora, []).extend(range(row0, row0 + ch.num_tokens))
-        if not rows:
+    def _adapters(self, chunks: list[ScheduledChunk], starts: list[int]) -> LoraRows | None:
+        """Each row's adapter slot (-1: the base model); None: all rows are base."""
+        if all(ch.req.params.lora is None for ch in chunks):
             return None
-        # The engine holds every adapter a live request names (engine/adapters.py).
-        return [(torch.tensor(rows[n], dtype=torch.long, device=self.device), self.model.adapters[n])
-                for n in sorted(rows)]
+        slots = self.model.lora_slots
+        slot = torch.full((sum(ch.num_tokens for ch in chunks),), -1, dtype=torch.int32)
+        for ch, row0 in zip(chunks, starts, strict=True):
+            name = ch.req.params.lora
+            if name is not None:
+                # The scheduler admits a request only once its adapter is resident, and the
+                # engine never evicts an adapter a live request holds (engine/adapters.py).
+                s = slots.index(name) if slots is not None else -1
+                if s < 0:
+                    raise RuntimeError(f"adapter {name!r} of a scheduled request is not resident")
+                slot[row0:row0 + ch.num_tokens] = s
+        return LoraRows(slot, slots)
 
     def _prepare_paged(self, r: _Rows, chunks: list[ScheduledChunk], group: int = 0) -> StepInputs:
         """Inputs for the native attention: each row attends its sequence's keys up to its own

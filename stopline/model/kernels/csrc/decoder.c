@@ -10,6 +10,9 @@
  * An abort that empties the step sets *interrupt; the loop checks it before each layer, as
  * the Python loop checks its event.
  *
+ * A step with LoRA adapter rows (Step.lora_slot not null) adds each row's delta after each
+ * of the four linears with lora.c, the kernel the Python loop calls too.
+ *
  * Step.linear_s, where not null, gets the seconds the linears took added to it (bf16
  * conversion of their inputs included): `stopline bench floors` times the linears inside a
  * real step with it, weights and caches as the step leaves them. */
@@ -38,6 +41,9 @@ void stopline_q4_1_i8_gemm(const int8_t* q, const float* d, const float* ds, con
                            const uint8_t* w, float* y, int M, int K, int N);
 void stopline_q8_0_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
                            const uint8_t* w, float* y, int M, int K, int N);
+void stopline_lora_rows(const float* x, long ldx, float* y, long ldy, int rows,
+                        const int32_t* slot, const float* at, const float* bt,
+                        const int32_t* parts, const float* scale, int R, int K, int N);
 
 enum { QKV, O, GATE_UP, DOWN };
 /* FAST: a BF16Weight; INT8_*: an Int8Weight's blocks (w), against int8 inputs. */
@@ -58,6 +64,11 @@ typedef struct {
     const uint8_t* q4[4];
     int32_t q4_max[4];
     int32_t amx[4];
+    /* LoRA slots of each linear (lora.c); lora_at null: no resident adapter touches it. */
+    const float* lora_at[4];
+    const float* lora_bt[4];
+    const int32_t* lora_parts[4];
+    int32_t lora_r[4];
 } Layer;
 
 /* What one step's layers share: sizes, the rows' positions and keys, scratch rows. */
@@ -87,6 +98,8 @@ typedef struct {
     float* q8d;   /* [rows][max K / 32] its groups' scales */
     float* q8ds;
     int32_t* q8s;
+    const int32_t* lora_slot;  /* [rows] each row's adapter slot, -1: base; null: no adapter rows */
+    const float* lora_scale;   /* [slots] */
 } Step;
 
 /* torch's float -> bf16 (round to nearest even; NaN stays NaN), the layer loop's
@@ -146,6 +159,10 @@ static void gemm(const Layer* l, int which, const Step* s, const float* x, float
         stopline_q8_0_gemm(x, l->w[which], y, M, K, N, l->kc[which]);
     }
     if (s->linear_s) *s->linear_s += seconds() - t0;
+    /* The adapter rows' deltas, after the base linear, as the Python loop adds them. */
+    if (s->lora_slot && l->lora_at[which])
+        stopline_lora_rows(x, K, y, N, M, s->lora_slot, l->lora_at[which], l->lora_bt[which],
+                           l->lora_parts[which], s->lora_scale, l->lora_r[which], K, N);
 }
 
 /* x: [rows][hidden], the residual stream, updated in place. Returns 0 when every layer ran,
