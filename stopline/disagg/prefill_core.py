@@ -117,7 +117,9 @@ class PrefillRole(Role):
         table = self.core.kv_manager.table(req)[:n]
         first = sum(1 for b in table if b == HOLE)  # a sliding window's passed blocks: not sent
         refs = self.epochs.refs(list(table[first:]))
-        frames = pack(req.incarnation, self.core.kv, self.epochs, refs, first)
+        # The adapter load it ran under travels with the KV: decode takes it only under the same.
+        frames = pack(req.incarnation, self.core.kv, self.epochs, refs, first,
+                      self.core.adapters.held.get(req))
         self.sending.start(req, refs)
         hold(req)  # holds its blocks, takes no step
         self.link.send_kv(req.incarnation, frames)
