@@ -8,6 +8,8 @@ either role, once, with source `unload`; each role's references are zero when id
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 from pathlib import Path
 
 import pytest
@@ -144,3 +146,70 @@ def test_unload_abort_ends_the_request_wherever_it_is(pair, where):
     assert pair.out[("base", 0)].finish_reason is FinishReason.LENGTH
     assert "a" not in pair.p.adapters.loaded and "a" not in pair.d.adapters.loaded
     assert not _refs(pair.p) and not _refs(pair.d)
+
+
+class _FakeRole:
+    """A role's core as the front end sees it: utility calls recorded, answers scripted."""
+
+    def __init__(self, answers: dict[str, dict]) -> None:
+        self.calls: list[tuple] = []
+        self.answers = answers
+
+    async def utility(self, method, *args):
+        self.calls.append((method.value, *args))
+        return self.answers.get(method.value, {"status": 200, "message": "ok"})
+
+
+def _front(prefill: dict, decode: dict):
+    from stopline.disagg.frontend import DisaggCores
+
+    backend = DisaggCores(None, config())
+    shutil.rmtree(backend._dir)  # nothing is started: no link
+    backend.cores = {"prefill": _FakeRole(prefill), "decode": _FakeRole(decode)}
+    backend.state = {"prefill": "healthy", "decode": "healthy"}
+    return backend
+
+
+def test_front_end_loads_both_roles_with_one_id_and_undoes_a_one_sided_load():
+    from stopline.engine.messages import Utility
+
+    ok = _front({}, {})
+    got = [asyncio.run(ok.utility(Utility.LOAD_LORA, n, f"/p/{n}")) for n in ("x", "y")]
+    assert [g["status"] for g in got] == [200, 200]
+    for role in ok.cores.values():  # the same order, the same ids
+        assert role.calls == [("load_lora", "x", "/p/x", 1), ("load_lora", "y", "/p/y", 2)]
+    assert ok.loras == {"x": ("/p/x", 1), "y": ("/p/y", 2)}
+
+    bad = {"load_lora": {"status": 400, "message": "adapter 'x': rank 16 is over the limit"}}
+    front = _front({}, bad)
+    got = asyncio.run(front.utility(Utility.LOAD_LORA, "x", "/p/x"))
+    assert got == bad["load_lora"]
+    assert front.cores["prefill"].calls == [("load_lora", "x", "/p/x", 1), ("unload_lora", "x", "abort")]
+    assert front.cores["decode"].calls == [("load_lora", "x", "/p/x", 1)]
+    assert front.loras == {}
+
+
+def test_front_end_refuse_asks_decode_first():
+    from stopline.engine.messages import Utility
+
+    busy = _front({}, {"unload_lora": {"status": 409, "message": "in use"}})
+    busy.loras["x"] = ("/p/x", 1)
+    assert asyncio.run(busy.utility(Utility.UNLOAD_LORA, "x", "refuse"))["status"] == 409
+    assert busy.cores["prefill"].calls == [] and busy.loras == {"x": ("/p/x", 1)}  # nothing changed
+
+    free = _front({}, {})
+    free.loras["x"] = ("/p/x", 1)
+    assert asyncio.run(free.utility(Utility.UNLOAD_LORA, "x", "refuse"))["status"] == 200
+    # Decode held none: any copy left on prefill is of a request decode already ended.
+    assert free.cores["prefill"].calls == [("unload_lora", "x", "abort")] and free.loras == {}
+
+
+def test_front_end_refuses_a_load_while_a_role_is_down():
+    from stopline.engine.messages import Utility
+    from stopline.engine.streams import EngineUnavailable
+
+    front = _front({}, {})
+    front.state["prefill"], front.errors["prefill"] = "restarting", "killed"
+    with pytest.raises(EngineUnavailable, match="prefill engine is restarting"):
+        asyncio.run(front.utility(Utility.LOAD_LORA, "x", "/p/x"))
+    assert front.cores["decode"].calls == []
