@@ -206,10 +206,10 @@ def test_front_end_refuse_asks_decode_first():
 
 def test_front_end_refuses_a_load_while_a_role_is_down():
     from stopline.engine.messages import Utility
-    from stopline.engine.streams import EngineUnavailable
 
     front = _front({}, {})
     front.state["prefill"], front.errors["prefill"] = "restarting", "killed"
-    with pytest.raises(EngineUnavailable, match="prefill engine is restarting"):
-        asyncio.run(front.utility(Utility.LOAD_LORA, "x", "/p/x"))
+    for call in ((Utility.LOAD_LORA, "x", "/p/x"), (Utility.UNLOAD_LORA, "x", "abort")):
+        got = asyncio.run(front.utility(*call))
+        assert got["status"] == 503 and "prefill engine is restarting" in got["message"], got
     assert front.cores["decode"].calls == []

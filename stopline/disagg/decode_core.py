@@ -14,6 +14,11 @@ its admission finds them as prefix hits and computes only the rest of its prompt
 keeps the output exactly the single engine's: the decode side computes everything a
 prefix hit would not. A transfer for a request that is no longer waiting (aborted,
 expired) is refused with an Ack naming why and nothing is written.
+
+A request under a LoRA adapter holds its reference here from its add (waiting included). Its
+KV is taken only if the transfer names the adapter load the request holds (else the request
+ends with an error, and the refusal is acked), and it enters the prefix cache under the
+request's salt, so it is a hit for that adapter load only.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ decode role's outputs; of the prefill role's outputs only an error terminal reac
 (the stream ends with that error and the decode side's copy is aborted): its other
 terminals are the hand-off or an abort the decode side reports as well.
 
+LoRA adapters load and unload on both roles with one load id (a load one role refuses is
+undone on the other); the prefill role computes a request's prompt under its adapter.
+
 One role may run on another host (`stopline role`, `serve --disagg --disagg-remote ROLE`):
 it is a RemoteCore reached over TCP at `listen` (ports P..P+2), and the link between the
 roles uses P+3 (KV, prefill -> decode) and P+4 (acks), all bound by the side beside the
@@ -257,15 +260,21 @@ class DisaggCores:
                 {"status": 503, "message": f"the {r} engine did not answer: {g}"}
                 for r, g in zip(ROLES, got, strict=True)]
 
-    def _lora_ready(self) -> None:
-        """Loads and unloads need both roles serving: a role that is down could not follow."""
-        self._check_alive()
+    def _lora_down(self) -> dict[str, Any] | None:
+        """Loads and unloads need both roles serving (a role that is down could not follow):
+        503 naming the one that is not, else None."""
+        try:
+            self._check_alive()
+        except EngineUnavailable as exc:
+            return {"status": 503, "message": str(exc)}
+        return None
 
     async def _load(self, name: str, path: str) -> dict[str, Any]:
         """Load on both roles; if one refuses, the other's load is undone and the refusal is
         the answer (nothing changed)."""
         async with self._lora_lock:
-            self._lora_ready()
+            if (down := self._lora_down()) is not None:
+                return down
             load_id = next(self._load_ids)
             got = await self._both(Utility.LOAD_LORA, name, path, load_id)
             bad = [g for g in got if g["status"] != 200]
@@ -282,7 +291,8 @@ class DisaggCores:
         the split is on decode from its add to its end): if decode refuses, nothing changes;
         if it unloads, prefill's copies (of requests decode no longer holds) are aborted."""
         async with self._lora_lock:
-            self._lora_ready()
+            if (down := self._lora_down()) is not None:
+                return down
             if policy == "refuse":
                 got = await self.cores["decode"].utility(Utility.UNLOAD_LORA, name, policy)
                 if got["status"] == 200:

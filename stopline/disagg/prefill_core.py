@@ -8,8 +8,9 @@ the link, and held by `Transfers(SEND)` while the request sits paused (it takes 
 until the decode side acks, refuses, or the reclaim deadline passes. An ack finishes the
 request here (its terminal output never reaches a client: the front end forwards only
 errors); a refusal or the deadline fails it with an error, through the one release, so
-the transfer entry and then the blocks are freed in that order. A heartbeat thread tells the decode
-side which requests this process still holds. Aborts apply as in one
+the transfer entry and then the blocks are freed in that order. A request under a LoRA
+adapter is computed under it, and its transfer names the adapter and load id. A heartbeat
+thread tells the decode side which requests this process still holds. Aborts apply as in one
 engine: at each step start, right after a forward, and at the next chunk boundary.
 """
 
