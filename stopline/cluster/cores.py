@@ -221,7 +221,12 @@ class RayCores:
     async def _lora(self, method: Utility, name: str, *args: Any) -> list[Any]:
         """Every replica serves the same adapters: a load refused by one is undone on the
         others; an unload refused (409) by one is undone (loaded again, same id) on those
-        that unloaded it. The table is what a rejoining replica loads (`_rejoin`)."""
+        that unloaded it; 503 while a replica is stuck. A dead one loads the table
+        (`loras`) when it rejoins (`_rejoin`)."""
+        stuck = [s for s in self.slots if s.state is ReplicaState.STUCK]
+        if stuck:  # it would miss the call and serve on without it once it answers again
+            return [{"status": 503, "message": f"replica {stuck[0].index} is stuck ({stuck[0].last_error}): "
+                                               "LoRA adapters load and unload once it answers again"}]
         live = self.healthy()
         if method is Utility.LOAD_LORA:
             load_id = next(self._load_ids)
