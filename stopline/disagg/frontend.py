@@ -47,7 +47,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from stopline.config import EngineConfig
@@ -252,13 +252,13 @@ class DisaggCores:
     # Both roles load the same adapters in the same order with the same load id (the frontend's
     # count), so the adapter load a transfer names (wire.TransferHeader.lora) means one thing on
     # both; a restarted role loads them again with the same ids before it serves (_catch_up).
-    async def _both(self, method: Utility, *args: Any) -> list[dict[str, Any]]:
-        """The call on both roles; a role that failed it (died, stuck) answers 503."""
-        got = await asyncio.gather(*(self.cores[r].utility(method, *args) for r in ROLES),
+    async def _on(self, roles: Sequence[str], method: Utility, *args: Any) -> list[dict[str, Any]]:
+        """The call on these roles at once; a role that failed it (died, stuck) answers 503."""
+        got = await asyncio.gather(*(self.cores[r].utility(method, *args) for r in roles),
                                    return_exceptions=True)
         return [g if isinstance(g, dict) else
                 {"status": 503, "message": f"the {r} engine did not answer: {g}"}
-                for r, g in zip(ROLES, got, strict=True)]
+                for r, g in zip(roles, got, strict=True)]
 
     def _lora_down(self) -> dict[str, Any] | None:
         """Loads and unloads need both roles serving (a role that is down could not follow):
@@ -276,14 +276,14 @@ class DisaggCores:
             if (down := self._lora_down()) is not None:
                 return down
             load_id = next(self._load_ids)
-            got = await self._both(Utility.LOAD_LORA, name, path, load_id)
+            got = await self._on(ROLES, Utility.LOAD_LORA, name, path, load_id)
             bad = [g for g in got if g["status"] != 200]
             if not bad:
                 self.loras[name] = (path, load_id)
                 return got[1]
-            undo = [r for r, g in zip(ROLES, got, strict=True) if g["status"] == 200]
-            for r in undo:  # no request selects it yet: the server lists it only after this
-                await self.cores[r].utility(Utility.UNLOAD_LORA, name, "abort")
+            # No request selects it yet: the server lists it only after this.
+            await self._on([r for r, g in zip(ROLES, got, strict=True) if g["status"] == 200],
+                           Utility.UNLOAD_LORA, name, "abort")
             return bad[0]
 
     async def _unload(self, name: str, policy: str) -> dict[str, Any]:
@@ -294,12 +294,12 @@ class DisaggCores:
             if (down := self._lora_down()) is not None:
                 return down
             if policy == "refuse":
-                got = await self.cores["decode"].utility(Utility.UNLOAD_LORA, name, policy)
+                [got] = await self._on(["decode"], Utility.UNLOAD_LORA, name, policy)
                 if got["status"] == 200:
                     self.loras.pop(name, None)
-                    await self.cores["prefill"].utility(Utility.UNLOAD_LORA, name, "abort")
+                    await self._on(["prefill"], Utility.UNLOAD_LORA, name, "abort")
                 return got
-            pre, dec = await self._both(Utility.UNLOAD_LORA, name, policy)
+            pre, dec = await self._on(ROLES, Utility.UNLOAD_LORA, name, policy)
             done = [g for g in (dec, pre) if g["status"] == 200]
             if not done:
                 return dec
