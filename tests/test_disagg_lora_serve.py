@@ -173,7 +173,11 @@ def test_unload_abort_ends_streams_wherever_they_are(servers, adapters):
         t.start()
         assert s.wait(60)
     threads[2].start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    # The long prompt is in: decode holds c for it too (waiting for its KV, or past that).
+    while _role_metric(split, "stopline_lora_references", "decode", adapter="c") < 2:
+        assert time.monotonic() < deadline, split.metrics()
+        time.sleep(0.01)
     r = _post(split, "/v1/unload_lora_adapter", {"lora_name": "c", "policy": "abort"})
     assert r.status_code == 200 and r.json()["status"] == "unloaded", r.text
     for t in threads:
@@ -181,6 +185,31 @@ def test_unload_abort_ends_streams_wherever_they_are(servers, adapters):
     assert [o.get("finish_reason") for o in outs] == ["abort", "length", "abort"], outs
     assert _role_metric(split, "stopline_aborts_total", "decode", source="unload") - before == 2
     assert _post(split, "/v1/completions", {"model": "c", "prompt": "x", "max_tokens": 2}).status_code == 404
+    _clean(split)
+
+
+def test_refuse_and_wait_across_both_roles(servers, adapters):
+    """While a stream holds w: `refuse` is 409 and w still serves; `wait` answers `unloading`,
+    new requests for w get 404, the stream runs to its end, and then both roles drop w."""
+    split, _ = servers
+    r = _post(split, "/v1/load_lora_adapter", {"lora_name": "w", "lora_path": str(adapters["b"])})
+    assert r.status_code == 200, r.text
+    out: dict = {}
+    started = threading.Event()
+    t = threading.Thread(target=_stream, args=(split, "w", "once upon a time " * 3, 1500, out, started),
+                         daemon=True)
+    t.start()
+    assert started.wait(60)
+    r = _post(split, "/v1/unload_lora_adapter", {"lora_name": "w", "policy": "refuse"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "lora_in_use", r.text
+    r = _post(split, "/v1/unload_lora_adapter", {"lora_name": "w", "policy": "wait"})
+    assert r.status_code == 200 and r.json()["status"] == "unloading", r.text
+    assert _post(split, "/v1/completions", {"model": "w", "prompt": "x", "max_tokens": 2}).status_code == 404
+    t.join(60)
+    assert out.get("finish_reason") == "length", out
+    _complete(split, "tiny")  # a step on each role: their snapshots say what they hold now
+    for role in ("prefill", "decode"):
+        assert _role_metric(split, "stopline_lora_unloads_total", role, adapter="w") == 1
     _clean(split)
 
 
