@@ -198,3 +198,7 @@ def test_replicas_keep_the_same_adapters():
     got = asyncio.run(stuck.utility(Utility.LOAD_LORA, "x", "/p/x"))
     assert got[0]["status"] == 503 and "replica 1 is stuck" in got[0]["message"], got
     assert all(not s.actor.calls for s in stuck.slots)
+    for s in stuck.slots:
+        s.state = ReplicaState.DEAD
+    assert asyncio.run(stuck.utility(Utility.LOAD_LORA, "x", "/p/x"))[0]["status"] == 503
+    assert stuck.loras == {}

@@ -228,6 +228,8 @@ class RayCores:
             return [{"status": 503, "message": f"replica {stuck[0].index} is stuck ({stuck[0].last_error}): "
                                                "LoRA adapters load and unload once it answers again"}]
         live = self.healthy()
+        if not live:
+            return [{"status": 503, "message": "no replica is serving"}]
         if method is Utility.LOAD_LORA:
             load_id = next(self._load_ids)
             got = await self._on(live, method, name, args[0], load_id)
