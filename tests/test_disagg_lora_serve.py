@@ -75,6 +75,15 @@ def _role_metric(srv: ServerProcess, name: str, role: str, **labels: str) -> flo
     return total
 
 
+def _settles(srv: ServerProcess, name: str, role: str, want: float, timeout: float = 10.0,
+             base: float = 0.0, **labels: str) -> None:
+    """The role's metric reaches `want` (+ base): its snapshot comes with its next step."""
+    deadline = time.monotonic() + timeout
+    while (got := _role_metric(srv, name, role, **labels) - base) != want:
+        assert time.monotonic() < deadline, (name, role, labels, got, want)
+        time.sleep(0.05)
+
+
 def _clean(srv: ServerProcess) -> None:
     """Both roles: no blocks, no adapter references, audits run and none failed."""
     deadline = time.monotonic() + 10
@@ -99,6 +108,7 @@ def test_adapter_output_through_the_split_equals_one_engine(servers, case):
     if case.get("logprobs"):
         assert got.choices[0].logprobs.token_logprobs == pytest.approx(
             want.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert _role_metric(split, "stopline_lora_requests_total", "decode", adapter="a") > 0
     assert _role_metric(split, "stopline_lora_requests_total", "prefill", adapter="a") > 0  # it split
 
 
@@ -130,14 +140,14 @@ def test_run_time_load_reaches_both_roles_and_a_refused_one_neither(servers, ada
     assert r.status_code == 200, r.text
     assert _complete(split, "b").choices[0].text == _complete(single, "b").choices[0].text
     for role in ("prefill", "decode"):  # the roles' snapshots: taken as they step
-        assert _role_metric(split, "stopline_lora_loads_total", role, adapter="b") == 1
+        _settles(split, "stopline_lora_loads_total", role, 1, adapter="b")
     assert {"tiny", "a", "b"} <= {m.id for m in _client(split).models.list().data}
     r = _post(split, "/v1/unload_lora_adapter", {"lora_name": "b", "policy": "refuse"})
     assert r.status_code == 200, r.text
     assert _post(split, "/v1/completions", {"model": "b", "prompt": "x", "max_tokens": 2}).status_code == 404
     _complete(split, "tiny")
     for role in ("prefill", "decode"):
-        assert _role_metric(split, "stopline_lora_unloads_total", role, adapter="b") == 1
+        _settles(split, "stopline_lora_unloads_total", role, 1, adapter="b")
 
 
 def _stream(srv: ServerProcess, model: str, prompt: str, max_tokens: int, out: dict,
@@ -183,7 +193,7 @@ def test_unload_abort_ends_streams_wherever_they_are(servers, adapters):
     for t in threads:
         t.join(60)
     assert [o.get("finish_reason") for o in outs] == ["abort", "length", "abort"], outs
-    assert _role_metric(split, "stopline_aborts_total", "decode", source="unload") - before == 2
+    _settles(split, "stopline_aborts_total", "decode", 2, base=before, source="unload")
     assert _post(split, "/v1/completions", {"model": "c", "prompt": "x", "max_tokens": 2}).status_code == 404
     _clean(split)
 
@@ -209,7 +219,7 @@ def test_refuse_and_wait_across_both_roles(servers, adapters):
     assert out.get("finish_reason") == "length", out
     _complete(split, "tiny")  # a step on each role: their snapshots say what they hold now
     for role in ("prefill", "decode"):
-        assert _role_metric(split, "stopline_lora_unloads_total", role, adapter="w") == 1
+        _settles(split, "stopline_lora_unloads_total", role, 1, adapter="w")
     _clean(split)
 
 
@@ -224,7 +234,7 @@ def test_a_restarted_role_loads_the_adapters_before_it_serves(servers):
             assert time.monotonic() < deadline, now
             time.sleep(0.1)
         assert _complete(split, "a").choices[0].text == want, role
-        assert _role_metric(split, "stopline_lora_loads_total", role, adapter="a") == 1
+        _settles(split, "stopline_lora_loads_total", role, 1, adapter="a")
     _clean(split)
 
 
