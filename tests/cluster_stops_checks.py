@@ -10,6 +10,7 @@ its own (loopback only). Not collected by a plain `pytest tests/` (no test_ pref
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -21,7 +22,7 @@ from stopline.cluster.frontend import quiet_ray_env, ray_engine
 from stopline.config import EngineConfig
 from stopline.engine.async_engine import EngineObserver
 from stopline.engine.streams import EngineStopped
-from stopline.request import SamplingParams
+from stopline.request import AbortSource, SamplingParams
 from tests.tiny_model import make_tiny_llama_dir
 
 pytestmark = pytest.mark.timeout(300)
@@ -124,6 +125,54 @@ def test_pause_resume_update_and_a_dead_replica_through_ray(tiny_long_model_dir,
             runs = [await solo(engine, f"x{i}") for i in range(2)]
             assert {r[0] for r in runs} == {0, 1}, runs
             assert runs[0][1] == runs[1][1] and runs[0][2] == runs[1][2] == {1}, runs
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_adapters_on_every_replica_and_a_rejoining_one(tiny_long_model_dir, tmp_path):
+    """A LoRA load reaches both replicas with one load id; an unload `refuse`d by the replica
+    whose request holds the adapter is undone on the other (both still serve it); a replica
+    that Ray restarts loads the adapters before it serves (the same tokens under it)."""
+    from stopline.engine.messages import Utility
+    from tests.lora_support import make_adapter
+
+    path = str(make_adapter(tiny_long_model_dir, tmp_path / "a", seed=1, std=0.3))
+    under_a = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, lora="a")
+
+    async def solo(engine, rid: str) -> tuple[int, list[int]]:
+        s = await engine.add(rid, [7 + i % 300 for i in range(23)], under_a)
+        replica = engine.backend.owners.live[s.incarnation].replica
+        return replica, [t async for out in s for t in out.new_token_ids]
+
+    async def main() -> None:
+        engine = ray_engine(str(tiny_long_model_dir), EngineConfig(num_blocks=1024), replicas=2,
+                            policy="round-robin")
+        await engine.start()
+        backend = engine.backend
+        try:
+            got = await engine.utility(Utility.LOAD_LORA, "a", path)
+            assert [g["status"] for g in got] == [200, 200] and {g["load_id"] for g in got} == {1}, got
+            runs = [await solo(engine, f"x{i}") for i in range(2)]
+            assert {r[0] for r in runs} == {0, 1} and runs[0][1] == runs[1][1], runs
+            # refuse while replica r's request holds it: 409 there, and the other loads it again.
+            long = await engine.add("long", [5, 6, 7], dataclasses.replace(under_a, max_tokens=6000))
+            busy = backend.owners.live[long.incarnation].replica
+            got = await engine.utility(Utility.UNLOAD_LORA, "a", "refuse")
+            assert got[busy]["status"] == 409 and got[1 - busy]["status"] == 200, got
+            assert [set(x) for x in await engine.utility(Utility.LORAS)] == [{"a"}, {"a"}]
+            engine.abort([long.incarnation], AbortSource.CANCEL, time.monotonic())
+            async for _ in long:
+                pass
+            # A replica killed and restarted by Ray loads `a` again before it serves.
+            victim = backend.slots[0]
+            os.kill(victim.pid, signal.SIGKILL)
+            await _until(lambda: victim.state is not ReplicaState.HEALTHY, 30, "never seen dead")
+            await _until(lambda: victim.state is ReplicaState.HEALTHY, 120, "never rejoined")
+            assert [set(x) for x in await engine.utility(Utility.LORAS)] == [{"a"}, {"a"}]
+            again = [await solo(engine, f"y{i}") for i in range(2)]
+            assert {r[0] for r in again} == {0, 1} and all(r[1] == runs[0][1] for r in again), again
         finally:
             await engine.close()
 

@@ -40,8 +40,21 @@ class Pair:
         inc = self.d.add_request(rid, prompt, params)
         n = split_blocks(len(prompt), BLOCK)
         if n:
-            self.p.add_request(rid, prompt[:n * BLOCK], SamplingParams(max_tokens=1), incarnation=inc)
+            self.p.add_request(rid, prompt[:n * BLOCK], SamplingParams(max_tokens=1, lora=params.lora),
+                               incarnation=inc)
         return inc
+
+    def load_lora(self, name: str, path: str, load_id: int, decode_id: int | None = None) -> None:
+        """As the front end does: the same adapter on both roles with the same load id
+        (decode_id: another one on decode, to break that)."""
+        for core, i in ((self.p, load_id), (self.d, load_id if decode_id is None else decode_id)):
+            got = core.residency.load_lora(name, path, i)
+            assert got["status"] == 200, got
+
+    def unload_lora(self, name: str, policy: str) -> None:
+        for core in (self.p, self.d):
+            got = core.residency.unload_lora(name, policy)
+            assert got["status"] == 200, got
 
     def abort(self, inc: str) -> None:
         self.d.abort([inc], AbortSource.CANCEL, time.monotonic())

@@ -96,7 +96,8 @@ def test_replicas_in_a_network_namespace():
 @pytest.mark.skipif(not _can_unshare(), reason="needs `unshare -n` (root) to keep Ray on loopback")
 def test_engine_stops_through_replicas_in_a_network_namespace():
     """tests/cluster_stops_checks.py (pause, resume, update, a dead replica's stop and its
-    catch-up through Ray) in a network namespace of its own, as above."""
+    catch-up through Ray; LoRA adapters on every replica and in a rejoining one's catch-up) in
+    a network namespace of its own, as above."""
     pytest.importorskip("ray")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -105,7 +106,7 @@ def test_engine_stops_through_replicas_in_a_network_namespace():
     cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *inner]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=580)
     tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0 and re.search(r"\b1 passed", proc.stdout), tail
+    assert proc.returncode == 0 and re.search(r"\b2 passed", proc.stdout), tail
 
 
 def test_a_replica_applies_aborts_and_pauses_in_the_order_sent():
@@ -137,3 +138,67 @@ def test_a_replica_applies_aborts_and_pauses_in_the_order_sent():
     asyncio.run(arrive())
     assert applied == [("pause", ("a",), True), ("pause", ("a",), False),
                        ("abort", ("a",), AbortSource.CANCEL)]
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    async def remote(self, *args):
+        return self.fn(*args)
+
+
+class _Actor:
+    """A replica as the front end calls it: utility calls recorded, LoRA answers scripted."""
+
+    def __init__(self, answers: dict[str, dict]) -> None:
+        self.calls: list[tuple] = []
+        self.utility = _Method(lambda method, *args: self._answer(method, *args))
+        self.answers = answers
+
+    def _answer(self, method, *args):
+        self.calls.append((method.value, *args))
+        return self.answers.get(method.value, {"status": 200, "message": "ok"})
+
+
+def _replicas(*answers: dict):
+    from stopline.cluster.cores import RayCores, ReplicaSlot, ReplicaState
+
+    cores = RayCores(None, None, replicas=len(answers))
+    cores.slots = [ReplicaSlot(i, _Actor(a), ReplicaState.HEALTHY) for i, a in enumerate(answers)]
+    return cores
+
+
+def test_replicas_keep_the_same_adapters():
+    """A load refused by one replica is undone on the others; one refuse (409) is undone on
+    those that unloaded; both replicas get the same load id; 503 while one is stuck."""
+    import asyncio
+
+    from stopline.cluster.cores import ReplicaState
+    from stopline.engine.messages import Utility
+
+    ok = _replicas({}, {})
+    assert [g["status"] for g in asyncio.run(ok.utility(Utility.LOAD_LORA, "x", "/p/x"))] == [200, 200]
+    assert [s.actor.calls for s in ok.slots] == [[("load_lora", "x", "/p/x", 1)]] * 2
+    assert ok.loras == {"x": ("/p/x", 1)}
+
+    bad = _replicas({}, {"load_lora": {"status": 400, "message": "rank too high"}})
+    got = asyncio.run(bad.utility(Utility.LOAD_LORA, "x", "/p/x"))
+    assert [g["status"] for g in got] == [200, 400] and bad.loras == {}
+    assert bad.slots[0].actor.calls == [("load_lora", "x", "/p/x", 1), ("unload_lora", "x", "abort")]
+
+    busy = _replicas({"unload_lora": {"status": 409, "message": "in use"}}, {})
+    busy.loras["x"] = ("/p/x", 4)
+    got = asyncio.run(busy.utility(Utility.UNLOAD_LORA, "x", "refuse"))
+    assert [g["status"] for g in got] == [409, 200] and busy.loras == {"x": ("/p/x", 4)}
+    assert busy.slots[1].actor.calls == [("unload_lora", "x", "refuse"), ("load_lora", "x", "/p/x", 4)]
+
+    stuck = _replicas({}, {})
+    stuck.slots[1].state = ReplicaState.STUCK
+    got = asyncio.run(stuck.utility(Utility.LOAD_LORA, "x", "/p/x"))
+    assert got[0]["status"] == 503 and "replica 1 is stuck" in got[0]["message"], got
+    assert all(not s.actor.calls for s in stuck.slots)
+    for s in stuck.slots:
+        s.state = ReplicaState.DEAD
+    assert asyncio.run(stuck.utility(Utility.LOAD_LORA, "x", "/p/x"))[0]["status"] == 503
+    assert stuck.loras == {}

@@ -82,3 +82,12 @@ def test_bad_frames_get_a_clear_error():
         write(cache, epochs, epochs.refs(pool.allocate(1)), head, data)
     with pytest.raises(StaleBlock, match="outside"):
         epochs.check([BlockRef(99, 1)])
+
+
+def test_the_header_names_the_adapter_load_the_kv_was_computed_under():
+    pool, cache, epochs = _side()
+    refs = epochs.refs(pool.allocate(2))
+    head, _ = unpack(pack("r1", cache, epochs, refs, 0, ("fr", 3)))
+    assert (head.lora, head.lora_load) == ("fr", 3)
+    head, _ = unpack(pack("r2", cache, epochs, refs))
+    assert (head.lora, head.lora_load) == (None, 0)  # the base model

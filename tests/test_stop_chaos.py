@@ -233,6 +233,22 @@ def test_async_storm_through_the_split(tiny_dir, tiny, storm_work):
     assert res.pauses > 0 and res.freezes > 0  # slow readers; roles stopped and continued
 
 
+def test_async_lora_storm_through_the_split(tiny_dir, lora_work):
+    """The adapter storm through the split: jobs of three adapters and the base are prefilled
+    under their adapter and decoded under it, while unloads (abort or wait, on both roles) and
+    loads race the cancels before, during and after the transfer; outputs equal the reference,
+    both roles' audits and pools come back clean and their references are zero."""
+    from stopline.disagg.frontend import disagg_engine
+
+    work, ref, adapters = lora_work
+    work = [j for j in work[:100] if not (j.race or j.resubmit)]
+    config = dataclasses.replace(storm_config("auto", True), num_blocks=60)
+    res = run_async_storm(str(tiny_dir), work, config, seed=37, max_delay=0.1, adapters=adapters,
+                          churn=0.3, make=lambda d, c, progress, **kw: disagg_engine(d, c, progress=progress, **kw))
+    assert res.unloads > 0
+    assert check_storm(work, ref, res) > 5
+
+
 _REMOTE_ROLE = """
 import sys
 from stopline.disagg.frontend import remote_spec

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -101,6 +102,10 @@ class RayCores:
         self._node: str | None = None
         self._pidfds: dict[int, int] = {}  # replica -> pidfd of its process (same node only)
         self._closing = False
+        # LoRA adapters every replica serves: name -> (path, load id), in load order.
+        self.loras: dict[str, tuple[str, int]] = {}
+        self._load_ids = itertools.count(1)
+        self._lora_lock = asyncio.Lock()
 
     # ---- start ----------------------------------------------------------------------------
     async def start(self, on_batch: Callable[[Batch], None],
@@ -199,12 +204,51 @@ class RayCores:
             slot.actor.deliver.remote(slot.sent, method, *args)
 
     async def utility(self, method: Utility, *args: Any) -> list[Any]:
-        """Runs on every healthy replica; their results in replica order."""
+        """Runs on every healthy replica; their results in replica order. A LoRA load or
+        unload keeps every replica alike (`_lora`)."""
+        if method in (Utility.LOAD_LORA, Utility.UNLOAD_LORA):
+            async with self._lora_lock:
+                return await self._lora(method, *args)
+        return await self._on(self.healthy(), method, *args)
+
+    async def _on(self, replicas: list[int], method: Utility, *args: Any) -> list[Any]:
         calls = asyncio.gather(*(self._call(self.slots[r].actor.utility, method, *args)
-                                 for r in self.healthy()))
+                                 for r in replicas))
         # A utility waits for a step boundary: a replica that gives none for twice the stuck
         # bound is stuck anyway.
         return list(await asyncio.wait_for(calls, 2 * self.bounds.stuck_s))
+
+    async def _lora(self, method: Utility, name: str, *args: Any) -> list[Any]:
+        """Every replica serves the same adapters: a load refused by one is undone on the
+        others; an unload refused (409) by one is undone (loaded again, same id) on those
+        that unloaded it; 503 while a replica is stuck. A dead one loads the table
+        (`loras`) when it rejoins (`_rejoin`)."""
+        stuck = [s for s in self.slots if s.state is ReplicaState.STUCK]
+        if stuck:  # it would miss the call and serve on without it once it answers again
+            return [{"status": 503, "message": f"replica {stuck[0].index} is stuck ({stuck[0].last_error}): "
+                                               "LoRA adapters load and unload once it answers again"}]
+        live = self.healthy()
+        if not live:
+            return [{"status": 503, "message": "no replica is serving"}]
+        if method is Utility.LOAD_LORA:
+            load_id = next(self._load_ids)
+            got = await self._on(live, method, name, args[0], load_id)
+            done = [r for r, g in zip(live, got, strict=True) if g["status"] == 200]
+            if len(done) == len(live):
+                self.loras[name] = (args[0], load_id)
+            elif done:  # no request selects it yet: the server lists it only once all loaded
+                await self._on(done, Utility.UNLOAD_LORA, name, "abort")
+            return got
+        got = await self._on(live, method, name, *args)
+        done = [r for r, g in zip(live, got, strict=True) if g["status"] == 200]
+        if len(done) == len(live) or not done:
+            if done:
+                self.loras.pop(name, None)
+            return got
+        if name in self.loras:  # refused by some (in use): the others serve it again
+            path, load_id = self.loras[name]
+            await self._on(done, Utility.LOAD_LORA, name, path, load_id)
+        return got
 
     @staticmethod
     async def _call(method: Any, *args: Any) -> Any:
@@ -332,7 +376,8 @@ class RayCores:
             await asyncio.sleep(REJOIN_POLL)
             try:
                 await slot.actor.info.remote()
-                # The pause, sleep or weight update it missed while dead, before it serves.
+                # The adapters, pause, sleep or weight update it missed while dead, before it serves.
+                await self._load_adapters(slot)
                 await catch_up(self.catch_up, lambda m, *a: self._call(slot.actor.utility, m, *a))
                 slot.snapshot = Snapshot()
                 await self._healthy(slot)
@@ -343,6 +388,15 @@ class RayCores:
                 continue
             log.info("replica %d rejoined (pid %d)", slot.index, slot.pid)
             return
+
+    async def _load_adapters(self, slot: ReplicaSlot) -> None:
+        """A restarted replica: the adapters the others serve, in their order, with their ids
+        (one it already has, from an earlier try, is kept)."""
+        async with self._lora_lock:
+            for name, (path, load_id) in self.loras.items():
+                got = await self._call(slot.actor.utility, Utility.LOAD_LORA, name, path, load_id)
+                if got["status"] != 200 and "already loaded" not in got["message"]:
+                    raise RuntimeError(f"load_lora {name!r}: {got['message']}")
 
     # ---- views ----------------------------------------------------------------------------
     def health(self) -> list[dict[str, Any]]:

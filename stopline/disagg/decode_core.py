@@ -14,6 +14,11 @@ its admission finds them as prefix hits and computes only the rest of its prompt
 keeps the output exactly the single engine's: the decode side computes everything a
 prefix hit would not. A transfer for a request that is no longer waiting (aborted,
 expired) is refused with an Ack naming why and nothing is written.
+
+A request under a LoRA adapter holds its reference here from its add (waiting included). Its
+KV is taken only if the transfer names the adapter load the request holds (else the request
+ends with an error, and the refusal is acked), and it enters the prefix cache under the
+request's salt, so it is a hit for that adapter load only.
 """
 
 from __future__ import annotations
@@ -130,10 +135,15 @@ class DecodeRole(Role):
         try:
             if not 0 <= head.first <= n or len(head.refs) != n - head.first:
                 raise ValueError(f"{len(head.refs)} blocks sent from block {head.first}, {n} expected")
+            sent = None if head.lora is None else (head.lora, head.lora_load)
+            held = core.adapters.held.get(req)
+            if sent != held:  # KV of another adapter, or of an earlier load of this one
+                raise ValueError(f"the KV was computed under {_adapter(sent)}, the request here holds "
+                                 f"{_adapter(held)}")
             got = core.kv_manager.import_prefix(
                 req.prompt_token_ids, n,
                 lambda blocks: write(core.kv, self.epochs, self.epochs.refs(blocks), head, data),
-                first=head.first)
+                first=head.first, salt=core.kv_manager.salt(req))  # found under its adapter only
         except Exception as exc:  # StaleBlock, BadTransfer, a shape mismatch: never decode it
             core.lifecycle.fail(req, FinishReason.ERROR, f"KV transfer failed: {exc}")
             self.link.send(Ack(inc, f"KV transfer failed: {exc}"))
@@ -158,6 +168,10 @@ class DecodeRole(Role):
 
     def audit(self, live: Sequence[Request]) -> None:
         self.receiving.audit(live)
+
+
+def _adapter(held: tuple[str, int] | None) -> str:
+    return "the base model" if held is None else f"adapter {held[0]!r} (load {held[1]})"
 
 
 def DecodeCore(model: ModelSource = None, config: EngineConfig | None = None, *,  # noqa: N802

@@ -10,6 +10,9 @@ decode role's outputs; of the prefill role's outputs only an error terminal reac
 (the stream ends with that error and the decode side's copy is aborted): its other
 terminals are the hand-off or an abort the decode side reports as well.
 
+LoRA adapters load and unload on both roles with one load id (a load one role refuses is
+undone on the other); the prefill role computes a request's prompt under its adapter.
+
 One role may run on another host (`stopline role`, `serve --disagg --disagg-remote ROLE`):
 it is a RemoteCore reached over TCP at `listen` (ports P..P+2), and the link between the
 roles uses P+3 (KV, prefill -> decode) and P+4 (acks), all bound by the side beside the
@@ -38,12 +41,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from stopline.config import EngineConfig
@@ -143,6 +147,10 @@ class DisaggCores:
         # (AsyncEngine.confirm_cancels).
         self.confirm_cancels: Callable[[list[str] | None], list[str]] = lambda incs: []
         self.catch_up: Missed = lambda: []  # AsyncEngine.missed: what a restarted role must get
+        # LoRA adapters loaded on both roles: name -> (path, load id), in load order.
+        self.loras: dict[str, tuple[str, int]] = {}
+        self._load_ids = itertools.count(1)
+        self._lora_lock = asyncio.Lock()
 
     async def start(self, on_batch: Callable[[Batch], None],
                     on_dead: Callable[[str], None]) -> CoreInfo:
@@ -195,7 +203,7 @@ class DisaggCores:
             if n and incarnation in self.samples:
                 await self.cores["prefill"].add(request_id, incarnation,
                                                 prompt_token_ids[:n * self.block_size],
-                                                SamplingParams(max_tokens=1), arrival)
+                                                SamplingParams(max_tokens=1, lora=params.lora), arrival)
         except BaseException:
             self._abort_roles([incarnation], AbortSource.CANCEL, time.monotonic())
             self._forget(incarnation)
@@ -226,14 +234,86 @@ class DisaggCores:
         if self._reachable("decode"):  # only the decode role streams to clients
             self.cores["decode"].pause(incarnations, paused)
 
-    async def utility(self, method: Utility, *args: Any) -> list[Any]:
-        """Runs on every live role (an audit checks both); their results, prefill first."""
-        if method in (Utility.LOAD_LORA, Utility.UNLOAD_LORA):
-            # A prompt's KV imported on the decode side is keyed without its adapter: refused
-            # rather than risk a prefix served across adapters (docs/lora.md).
-            return [{"status": 400, "message": "LoRA adapters are not served with --disagg"}]
+    async def utility(self, method: Utility, *args: Any) -> Any:
+        """Runs on every live role (an audit checks both); their results, prefill first. A
+        LoRA load or unload acts on both roles and answers once (`_load`, `_unload`); `loras`
+        answers the adapters loaded on either role."""
+        if method is Utility.LOAD_LORA:
+            return await self._load(*args)
+        if method is Utility.UNLOAD_LORA:
+            return await self._unload(*args)
         live = [r for r in ROLES if self.state[r] == "healthy"]
-        return list(await asyncio.gather(*(self.cores[r].utility(method, *args) for r in live)))
+        got = list(await asyncio.gather(*(self.cores[r].utility(method, *args) for r in live)))
+        if method is Utility.LORAS:  # one with a `wait` unload still draining counts as loaded
+            return {n: v for g in got for n, v in g.items()}
+        return got
+
+    # ---- LoRA adapters on both roles --------------------------------------------------------
+    # Both roles load the same adapters in the same order with the same load id (the frontend's
+    # count), so the adapter load a transfer names (wire.TransferHeader.lora) means one thing on
+    # both; a restarted role loads them again with the same ids before it serves (_catch_up).
+    async def _on(self, roles: Sequence[str], method: Utility, *args: Any) -> list[dict[str, Any]]:
+        """The call on these roles at once; a role that failed it (died, stuck) answers 503."""
+        got = await asyncio.gather(*(self.cores[r].utility(method, *args) for r in roles),
+                                   return_exceptions=True)
+        return [g if isinstance(g, dict) else
+                {"status": 503, "message": f"the {r} engine did not answer: {g}"}
+                for r, g in zip(roles, got, strict=True)]
+
+    def _lora_down(self) -> dict[str, Any] | None:
+        """Loads and unloads need both roles serving (a role that is down could not follow):
+        503 naming the one that is not, else None."""
+        try:
+            self._check_alive()
+        except EngineUnavailable as exc:
+            return {"status": 503, "message": str(exc)}
+        return None
+
+    async def _load(self, name: str, path: str) -> dict[str, Any]:
+        """Load on both roles; if one refuses, the other's load is undone and the refusal is
+        the answer (nothing changed)."""
+        async with self._lora_lock:
+            if (down := self._lora_down()) is not None:
+                return down
+            load_id = next(self._load_ids)
+            got = await self._on(ROLES, Utility.LOAD_LORA, name, path, load_id)
+            bad = [g for g in got if g["status"] != 200]
+            if not bad:
+                self.loras[name] = (path, load_id)
+                return got[1]
+            # No request selects it yet: the server lists it only after this.
+            await self._on([r for r, g in zip(ROLES, got, strict=True) if g["status"] == 200],
+                           Utility.UNLOAD_LORA, name, "abort")
+            return bad[0]
+
+    async def _unload(self, name: str, policy: str) -> dict[str, Any]:
+        """Unload on both roles with one policy. `refuse` asks decode first (every request of
+        the split is on decode from its add to its end): if decode refuses, nothing changes;
+        if it unloads, prefill's copies (of requests decode no longer holds) are aborted."""
+        async with self._lora_lock:
+            if (down := self._lora_down()) is not None:
+                return down
+            if policy == "refuse":
+                [got] = await self._on(["decode"], Utility.UNLOAD_LORA, name, policy)
+                if got["status"] == 200:
+                    self.loras.pop(name, None)
+                    await self._on(["prefill"], Utility.UNLOAD_LORA, name, "abort")
+                return got
+            pre, dec = await self._on(ROLES, Utility.UNLOAD_LORA, name, policy)
+            done = [g for g in (dec, pre) if g["status"] == 200]
+            if not done:
+                return dec
+            self.loras.pop(name, None)  # gone, or going with its last request on each role
+            # Decode's answer (its requests are the clients'), pending while either drains.
+            return done[0] | {"pending": any(g.get("pending") for g in done)}
+
+    async def _catch_up(self, core: ProcCore) -> None:
+        """A restarted role: the adapters loaded now, in their order and with their ids."""
+        async with self._lora_lock:
+            for name, (path, load_id) in self.loras.items():
+                got = await core.utility(Utility.LOAD_LORA, name, path, load_id)
+                if got["status"] != 200:
+                    raise RuntimeError(f"load_lora {name!r}: {got['message']}")
 
     def _forget(self, inc: str) -> None:
         self.samples.pop(inc, None)
@@ -326,7 +406,8 @@ class DisaggCores:
             info = await self._start_core(role, core)
             both = {**self.infos, role: info}
             _check_same_model(both["prefill"], both["decode"])
-            # The pause, sleep or weight update it missed while dead, before it serves.
+            # The adapters, pause, sleep or weight update it missed while dead, before it serves.
+            await self._catch_up(core)
             await catch_up(self.catch_up, core.utility)
         except ValueError as exc:  # another model or layout now: no point trying again
             log.error("the restarted %s engine does not match: %s; it stays dead", role, exc)

@@ -8,8 +8,9 @@ the link, and held by `Transfers(SEND)` while the request sits paused (it takes 
 until the decode side acks, refuses, or the reclaim deadline passes. An ack finishes the
 request here (its terminal output never reaches a client: the front end forwards only
 errors); a refusal or the deadline fails it with an error, through the one release, so
-the transfer entry and then the blocks are freed in that order. A heartbeat thread tells the decode
-side which requests this process still holds. Aborts apply as in one
+the transfer entry and then the blocks are freed in that order. A request under a LoRA
+adapter is computed under it, and its transfer names the adapter and load id. A heartbeat
+thread tells the decode side which requests this process still holds. Aborts apply as in one
 engine: at each step start, right after a forward, and at the next chunk boundary.
 """
 
@@ -118,7 +119,9 @@ class PrefillRole(Role):
         table = self.core.kv_manager.table(req)[:n]
         first = sum(1 for b in table if b == HOLE)  # a sliding window's passed blocks: not sent
         refs = self.epochs.refs(list(table[first:]))
-        frames = pack(req.incarnation, self.core.kv, self.epochs, refs, first)
+        # The adapter load it ran under travels with the KV: decode takes it only under the same.
+        frames = pack(req.incarnation, self.core.kv, self.epochs, refs, first,
+                      self.core.adapters.held.get(req))
         self.sending.start(req, refs)
         hold(req)  # holds its blocks, takes no step
         self.link.send_kv(req.incarnation, frames)

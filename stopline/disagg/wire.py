@@ -25,6 +25,10 @@ class TransferHeader(msgspec.Struct, frozen=True):
     shapes: list[list[int]]
     sent_at: float = 0.0  # the sender's time.monotonic() before packing (one machine: one clock)
     first: int = 0  # the first block's index in the prompt: blocks a sliding window passed are not sent
+    # The LoRA adapter the KV was computed under and its load id (None, 0: the base model):
+    # the receiver takes it only for a request holding that very load.
+    lora: str | None = None
+    lora_load: int = 0
 
 
 class BadTransfer(ValueError):
@@ -36,12 +40,13 @@ _DEC = msgspec.msgpack.Decoder(TransferHeader)
 
 
 def pack(request_id: str, cache: KVCache, epochs: BlockEpochs, refs: Sequence[BlockRef],
-         first: int = 0) -> list[bytes | memoryview]:
+         first: int = 0, lora: tuple[str, int] | None = None) -> list[bytes | memoryview]:
+    """lora: (adapter, load id) the blocks were computed under; None: the base model."""
     t0 = time.monotonic()
     epochs.check(refs)  # a stale ref fails before any byte is read
     data = cache.read_blocks([r.block for r in refs])
     head = TransferHeader(request_id, list(refs), str(data[0].dtype).removeprefix("torch."),
-                          [list(t.shape) for t in data], t0, first)
+                          [list(t.shape) for t in data], t0, first, *(lora or (None, 0)))
     return [_ENC.encode(head)] + [memoryview(t.contiguous().numpy()).cast("B") for t in data]
 
 

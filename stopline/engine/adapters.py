@@ -84,8 +84,10 @@ class Adapters:
     def serves(self, name: str) -> bool:
         return name in self.loaded and name not in self.draining
 
-    def load(self, name: str, path: str) -> dict[str, Any]:
-        """Load (and check) an adapter; 400 naming the problem, and nothing changes, if bad."""
+    def load(self, name: str, path: str, load_id: int | None = None) -> dict[str, Any]:
+        """Load (and check) an adapter; 400 naming the problem, and nothing changes, if bad.
+        load_id: the load's id, given when several cores must agree on it (a split's roles
+        key a shipped prefix by it); None: the next of this process."""
         if not name or not isinstance(name, str):
             return answer(400, "lora_name must be a non-empty string")
         if name in self.loaded:
@@ -101,10 +103,11 @@ class Adapters:
         except (OSError, ValueError) as exc:
             return answer(400, f"adapter {name!r}: cannot load {path}: {exc}")
         self.loaded[name] = adapter
-        self.load_id[name] = next(_loads)
+        self.load_id[name] = next(_loads) if load_id is None else int(load_id)
         self.refs[name] = set()
         self.loads[name] += 1
-        return answer(200, f"adapter {name!r} loaded", rank=adapter.rank, modules=list(adapter.modules))
+        return answer(200, f"adapter {name!r} loaded", rank=adapter.rank, modules=list(adapter.modules),
+                      load_id=self.load_id[name])
 
     def unload(self, name: str, policy: UnloadPolicy | str) -> tuple[dict[str, Any], list[Request]]:
         """The answer, and the requests the core must abort (source `unload`) for it."""

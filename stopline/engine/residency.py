@@ -154,9 +154,9 @@ class Residency:
     def drop_staged(self) -> None:
         self._staged = None
 
-    def load_lora(self, name: str, path: str) -> dict:
-        """Load an adapter; {'status': 200 | 400, 'message': ...}."""
-        return self.core.adapters.load(name, path)
+    def load_lora(self, name: str, path: str, load_id: int | None = None) -> dict:
+        """Load an adapter; {'status': 200 | 400, 'message': ...}. load_id: see Adapters.load."""
+        return self.core.adapters.load(name, path, load_id)
 
     def unload_lora(self, name: str, policy: str = "wait") -> dict:
         """Unload an adapter with a policy (engine/adapters.py); requests aborted for it end

@@ -325,20 +325,21 @@ class KVManager:
         return True
 
     def import_prefix(self, token_ids: Sequence[int], n_blocks: int,
-                      write: Callable[[list[int]], None], first: int = 0) -> int:
+                      write: Callable[[list[int]], None], first: int = 0, salt: Hashable = None) -> int:
         """Blocks computed elsewhere (a prefill engine, stopline/disagg) enter the prefix
         cache: allocate n_blocks, `write` fills them, register their chained hashes, drop the
         reference (cached, refcount 0). The request is admitted at the same step boundary and
         finds them as prefix hits. Returns the blocks imported: 0 when the pool has no room
         (the request then computes its prompt here). If `write` raises, the blocks go back
         to the free pool unhashed and the error propagates. first: the leading blocks a
-        sliding window passed, not shipped (blocks first .. n_blocks - 1 come)."""
+        sliding window passed, not shipped (blocks first .. n_blocks - 1 come). salt: the
+        request's (self.salt(req), its adapter's load), so the blocks are found only under it."""
         if not self.prefix_caching:
             raise ValueError("importing a prefix needs prefix caching")
         self.one_group("importing a prefix")
         if n_blocks - first <= 0 or not self.pool.can_allocate(n_blocks - first):
             return 0
-        hashes = extend_hashes([], token_ids, self.block_size, n_blocks)[first:]
+        hashes = extend_hashes([], token_ids, self.block_size, n_blocks, salt)[first:]
         blocks = self.pool.allocate(n_blocks - first)
         try:
             write(blocks)
