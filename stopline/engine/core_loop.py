@@ -145,6 +145,9 @@ class CoreLoop:
                 if outputs:
                     self._note_ended(outputs)
                     self._send(Batch(outputs, self._timings(), take_snapshot(core)))
+                # Held on purpose, not stuck: a heartbeat must not see a step this long (a
+                # sleeping standby core would be killed as stuck otherwise).
+                self._busy_since = None
                 self._work.wait()
                 self._work.clear()
                 continue
