@@ -7,10 +7,13 @@ exits as without the flag.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -110,3 +113,103 @@ def test_restart_core_is_refused_beside_replicas_and_the_split():
         r = subprocess.run([sys.executable, "-m", "stopline.cli", "serve", "--restart-core", "2", *extra],
                            cwd=REPO, capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and "--restart-core" in r.stderr, r.stderr
+
+
+class _RawStream:
+    """A streamed completion read raw off the SSE wire on a thread: how many terminal messages
+    it got (a chunk with a finish_reason, or an error event), and the errors' text."""
+
+    def __init__(self, srv: ServerProcess, prompt: str) -> None:
+        import threading
+
+        self.terminals: list[str] = []
+        self.started, self.done = threading.Event(), threading.Event()
+
+        def run() -> None:
+            import httpx
+
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 7000, "stream": True,
+                    "ignore_eos": True}
+            try:
+                with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        data = json.loads(line[6:])
+                        if "error" in data:
+                            self.terminals.append(f"error: {data['error'].get('message')}")
+                        elif data["choices"][0].get("finish_reason"):
+                            self.terminals.append(data["choices"][0]["finish_reason"])
+                        self.started.set()
+            finally:
+                self.started.set()
+                self.done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+
+
+def _promoted_after_kill(srv: ServerProcess) -> dict:
+    """Kill the serving core under two open streams; returns /health's core once it serves
+    again, after checking what the streams and the new core say."""
+    before = _core(srv)
+    spare = before["standby"]
+    assert spare["state"] == "ready" and spare["pid"] not in (None, before["pid"]), before
+    a, b = _RawStream(srv, "alpha " * 5), _RawStream(srv, "beta " * 5)
+    assert a.started.wait(30) and b.started.wait(30)
+    os.kill(before["pid"], signal.SIGKILL)
+    assert a.done.wait(30) and b.done.wait(30)
+    for s in (a, b):  # the engine's own stop, exactly once: never a success, never `abort`
+        assert len(s.terminals) == 1 and "engine core died" in s.terminals[0], s.terminals
+    _wait(lambda: _health(srv).status_code == 200, 60, f"never back: {srv.output()}")
+    core = _core(srv)
+    # The spare itself serves: no model was loaded in between.
+    assert core["state"] == "healthy" and core["pid"] == spare["pid"], (before, core)
+    assert core["restarts"] == before["restarts"] + 1 and core["promoted"] == before["promoted"] + 1
+    assert _serves(srv) == "length"
+    return core
+
+
+def test_a_standby_core_takes_over_a_killed_core_twice(tiny_long_model_dir):
+    """--standby-core (issue 47 item 2, recovery under 30 s): a spare core loaded and asleep
+    is promoted when the core is killed under load; its streams end with the engine's error
+    exactly once, the next request is served by the spare, a new spare is loaded, and a second
+    kill is survived the same way; the ownership audit is clean throughout."""
+    srv = ServerProcess("--model", str(tiny_long_model_dir), *ARGS, "--restart-core", "5",
+                        "--standby-core", "--audit-every", "1")
+    try:
+        srv.wait_ready()
+        _wait(lambda: (_core(srv).get("standby") or {}).get("state") == "ready", 120,
+              f"no standby: {srv.output()}")
+        first = _core(srv)
+        assert first["promoted"] == 0 and first["restarts"] == 0
+        seen = {first["pid"], first["standby"]["pid"]}
+        for kill in (1, 2):
+            core = _promoted_after_kill(srv)
+            assert core["promoted"] == kill
+            _wait(lambda: (_core(srv).get("standby") or {}).get("state") == "ready", 120,
+                  f"no new standby after kill {kill}: {srv.output()}")
+            fresh = _core(srv)["standby"]["pid"]
+            assert fresh not in seen, (fresh, seen)  # a new process, not the one that died
+            seen.add(fresh)
+        c = _Stream(srv, "gamma " * 5, max_tokens=30)
+        assert c.done.wait(60) and c.error is None and c.finish == "length"
+        m = httpx.get(srv.base + "/metrics", timeout=5).text
+        audits = re.search(r"^stopline_audits_total (\S+)", m, re.M)
+        failed = re.search(r"^stopline_audit_failures_total (\S+)", m, re.M)
+        assert audits and float(audits.group(1)) > 0, m[-2000:]
+        assert failed and float(failed.group(1)) == 0, m[-2000:]
+        out = srv.output()
+        assert "Traceback" not in out and "standby engine core died" not in out, out
+    finally:
+        srv.stop()
+
+
+def test_standby_core_needs_restart_core():
+    import subprocess
+    import sys
+
+    from tests.server_harness import REPO
+
+    r = subprocess.run([sys.executable, "-m", "stopline.cli", "serve", "--standby-core"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--standby-core needs --restart-core" in r.stderr, r.stderr
