@@ -100,3 +100,27 @@ def test_server_tracer_reports_growth_since_its_baseline(monkeypatch: pytest.Mon
     finally:
         if not was_tracing:
             tracemalloc.stop()
+
+
+@pytest.mark.timeout(300)
+def test_traced_soak_reports_the_core_growth_too(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """--tracemalloc traces the engine-core process as well as the server (issue 47 item 4):
+    each answers for itself, and the result lists the top growth sites per process."""
+    n = 40
+    res = soak.run(model=str(tiny_model_dir), requests=n, concurrency=8, max_tokens=6, port=None,
+                   sample_every=10, kv_cache_gb=0.05, seed=2, log_path=tmp_path / "soak.log",
+                   tracemalloc=3, progress=False, command="pytest")
+    json.dumps(res)
+    assert res["requests_done"] == n and "error" not in res["outcomes"]
+    traced = res["tracemalloc"]
+    assert set(traced) == {"server", "core"}
+    for name in ("server", "core"):
+        t = traced[name]
+        assert "error" not in t, t
+        assert t["pid"] == res["pids"][name]  # the process itself answered
+        assert t["traced_bytes"] > 0 and t["top"], t
+        for site in t["top"]:
+            assert 1 <= len(site["traceback"]) <= 3 and ":" in site["traceback"][-1], site
+    assert any("/stopline/" in f for s in traced["core"]["top"] for f in s["traceback"])
+    table = soak.summary(res)
+    assert "core allocations grown" in table and "server allocations grown" in table
