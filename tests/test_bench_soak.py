@@ -124,3 +124,37 @@ def test_traced_soak_reports_the_core_growth_too(tiny_model_dir: Path, tmp_path:
     assert any("/stopline/" in f for s in traced["core"]["top"] for f in s["traceback"])
     table = soak.summary(res)
     assert "core allocations grown" in table and "server allocations grown" in table
+
+
+def test_tracemalloc_route_refuses_an_unknown_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tracemalloc
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from stopline.server import errors, memtrace
+
+    was_tracing = tracemalloc.is_tracing()
+    monkeypatch.setenv(memtrace.ENV, "1")
+    try:
+        app = FastAPI()
+        errors.install(app)
+        memtrace.install(app)
+        with TestClient(app) as client:
+            r = client.get("/debug/tracemalloc", params={"process": "gpu"})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "process" and "server, core" in r.json()["error"]["message"]
+            assert client.get("/debug/tracemalloc").json()["top"] == []  # the server's baseline
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+
+
+def test_an_engine_process_answers_its_growth_only_when_traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stopline.engine import memtrace
+
+    monkeypatch.setattr(memtrace, "_process", None)
+    monkeypatch.delenv(memtrace.ENV, raising=False)
+    assert not memtrace.start_from_env()
+    got = memtrace.growth()
+    assert got["pid"] == os.getpid() and memtrace.ENV in got["error"]
