@@ -213,3 +213,44 @@ def test_standby_core_needs_restart_core():
     r = subprocess.run([sys.executable, "-m", "stopline.cli", "serve", "--standby-core"],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--standby-core needs --restart-core" in r.stderr, r.stderr
+
+
+def test_a_promoted_standby_serves_the_loaded_adapters(tiny_long_model_dir, tmp_path):
+    """The promoted standby is caught up with the LoRA adapters loaded (at start or over HTTP,
+    less the ones unloaded): each gives the same greedy text as before the kill."""
+    from tests.lora_support import make_adapter
+
+    ad = {n: make_adapter(tiny_long_model_dir, tmp_path / n, seed=s, std=0.3)
+          for n, s in (("one", 1), ("two", 2), ("three", 3))}
+    srv = ServerProcess("--model", str(tiny_long_model_dir), *ARGS, "--restart-core", "3",
+                        "--standby-core", "--lora", f"one={ad['one']}", "--max-lora-rank", "8")
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(srv.base + path, json=body, timeout=60)
+
+    def text(model: str) -> str:
+        r = post("/v1/completions", {"model": model, "prompt": "The capital", "max_tokens": 12,
+                                     "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    try:
+        srv.wait_ready()
+        for name in ("two", "three"):
+            assert post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(ad[name])}
+                        ).status_code == 200
+        assert post("/v1/unload_lora_adapter", {"lora_name": "three"}).status_code == 200
+        before = {m: text(m) for m in ("tiny", "one", "two")}
+        assert len(set(before.values())) == 3, before  # the adapters change the text
+        _wait(lambda: (_core(srv).get("standby") or {}).get("state") == "ready", 120,
+              f"no standby: {srv.output()}")
+        pid = _core(srv)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        _wait(lambda: _health(srv).status_code == 200 and _core(srv)["pid"] != pid, 60,
+              f"never back: {srv.output()}")
+        assert _core(srv)["promoted"] == 1
+        assert {m: text(m) for m in before} == before
+        r = post("/v1/completions", {"model": "three", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 404, r.text  # unloaded before the kill: not loaded again
+    finally:
+        srv.stop()
