@@ -288,7 +288,9 @@ class RestartingCore:
         if self.standby or self.spare is not None:
             spare = self.spare
             part["standby"] = None if spare is None else {
-                "state": "ready" if self.spare_ready else "loading", "pid": spare.pid}
+                "state": "ready" if self.spare_ready else "loading",
+                # while it loads: the process spawned (it says its pid once ready)
+                "pid": spare.pid or (spare.proc.pid if spare.proc is not None else None)}
             part["promoted"] = self.promoted
         return [part]
 
