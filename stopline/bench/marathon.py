@@ -1,8 +1,8 @@
 """`stopline bench marathon`: the server under load while its engine processes are paused and
 killed; canaries that must come back exact; a log that must stay clean.
 
-It starts `stopline serve` itself (one engine core restarted when it dies, `--restart-core`;
-or `--replicas N` on Ray; or `--disagg`), with the ownership audit on sampled busy steps
+It starts `stopline serve` itself (one engine core restarted when it dies, `--restart-core`,
+with a standby core that takes over if `--standby-core`; or `--replicas N` on Ray; or `--disagg`), with the ownership audit on sampled busy steps
 (`--audit-every`), and for `--minutes` drives:
 
 - load: `--concurrency` clients, each sending one request after another, plus a burst of
