@@ -254,3 +254,39 @@ def test_a_promoted_standby_serves_the_loaded_adapters(tiny_long_model_dir, tmp_
         assert r.status_code == 404, r.text  # unloaded before the kill: not loaded again
     finally:
         srv.stop()
+
+
+def test_a_dead_standby_is_replaced_and_a_kill_during_its_load_waits_for_it(tiny_long_model_dir):
+    """The standby's own death costs the serving core nothing: another standby loads. A kill of
+    the core while the next standby still loads is answered by that standby once loaded (no
+    third process)."""
+    srv = ServerProcess("--model", str(tiny_long_model_dir), *ARGS, "--restart-core", "5",
+                        "--standby-core")
+
+    def standby() -> dict:
+        return _core(srv).get("standby") or {}
+
+    try:
+        srv.wait_ready()
+        _wait(lambda: standby().get("state") == "ready", 120, f"no standby: {srv.output()}")
+        core, spare = _core(srv)["pid"], standby()["pid"]
+        os.kill(spare, signal.SIGKILL)
+        _wait(lambda: standby().get("pid") not in (None, spare), 60, f"not replaced: {srv.output()}")
+        assert _health(srv).status_code == 200 and _core(srv)["pid"] == core
+        assert _core(srv)["restarts"] == 0 and _serves(srv) == "length"
+        assert "the standby engine core died" in srv.output()
+        _wait(lambda: standby().get("state") == "ready", 120, f"no standby: {srv.output()}")
+        # Kill the core, then the promoted one at once, while the next standby loads.
+        os.kill(_core(srv)["pid"], signal.SIGKILL)
+        _wait(lambda: _health(srv).status_code == 200 and _core(srv)["promoted"] == 1, 60,
+              f"never back: {srv.output()}")
+        loading = standby()
+        assert loading.get("pid"), loading  # named while it loads (or already ready)
+        os.kill(_core(srv)["pid"], signal.SIGKILL)
+        _wait(lambda: _health(srv).status_code == 200 and _core(srv)["promoted"] == 2, 120,
+              f"never back: {srv.output()}")
+        assert _core(srv)["pid"] == loading["pid"]  # that standby, not a fresh process
+        assert _serves(srv) == "length"
+        assert "Traceback" not in srv.output()
+    finally:
+        srv.stop()
