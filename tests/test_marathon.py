@@ -135,3 +135,12 @@ def test_short_marathon_kills_answered_by_the_standby_core(tiny_long_model_dir: 
     assert res["log_scan"]["clean"], report + "\n" + "\n\n".join(res["log_scan"]["tracebacks"])
     assert res["server"]["audit_failures"] == 0, report
     assert "core-standby" in res["rss"], report
+
+
+def test_standby_core_is_refused_beside_replicas_and_the_split(tmp_path: Path) -> None:
+    p = argparse.ArgumentParser()
+    marathon.configure(p)
+    for mode in (["--replicas", "2"], ["--disagg"]):
+        args = p.parse_args(["--minutes", "2", "--standby-core", *mode])
+        with pytest.raises(SystemExit, match="--standby-core is for one engine core"):
+            marathon.run(args, tmp_path / "marathon.log")

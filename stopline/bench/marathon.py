@@ -2,8 +2,9 @@
 killed; canaries that must come back exact; a log that must stay clean.
 
 It starts `stopline serve` itself (one engine core restarted when it dies, `--restart-core`,
-with a standby core that takes over if `--standby-core`; or `--replicas N` on Ray; or `--disagg`), with the ownership audit on sampled busy steps
-(`--audit-every`), and for `--minutes` drives:
+with a standby core that takes over if `--standby-core`; or `--replicas N` on Ray; or
+`--disagg`), with the ownership audit on sampled busy steps (`--audit-every`), and for
+`--minutes` drives:
 
 - load: `--concurrency` clients, each sending one request after another, plus a burst of
   `--burst-size` every `--burst-every` s; the mix is completions and chat, streamed and not,
@@ -670,6 +671,9 @@ def serve_args(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace, log_path: Path, command: str = "") -> dict[str, Any]:
     from stopline.bench.engines import MODEL_NAME, RunningEngine, stopline_spec
 
+    if args.standby_core and (args.replicas or args.disagg):
+        raise SystemExit("--standby-core is for one engine core: replicas and the split's roles "
+                         "restart their own")
     if args.pauses is None:
         args.pauses = max(1, round(args.minutes))
     if args.kills is None:
