@@ -102,6 +102,18 @@ def core_pid(server: int, timeout: float = 10.0) -> int:
         time.sleep(0.2)
 
 
+def serving_core_pid(base_url: str) -> int | None:
+    """The core process /health names (with --standby-core the server has two core children,
+    and only this one serves); None if it names none."""
+    import httpx
+
+    try:
+        roles = httpx.get(base_url + "/health", timeout=10).json().get("roles") or []
+    except (httpx.HTTPError, ValueError):
+        return None
+    return next((r["pid"] for r in roles if r.get("role") == "core" and r.get("pid")), None)
+
+
 def slope(xs: list[float], ys: list[float]) -> float | None:
     """Least-squares slope of ys on xs; None with fewer than two distinct xs."""
     n = len(xs)
@@ -166,7 +178,8 @@ def run(*, model: str | None, requests: int, concurrency: int, max_tokens: int,
     eng = RunningEngine(spec, log_path, port=port)
     try:
         startup = eng.wait_ready()
-        pids = {"server": eng.proc.pid, "core": core_pid(eng.proc.pid)}
+        pids = {"server": eng.proc.pid,
+                "core": serving_core_pid(eng.base_url) or core_pid(eng.proc.pid)}
         res = asyncio.run(_soak(eng.base_url, pids, Plan(seed, max_tokens), requests,
                                 concurrency, every, int(max_rss_gb * 2**30), bool(tracemalloc),
                                 progress))
