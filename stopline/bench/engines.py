@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 import stopline
+from stopline.bench.llama_bench import died
 from stopline.bench.probe import MetricNames
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -103,13 +104,35 @@ def vllm_spec(block_size: int = 32) -> EngineSpec:
                       start_timeout=900.0)
 
 
-def llamacpp_spec() -> EngineSpec:
+def llamacpp_spec(model: str | None = None, name: str = "llamacpp",
+                  script: str = "start_llamacpp.sh") -> EngineSpec:
+    """llama-server on the GGUF stopline serves: the embedded one, a file, or a package's."""
+    env = {"MODEL": str(gguf_file(model))} if model is not None else {}
+
     def command(port: int, kv_tokens: int | None, variant: dict[str, str]) -> list[str]:
-        return ["bash", str(PEERS_DIR / "start_llamacpp.sh")]
-    return EngineSpec("llamacpp", command, LLAMACPP_METRICS, start_timeout=300.0,
+        return ["bash", str(PEERS_DIR / script)]
+    return EngineSpec(name, command, LLAMACPP_METRICS, env=env, start_timeout=300.0,
                       can_size_kv=False,
                       no_kv_why="llama-server reserves each slot's context up front (-np x -c/np); "
                                 "a smaller pool truncates or rejects requests instead of preempting")
+
+
+def ikllamacpp_spec(model: str | None = None) -> EngineSpec:
+    """ik_llama.cpp's llama-server, its weights repacked at load (-rtr), on the same GGUF."""
+    return llamacpp_spec(model, "ikllamacpp", "start_ikllamacpp.sh")
+
+
+def gguf_file(model: str) -> Path:
+    """The GGUF file a --model names (a path or an installed package's), for a peer that reads
+    GGUF only; an HF directory is refused."""
+    from stopline.model.loaders.loader import package_model_path
+
+    path = Path(model).expanduser()
+    if not path.exists():
+        path = package_model_path(model)
+    if not path.is_file():
+        raise ValueError(f"llama.cpp serves GGUF files only; {model!r} is not one")
+    return path
 
 
 def hf_spec() -> EngineSpec:
@@ -125,7 +148,8 @@ def spec_for(name: str, model: str | None = None) -> EngineSpec:
               # the fast numerics mode (docs/numerics.md), served the same way
               "stopline-fast": lambda: dataclasses.replace(
                   stopline_spec(model, extra=["--numerics", "fast"]), name="stopline-fast"),
-              "vllm": vllm_spec, "llamacpp": llamacpp_spec, "hf": hf_spec}
+              "vllm": vllm_spec, "llamacpp": lambda: llamacpp_spec(model),
+              "ikllamacpp": lambda: ikllamacpp_spec(model), "hf": hf_spec}
     if name not in makers:
         raise ValueError(f"unknown engine {name!r}; known: {', '.join(makers)}")
     return makers[name]()
@@ -172,7 +196,7 @@ class RunningEngine:
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < self.spec.start_timeout:
             if self.proc.poll() is not None:
-                raise EngineStartError(f"{self.spec.name} exited with status {self.proc.returncode} "
+                raise EngineStartError(f"{self.spec.name} {died(self.proc.returncode)} "
                                        f"while starting:\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
@@ -181,6 +205,10 @@ class RunningEngine:
         self.stop()
         raise EngineStartError(f"{self.spec.name} not ready after {self.spec.start_timeout:.0f} s:\n"
                                f"{self.log_tail()}")
+
+    def death(self) -> str | None:
+        """How the engine ended if it is gone (a native build's SIGILL, say), else None."""
+        return None if self.proc.poll() is None else died(self.proc.returncode)
 
     def log_tail(self, lines: int = 25) -> str:
         try:

@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -279,24 +280,29 @@ def prefill_rate(engine, tokens: int, reps: int) -> float:
 
 
 def gguf_of(model: str | None) -> Path | None:
-    """The GGUF file llama-bench can read for --model (None: the default model)."""
-    if model is None:
-        from stopline.model.loaders.loader import default_model_path
+    """The GGUF file llama-bench can read for --model (None: the default model; a package that
+    carries one: its file)."""
+    from stopline.model.loaders.loader import default_model_path, package_model_path
 
+    if model is None:
         return default_model_path()
+    if not Path(model).exists():
+        with contextlib.suppress(FileNotFoundError):
+            return package_model_path(model, progress=False)
     return Path(model) if str(model).endswith(".gguf") and Path(model).is_file() else None
 
 
-def peer_llama_bench(args: argparse.Namespace, threads: int) -> dict:
-    """llama-bench's row, or the reason there is none."""
+def peer_llama_bench(args: argparse.Namespace, threads: int, build: str = "llama.cpp") -> dict:
+    """`build`'s llama-bench row, or the reason there is none."""
     from stopline.bench import llama_bench
 
-    binary = None if args.llama_bench in (None, "auto") else Path(args.llama_bench)
+    named = args.llama_bench not in (None, "auto") and build == "llama.cpp"
+    binary = Path(args.llama_bench) if named else None
     gguf = gguf_of(args.model)
     if gguf is None:
         return {"error": f"llama-bench needs a GGUF model, not {args.model}"}
     try:
-        return llama_bench.run(gguf, threads, reps=args.reps_llama_bench, binary=binary).row()
+        return llama_bench.run(gguf, threads, reps=args.reps_llama_bench, binary=binary, build=build).row()
     except (FileNotFoundError, RuntimeError, ValueError, OSError) as e:
         return {"error": str(e)}
 
@@ -366,7 +372,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps-llama-bench", type=int, default=3, help="llama-bench's -r")
     p.add_argument("--served", default="", metavar="ENGINES",
                    help="also serve these engines one at a time, last (comma-separated: stopline, "
-                        "stopline-fast, llamacpp, vllm, hf; peers set up by bench/peers/setup_*.sh)")
+                        "stopline-fast, llamacpp, ikllamacpp, vllm, hf; peers set up by bench/peers/setup_*.sh)")
     p.add_argument("--served-streams", type=int, nargs="+", default=[1, 32],
                    help="concurrent streams of the served throughput levels")
     p.add_argument("--served-tokens", type=int, default=256, help="output tokens of each served request")
@@ -413,9 +419,15 @@ def run(args: argparse.Namespace) -> dict:
                               "tok_s": prefill_rate(e, args.prefill_tokens, args.prefill_reps)}
                              for m, e in engines.items()]
     if args.llama_bench is not None or os.environ.get("STOPLINE_LLAMA_BENCH"):
+        from stopline.bench.llama_bench import find_binary
+
         peer = result["llama_bench"] = peer_llama_bench(args, torch.get_num_threads())
         if "error" not in peer:
             result["vs_llama_bench"] = vs_peer(result, peer)
+        if find_binary("ik_llama.cpp") is not None:  # built by bench/peers/setup_ikllamacpp.sh
+            ik = result["ik_llama_bench"] = peer_llama_bench(args, torch.get_num_threads(), "ik_llama.cpp")
+            if "error" not in ik:
+                result["vs_ik_llama_bench"] = vs_peer(result, ik)
     if args.accuracy:
         if set(engines) != {"exact", "fast"}:
             raise SystemExit("--accuracy needs --modes exact fast")
@@ -462,7 +474,8 @@ def served_ratios(r: dict) -> list[dict]:
     rate at the most streams over the best peer's there."""
     engines = {n: e["tok_s"] for n, e in r["served"]["engines"].items() if "tok_s" in e}
     peers = {n: t for n, t in engines.items() if not n.startswith("stopline")}
-    tg128 = r.get("llama_bench", {}).get("tg128_tok_s")
+    # the best raw decode any peer's llama-bench reached in this run
+    tg128 = max((r.get(k, {}).get("tg128_tok_s") or 0 for k in ("llama_bench", "ik_llama_bench")), default=0)
     out = []
     for name, tok_s in engines.items():
         if not name.startswith("stopline"):
@@ -528,14 +541,16 @@ def summary(r: dict) -> str:
             lines.append(f"{n} streams: fast / exact step time {t['fast'] / t['exact']:.2f}")
     for p in r.get("prefill", []):
         lines.append(f"prefill {p['mode']}: {p['tok_s']:.0f} tok/s over a {p['tokens']}-token prompt")
-    if "llama_bench" in r:
-        peer = r["llama_bench"]
+    for key, build in (("llama_bench", "llama.cpp"), ("ik_llama_bench", "ik_llama.cpp")):
+        if key not in r:
+            continue
+        peer = r[key]
         if "error" in peer:
-            lines.append(f"llama-bench: not run ({peer['error']})")
+            lines.append(f"{build} llama-bench: not run ({peer['error']})")
         else:
-            lines.append(f"llama-bench ({peer['threads']} threads, build {peer['build']}): "
+            lines.append(f"{build} llama-bench ({peer['threads']} threads, build {peer['build']}): "
                          f"pp512 {peer['pp512_tok_s']:.1f} tok/s, tg128 {peer['tg128_tok_s']:.1f} tok/s")
-            for v in r.get("vs_llama_bench", []):
+            for v in r.get(f"vs_{key}", []):
                 parts = []
                 if "decode_tok_s" in v:
                     parts.append(f"1-stream decode {v['decode_tok_s']:.0f} tok/s = {v['decode_x_tg128']:.2f}x tg128")

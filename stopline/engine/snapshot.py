@@ -54,6 +54,9 @@ class Snapshot(msgspec.Struct, frozen=True):
     recomputed_tokens: int = 0
     tokens_after_abort: int = 0
     steps: int = 0
+    busy_steps: int = 0
+    busy_seconds: float = 0.0
+    execute_seconds: float = 0.0
     block_size: int = 0
     live: list[LiveSeq] = msgspec.field(default_factory=list)  # at most LIVE_ROWS
     cached_block_ids: list[int] = msgspec.field(default_factory=list)  # refcount 0, hashed
@@ -122,6 +125,9 @@ def take_snapshot(core: EngineCore) -> Snapshot:
         recomputed_tokens=stats.recomputed_tokens,
         tokens_after_abort=stats.tokens_after_abort,
         steps=core.steps,
+        busy_steps=core.busy_steps,
+        busy_seconds=core.busy_seconds,
+        execute_seconds=core.execute_seconds,
         block_size=pool.block_size,
         live=live,
         cached_block_ids=cached,

