@@ -121,6 +121,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "stuck): its open requests end with an error, new ones are served once "
                         "it is back; after N deaths within 300 s it stays dead and the server "
                         "exits (0: never restart, the server exits at the first death)")
+    g.add_argument("--standby-core", action="store_true",
+                   help="with --restart-core: keep a second engine-core process loaded and asleep "
+                        "(its KV pool freed); when the core dies it is woken and serves at once, "
+                        "and another is loaded in the background (costs the model's weights and "
+                        "a process's memory once more)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="answer 429 while this many requests wait for their first step (default: no limit)")
     g.add_argument("--queue-timeout", type=float, default=None,
@@ -215,6 +220,8 @@ def serve(args: argparse.Namespace) -> int:
                          "split's roles restart their own, and --in-process has no process")
     if args.restart_core < 0:
         raise SystemExit(f"--restart-core must be >= 0, got {args.restart_core}")
+    if args.standby_core and not args.restart_core:
+        raise SystemExit("--standby-core needs --restart-core N (the standby replaces a core that died)")
     if args.replicas is not None:
         require("ray", what="--replicas")  # before anything starts, so nothing needs undoing
         from stopline.cluster.frontend import ray_engine
@@ -242,6 +249,7 @@ def serve(args: argparse.Namespace) -> int:
 
         engine = restarting_engine(args.model, engine_config(args), core_threads=args.core_threads,
                                    liveness=liveness, restarts=Restarts(limit=args.restart_core),
+                                   standby=args.standby_core,
                                    max_waiting=args.max_waiting, stall_timeout=args.stall_timeout,
                                    max_buffered=args.max_buffered)
     return run_server(args.model, engine_config(args), settings, host=args.host, port=args.port,

@@ -24,7 +24,8 @@ def test_slope_is_least_squares() -> None:
 
 def test_rss_and_children_of_this_process() -> None:
     assert 0 < soak.rss(os.getpid(), "RssAnon") <= soak.rss(os.getpid())
-    assert soak.rss(os.getpid(), "VmHWM") >= soak.rss(os.getpid())
+    now = soak.rss(os.getpid())  # read first: RSS may grow between the two reads, HWM with it
+    assert soak.rss(os.getpid(), "VmHWM") >= now
     assert os.getpid() in soak.children(os.getppid())
 
 
@@ -100,3 +101,61 @@ def test_server_tracer_reports_growth_since_its_baseline(monkeypatch: pytest.Mon
     finally:
         if not was_tracing:
             tracemalloc.stop()
+
+
+@pytest.mark.timeout(300)
+def test_traced_soak_reports_the_core_growth_too(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """--tracemalloc traces the engine-core process as well as the server (issue 47 item 4):
+    each answers for itself, and the result lists the top growth sites per process."""
+    n = 40
+    res = soak.run(model=str(tiny_model_dir), requests=n, concurrency=8, max_tokens=6, port=None,
+                   sample_every=10, kv_cache_gb=0.05, seed=2, log_path=tmp_path / "soak.log",
+                   tracemalloc=3, progress=False, command="pytest")
+    json.dumps(res)
+    assert res["requests_done"] == n and "error" not in res["outcomes"]
+    traced = res["tracemalloc"]
+    assert set(traced) == {"server", "core"}
+    for name in ("server", "core"):
+        t = traced[name]
+        assert "error" not in t, t
+        assert t["pid"] == res["pids"][name]  # the process itself answered
+        assert t["traced_bytes"] > 0 and t["top"], t
+        for site in t["top"]:
+            assert 1 <= len(site["traceback"]) <= 3 and ":" in site["traceback"][-1], site
+    assert any("/stopline/" in f for s in traced["core"]["top"] for f in s["traceback"])
+    table = soak.summary(res)
+    assert "core allocations grown" in table and "server allocations grown" in table
+
+
+def test_tracemalloc_route_refuses_an_unknown_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tracemalloc
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from stopline.server import errors, memtrace
+
+    was_tracing = tracemalloc.is_tracing()
+    monkeypatch.setenv(memtrace.ENV, "1")
+    try:
+        app = FastAPI()
+        errors.install(app)
+        memtrace.install(app)
+        with TestClient(app) as client:
+            r = client.get("/debug/tracemalloc", params={"process": "gpu"})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "process" and "server, core" in r.json()["error"]["message"]
+            assert client.get("/debug/tracemalloc").json()["top"] == []  # the server's baseline
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+
+
+def test_an_engine_process_answers_its_growth_only_when_traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stopline.engine import memtrace
+
+    monkeypatch.setattr(memtrace, "_process", None)
+    monkeypatch.delenv(memtrace.ENV, raising=False)
+    assert not memtrace.start_from_env()
+    got = memtrace.growth()
+    assert got["pid"] == os.getpid() and memtrace.ENV in got["error"]

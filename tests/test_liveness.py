@@ -322,3 +322,25 @@ def test_a_loop_stuck_outside_a_step_reports_its_age(tiny_model_dir):
         release.set()
         loop.stop()
         t.join(5)
+
+
+def test_a_sleeping_or_halted_loop_is_not_in_a_step(tiny_model_dir):
+    """A core held on purpose (asleep, or halted by a keep pause) waits like an idle one: its
+    heartbeat's age is 0, so it is never marked stuck or killed for it (a sleeping standby
+    core, engine/proc/restart.py, would be)."""
+    from stopline import LLM
+    from stopline.engine.core_loop import CoreLoop
+
+    core = LLM(model=str(tiny_model_dir), progress=False).engine
+    loop = CoreLoop(core, lambda batch: None)
+    t = threading.Thread(target=loop.run, daemon=True)
+    t.start()
+    try:
+        for method, arg in (("sleep", {"level": 1}), ("wake", None), ("halt", {"on": True})):
+            loop.call(method, *([arg] if arg else [])).result(5)
+            _wait(lambda: loop._busy_since is None, 5, f"{method}: the loop never waited")
+            time.sleep(0.3)
+            assert loop.step_age() == 0.0, method
+    finally:
+        loop.stop()
+        t.join(5)

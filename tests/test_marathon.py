@@ -106,3 +106,41 @@ def test_short_marathon_one_pause_one_kill(tiny_long_model_dir: Path, tmp_path: 
     assert srv["aborts"] > 0 and srv["aborts_by_source_last_process"].get("disconnect", 0) > 0, report
     assert {"server", "core"} <= set(res["rss"]), report
     assert len(res["samples"]) > 30 and all(s["kv_total"] for s in res["samples"][:5])
+
+
+@pytest.mark.marathon
+@pytest.mark.timeout(600)
+def test_short_marathon_kills_answered_by_the_standby_core(tiny_long_model_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """--standby-core: each kill of the core is answered by promoting the spare, and the run
+    records it (by_standby) and the spare's RSS; the canaries stay exact. Timings are the
+    benchmark's criteria, not asserted here."""
+    p = argparse.ArgumentParser()
+    marathon.configure(p)
+    args = p.parse_args(["--minutes", "2", "--pauses", "0", "--kills", "2", "--no-progress",
+                         "--model", str(tiny_long_model_dir), "--concurrency", "3",
+                         "--standby-core", "--recovery-limit-s", "150",
+                         "--serve-args", "--block-size 4 --num-blocks 4096"])
+    res = marathon.run(args, tmp_path / "marathon.log", command="pytest")
+    report = marathon.summary(res)
+    assert "--standby-core" in res["serve_args"] and "standby" in res["config"]["mode"]
+    kills = [f for f in res["faults"] if f["kind"] == "kill"]
+    assert len(kills) == 2, report
+    for f in kills:
+        assert f["error"] is None and f["recovery_s"] is not None, report
+        assert f["by_standby"] is True, report  # the spare took over: no fresh load
+    assert "the standby took over" in report
+    assert not [c for c in res["canaries"] if c["result"] == "wrong"], report
+    assert res["final_canaries"]["exact"] == 5, report
+    assert res["log_scan"]["clean"], report + "\n" + "\n\n".join(res["log_scan"]["tracebacks"])
+    assert res["server"]["audit_failures"] == 0, report
+    assert "core-standby" in res["rss"], report
+
+
+def test_standby_core_is_refused_beside_replicas_and_the_split(tmp_path: Path) -> None:
+    p = argparse.ArgumentParser()
+    marathon.configure(p)
+    for mode in (["--replicas", "2"], ["--disagg"]):
+        args = p.parse_args(["--minutes", "2", "--standby-core", *mode])
+        with pytest.raises(SystemExit, match="--standby-core is for one engine core"):
+            marathon.run(args, tmp_path / "marathon.log")

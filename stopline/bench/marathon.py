@@ -1,9 +1,10 @@
 """`stopline bench marathon`: the server under load while its engine processes are paused and
 killed; canaries that must come back exact; a log that must stay clean.
 
-It starts `stopline serve` itself (one engine core restarted when it dies, `--restart-core`;
-or `--replicas N` on Ray; or `--disagg`), with the ownership audit on sampled busy steps
-(`--audit-every`), and for `--minutes` drives:
+It starts `stopline serve` itself (one engine core restarted when it dies, `--restart-core`,
+with a standby core that takes over if `--standby-core`; or `--replicas N` on Ray; or
+`--disagg`), with the ownership audit on sampled busy steps (`--audit-every`), and for
+`--minutes` drives:
 
 - load: `--concurrency` clients, each sending one request after another, plus a burst of
   `--burst-size` every `--burst-every` s; the mix is completions and chat, streamed and not,
@@ -90,6 +91,7 @@ class Fault:
     healthy_s: float | None = None  # end -> /health 200 with the target serving
     recovery_s: float | None = None  # end -> first exact canary
     recovered_s: float | None = None  # when that was, since the load started
+    by_standby: bool | None = None  # kill of the core: a standby core took over (--standby-core)
     error: str | None = None
 
 
@@ -356,6 +358,9 @@ class Marathon:
             states[name] = p.get("state")
             if p.get("pid"):
                 rss[name] = vm_rss(p["pid"])
+            standby = p.get("standby") or {}
+            if standby.get("pid"):  # the spare core (--standby-core), loading or asleep
+                rss[f"{name}-standby"] = vm_rss(standby["pid"])
         self._accumulate(m)
         s = {"t": self.now(), "health": code, "states": states,
              "kv_used": m.get("stopline_kv_blocks_used"), "kv_total": m.get("stopline_kv_blocks_total"),
@@ -422,6 +427,7 @@ class Marathon:
         if part is None or not part.get("pid"):
             raise RuntimeError(f"no process for {f.target} in /health: {h}")
         f.pid = pid = part["pid"]
+        promoted = part.get("promoted")
         f.start_s = self.now()
         if f.kind == "pause":
             os.kill(pid, signal.SIGSTOP)
@@ -447,6 +453,8 @@ class Marathon:
             if f.healthy_s is None and code == 200 and p.get("state") == "healthy" and (
                     f.kind == "pause" or p.get("pid") != pid):
                 f.healthy_s = round(self.now() - f.end_s, 2)
+                if f.kind == "kill" and promoted is not None:
+                    f.by_standby = p.get("promoted", 0) > promoted
             if f.healthy_s is not None:
                 rec = await self.canary(0, f"recovery after {f.kind} of {f.target}")
                 if rec["result"] == "exact":
@@ -602,7 +610,9 @@ def summary(res: dict[str, Any]) -> str:
     for f in res["faults"]:
         lines.append(f"fault {f['kind']:<5} {f['target']:<9} at {f['start_s']} s: stuck after "
                      f"{f['marked_stuck_s']} s, healthy {f['healthy_s']} s and canary exact "
-                     f"{f['recovery_s']} s after its end" + (f"; ERROR {f['error']}" if f["error"] else ""))
+                     f"{f['recovery_s']} s after its end"
+                     + ("; the standby took over" if f.get("by_standby") else "")
+                     + (f"; ERROR {f['error']}" if f["error"] else ""))
     for name, r in res["rss"].items():
         lines.append(f"rss {name:<9} {r['first_mib']:.1f} -> {r['last_mib']:.1f} MiB (peak {r['peak_mib']:.1f})")
     for name, c in res["criteria"].items():
@@ -633,6 +643,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stuck-s", type=float, default=2.0, help="the server's --stuck-s")
     p.add_argument("--stuck-kill-s", type=float, default=60.0, help="the server's --stuck-kill-s")
     p.add_argument("--audit-every", type=int, default=16, help="the server's --audit-every")
+    p.add_argument("--standby-core", action="store_true",
+                   help="one engine core: serve with --standby-core (a spare core kept loaded "
+                        "takes over a killed one)")
     p.add_argument("--recovery-limit-s", type=float, default=120.0,
                    help="give up waiting for a fault's recovery after this long")
     p.add_argument("--serve-args", default="", help="more `stopline serve` options, one string")
@@ -650,12 +663,17 @@ def serve_args(args: argparse.Namespace) -> list[str]:
         extra += ["--disagg"]
     else:
         extra += ["--restart-core", str(args.kills + 5)]  # deaths in 300 s before it gives up
+        if args.standby_core:
+            extra += ["--standby-core"]
     return extra + shlex.split(args.serve_args)
 
 
 def run(args: argparse.Namespace, log_path: Path, command: str = "") -> dict[str, Any]:
     from stopline.bench.engines import MODEL_NAME, RunningEngine, stopline_spec
 
+    if args.standby_core and (args.replicas or args.disagg):
+        raise SystemExit("--standby-core is for one engine core: replicas and the split's roles "
+                         "restart their own")
     if args.pauses is None:
         args.pauses = max(1, round(args.minutes))
     if args.kills is None:
@@ -674,7 +692,8 @@ def run(args: argparse.Namespace, log_path: Path, command: str = "") -> dict[str
     finally:
         eng.stop()
     mode = (f"{args.replicas} Ray replicas" if args.replicas else "prefill/decode split"
-            if args.disagg else "one engine core, restarted when it dies")
+            if args.disagg else "one engine core and a standby core" if args.standby_core
+            else "one engine core, restarted when it dies")
     res.update(**stamp, command=command,
                model=args.model or "SmolLM2-135M-Instruct (embedded GGUF)",
                startup_s=round(startup, 2), serve_args=extra, criteria_bounds=CRITERIA,

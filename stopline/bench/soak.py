@@ -102,6 +102,18 @@ def core_pid(server: int, timeout: float = 10.0) -> int:
         time.sleep(0.2)
 
 
+def serving_core_pid(base_url: str) -> int | None:
+    """The core process /health names (with --standby-core the server has two core children,
+    and only this one serves); None if it names none."""
+    import httpx
+
+    try:
+        roles = httpx.get(base_url + "/health", timeout=10).json().get("roles") or []
+    except (httpx.HTTPError, ValueError):
+        return None
+    return next((r["pid"] for r in roles if r.get("role") == "core" and r.get("pid")), None)
+
+
 def slope(xs: list[float], ys: list[float]) -> float | None:
     """Least-squares slope of ys on xs; None with fewer than two distinct xs."""
     n = len(xs)
@@ -166,7 +178,8 @@ def run(*, model: str | None, requests: int, concurrency: int, max_tokens: int,
     eng = RunningEngine(spec, log_path, port=port)
     try:
         startup = eng.wait_ready()
-        pids = {"server": eng.proc.pid, "core": core_pid(eng.proc.pid)}
+        pids = {"server": eng.proc.pid,
+                "core": serving_core_pid(eng.base_url) or core_pid(eng.proc.pid)}
         res = asyncio.run(_soak(eng.base_url, pids, Plan(seed, max_tokens), requests,
                                 concurrency, every, int(max_rss_gb * 2**30), bool(tracemalloc),
                                 progress))
@@ -243,7 +256,12 @@ async def _soak(base_url: str, pids: dict[str, int], plan: Plan, n: int, concurr
                 stalls.append(stall)
 
     async def growth() -> dict[str, Any]:
-        return (await http.get("/debug/tracemalloc", params={"top": 20})).json()
+        """Each process's growth since the last call (the core answers for itself)."""
+        out = {}
+        for proc in memtrace.PROCESSES:
+            r = await http.get("/debug/tracemalloc", params={"top": 20, "process": proc})
+            out[proc] = r.json() if r.status_code == 200 else {"error": f"{r.status_code}: {r.text[:300]}"}
+        return out
 
     bar = tqdm(total=n, desc="soak", unit="req", disable=not progress, dynamic_ncols=True)
 
@@ -307,7 +325,7 @@ async def _soak(base_url: str, pids: dict[str, int], plan: Plan, n: int, concurr
             "samples_columns": ["done", "t_s", "server_rss", "core_rss", "server_anon",
                                 "core_anon"],
             "samples": [s.row() for s in samples], "end_idle": end.row(),
-            "server_tracemalloc": traced}
+            "tracemalloc": traced}
 
 
 def _judge(res: dict[str, Any]) -> None:
@@ -352,9 +370,12 @@ def summary(res: dict[str, Any]) -> str:
     for st in res["stalls"]:
         lines.append(f"stall: no request ended for {st['seconds'] or '>' + str(_STALL_S)} s after "
                      f"request {st['after_request']} ({st['in_flight']} in flight)")
-    traced = res.get("server_tracemalloc")
-    if traced:
-        lines.append("server allocations grown over the second half (tracemalloc):")
+    for name, traced in (res.get("tracemalloc") or {}).items():
+        if "error" in traced:
+            lines.append(f"{name} allocations: not traced ({traced['error']})")
+            continue
+        lines.append(f"{name} allocations grown over the second half (tracemalloc, process "
+                     f"{traced['pid']}, {traced['traced_bytes'] / 2**20:.1f} MiB traced):")
         lines += [f"  {t['size_diff']:>+10} B {t['count_diff']:>+7} blocks  {t['traceback'][-1]}"
                   for t in traced["top"][:8]]
     return "\n".join(lines)
@@ -375,9 +396,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rss-gb", type=float, default=8.0,
                    help="stop early when the server or core process grows past this")
     p.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
-                   help="trace the server's Python allocations (STOPLINE_TRACEMALLOC) and record "
-                        "the sites that grew over the second half; the RSS figure is then not the "
-                        "server's own")
+                   help="trace the Python allocations of the server and of its engine core "
+                        "(STOPLINE_TRACEMALLOC) and record, per process, the sites that grew over "
+                        "the second half; the RSS figures are then not the processes' own")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/soak.json", help="result; the server log beside it")
     p.add_argument("--no-progress", action="store_true")

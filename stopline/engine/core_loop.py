@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from stopline.engine import memtrace
 from stopline.engine.messages import AbortTiming, Batch, CoreInfo, Utility
 from stopline.engine.output import RequestOutput
 from stopline.engine.snapshot import take_snapshot
@@ -145,6 +146,9 @@ class CoreLoop:
                 if outputs:
                     self._note_ended(outputs)
                     self._send(Batch(outputs, self._timings(), take_snapshot(core)))
+                # Held on purpose, not stuck: a heartbeat must not see a step this long (a
+                # sleeping standby core would be killed as stuck otherwise).
+                self._busy_since = None
                 self._work.wait()
                 self._work.clear()
                 continue
@@ -233,6 +237,8 @@ class CoreLoop:
             return self.core.residency.load_lora(*args)
         if method is Utility.UNLOAD_LORA:
             return self.core.residency.unload_lora(*args)
+        if method is Utility.TRACEMALLOC:
+            return memtrace.growth(int(kw.get("top", 15)))
         if method is Utility.LORAS:
             return {n: [a.path, len(self.core.adapters.refs.get(n, ()))]
                     for n, a in self.core.adapters.loaded.items()}

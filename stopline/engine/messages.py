@@ -83,6 +83,9 @@ class Utility(Choice):
     LOAD_LORA = "load_lora"  # args: name, path -> {'status', 'message'} (engine/adapters.py)
     UNLOAD_LORA = "unload_lora"  # args: name, policy -> {'status', 'message'}
     LORAS = "loras"  # the adapters loaded: name -> (path, references)
+    # args {"top"}: the allocation sites of this process that grew since the last call
+    # (engine/memtrace.py; only where STOPLINE_TRACEMALLOC was set when it started)
+    TRACEMALLOC = "tracemalloc"
 
 
 Missed = Callable[[], list[tuple[Utility, dict[str, Any] | None]]]

@@ -1,53 +1,28 @@
-"""Opt-in allocation tracing of the server process, for memory soaks.
+"""Opt-in allocation tracing for memory soaks: the server's own, and its engine core's.
 
 STOPLINE_TRACEMALLOC=N (frames kept per allocation, 1 or more) makes the server trace its
 Python allocations from the start, and GET /debug/tracemalloc answer the allocation sites that
-grew most since the previous call (the first call only takes the baseline). Unset or 0: no
-tracing, no route. Tracing costs memory and time, so a soak's figure is measured without it;
-`stopline bench soak --tracemalloc N` sets it and reads the route at the half and the end.
-Only this process is traced: the engine core inherits the variable but does not read it.
+grew most since the previous call (the first call only takes the baseline). The engine-core
+process inherits the variable and traces itself too (engine/memtrace.py):
+`/debug/tracemalloc?process=core` asks it (a utility call, run between steps) for its own
+growth. Unset or 0: no tracing, no route. Tracing costs memory and time, so a soak's figure is
+measured without it; `stopline bench soak --tracemalloc N` sets it and reads both at the half
+and the end.
 """
 
 from __future__ import annotations
 
-import gc
-import os
-import tracemalloc
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
-ENV = "STOPLINE_TRACEMALLOC"
+from stopline.engine.memtrace import ENV, Tracer, frames
+from stopline.engine.messages import Utility
+from stopline.server.errors import ApiError
 
+__all__ = ["ENV", "PROCESSES", "Tracer", "frames", "install"]
 
-def frames() -> int:
-    try:
-        return max(0, int(os.environ.get(ENV, "0") or 0))
-    except ValueError:
-        return 0
-
-
-class Tracer:
-    def __init__(self, nframes: int) -> None:
-        self.nframes = nframes
-        if not tracemalloc.is_tracing():
-            tracemalloc.start(nframes)
-        self.base: tracemalloc.Snapshot | None = None
-
-    def growth(self, top: int = 15) -> dict[str, Any]:
-        gc.collect()  # what is still held, not what a collection would free
-        snap = tracemalloc.take_snapshot().filter_traces(
-            [tracemalloc.Filter(False, tracemalloc.__file__)])
-        traced, peak = tracemalloc.get_traced_memory()
-        out: dict[str, Any] = {"traced_bytes": traced, "peak_bytes": peak, "top": []}
-        if self.base is not None:
-            key = "traceback" if self.nframes > 1 else "lineno"
-            for st in snap.compare_to(self.base, key)[:top]:
-                out["top"].append({"size_diff": st.size_diff, "count_diff": st.count_diff,
-                                   "size": st.size, "count": st.count,
-                                   "traceback": [f"{f.filename}:{f.lineno}" for f in st.traceback]})
-        self.base = snap
-        return out
+PROCESSES = ("server", "core")
 
 
 def install(app: FastAPI) -> None:
@@ -58,5 +33,11 @@ def install(app: FastAPI) -> None:
     tracer = Tracer(n)
 
     @app.get("/debug/tracemalloc")
-    async def growth(top: int = 15) -> dict[str, Any]:
-        return tracer.growth(top)
+    async def growth(request: Request, top: int = 15, process: str = "server") -> Any:
+        if process not in PROCESSES:
+            raise ApiError(400, f"process: must be one of {', '.join(PROCESSES)}, got {process!r}",
+                           param="process")
+        if process == "server":
+            return tracer.growth(top)
+        # The core answers for itself (with --replicas or --disagg: one answer per process).
+        return await request.app.state.server.engine.utility(Utility.TRACEMALLOC, {"top": top})

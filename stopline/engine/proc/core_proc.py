@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from stopline.engine import memtrace
 from stopline.engine.core_loop import CoreLoop
 from stopline.engine.messages import (
     AbortMsg,
@@ -116,6 +117,8 @@ def main(addrs: CoreAddresses, model: str | None, config: EngineConfig | None, p
         log.exception("loading the model failed")
         send(FatalMsg(f"loading the model failed: {exc}"))
         _exit(out, 1)
+    if memtrace.start_from_env():  # after the load: its growth under load is what counts
+        log.info("tracing allocations (%s=%d)", memtrace.ENV, memtrace.frames())
     loop = CoreLoop(core, send)
     inp = _pull(ctx, addrs.input, remote)
     abort = _pull(ctx, addrs.abort, remote)

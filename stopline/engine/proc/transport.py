@@ -109,6 +109,7 @@ class ProcCore:
         self._dir: str | None = None
         self._bell: int | None = None
         self.pid: int | None = None  # the core's process, once it said ready
+        self.info: CoreInfo | None = None  # what it said then
 
     # ---- start ----------------------------------------------------------------------------
     async def start(self, on_batch: Callable[[Batch], None],
@@ -131,7 +132,7 @@ class ProcCore:
         self._reader = asyncio.create_task(self._read(), name="stopline-core-reader")
         self._launch(addrs)
         info = await self._ready
-        self.pid = info.pid
+        self.pid, self.info = info.pid, info
         # The core connected before it said ready; wait until our PUSH sockets see it, so the
         # first add can't fail for lack of a peer.
         for sock in (self._in, self._abort):
