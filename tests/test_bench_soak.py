@@ -159,3 +159,24 @@ def test_an_engine_process_answers_its_growth_only_when_traced(monkeypatch: pyte
     assert not memtrace.start_from_env()
     got = memtrace.growth()
     assert got["pid"] == os.getpid() and memtrace.ENV in got["error"]
+
+
+def test_the_bound_per_request_is_a_setting() -> None:
+    """--limit-b: the same growth (150 B a request, in both RSS figures) passes the default 1 KiB
+    bound and fails issue 47's 0.1 KiB."""
+    rows = [[n, n / 10, 10**8 + 150 * n, 10**9 + 150 * n, 10**8 + 150 * n, 10**9 + 150 * n]
+            for n in range(0, 10_001, 500)]
+
+    def judged(limit: float) -> dict:
+        res = {"samples": rows, "requests_done": 10_000, "end_idle": rows[-1], "stopped": None,
+               "pids": {"server": 1, "core": 2}, "peak_rss": {"server": 0, "core": 0},
+               "limit_b_per_request": limit}
+        soak._judge(res)
+        return res
+
+    assert judged(soak.LIMIT_B_PER_REQUEST)["pass"]
+    low = judged(102)
+    assert not low["pass"] and low["processes"]["core"]["anon_slope_b_per_request"] == pytest.approx(150)
+    shown = soak.summary(low | {"requests_per_s": 1, "elapsed_s": 1, "outcomes": {}, "stalls": [],
+                                "config": {"concurrency": 16}})
+    assert "limit 102 B/request: FAIL" in shown
