@@ -24,14 +24,14 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from stopline.bench.engines import free_port
+from stopline.bench.engines import RunningEngine, stopline_spec
 from stopline.bench.soak import core_pid
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -84,30 +84,15 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--serve-args", default="", help="more `stopline serve` flags")
     args = p.parse_args()
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "stopline.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", "--no-access-log", *shlex.split(args.serve_args)]
-    if args.model:
-        cmd += ["--model", args.model]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spec = stopline_spec(args.model, extra=shlex.split(args.serve_args))
+    server = RunningEngine(spec, Path(tempfile.mkdtemp(prefix="token-path-")) / "server.log")
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start: {shlex.join(cmd)}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        pids = {"front_end": server.pid, "core": core_pid(server.pid)}
-        one_round(base, pids, 16, 0)  # warm-up
-        rows = [one_round(base, pids, args.tokens, 1 + i) for i in range(args.rounds)]
+        server.wait_ready()
+        pids = {"front_end": server.proc.pid, "core": core_pid(server.proc.pid)}
+        one_round(server.base_url, pids, 16, 0)  # warm-up
+        rows = [one_round(server.base_url, pids, args.tokens, 1 + i) for i in range(args.rounds)]
     finally:
-        server.terminate()
-        server.wait(30)
+        server.stop()
     print(f"{args.tokens} tokens a round, one stream; {os.uname().nodename}")
     print("round | ITL p50 ms | ITL mean ms | step ms | of which the worker's run ms | ITL mean / step | "
           "front-end CPU ms/token | core CPU ms/token")
