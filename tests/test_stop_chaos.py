@@ -165,6 +165,8 @@ def test_async_storm_with_engine_stops(tiny_dir, tiny, storm_work, subprocess):
     # In turn: pause keep, update keep, pause wait, update wait, sleep wait, then the aborts.
     assert {"pause:keep", "update:keep", "pause:wait"} <= set(res.stops), dict(res.stops)
     assert max(res.versions) > 0  # outputs carried a later weight version
+
+
 @pytest.fixture(scope="module")
 def lora_work(tiny, tiny_dir, tmp_path_factory):
     """Three LoRA adapters of the storm's model, jobs drawing them (three in four), and the
