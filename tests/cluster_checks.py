@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from stopline.cluster.cores import ReplicaState
-from stopline.cluster.frontend import quiet_ray_env, ray_engine
+from stopline.cluster.frontend import ray_engine
 from stopline.config import EngineConfig
 from stopline.engine.streams import EngineDead, EngineStopped
 from stopline.model.loaders.loader import load_model
@@ -31,19 +31,10 @@ from tests.chaos_support import (
     run_reference,
     storm_config,
 )
+from tests.ray_support import ray_cluster  # noqa: F401 - the autouse fixture
 from tests.tiny_model import make_tiny_llama_dir
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    quiet_ray_env()
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def cpu_seconds(pid: int) -> float:

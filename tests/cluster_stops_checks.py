@@ -18,32 +18,15 @@ import time
 import pytest
 
 from stopline.cluster.cores import ReplicaState
-from stopline.cluster.frontend import quiet_ray_env, ray_engine
+from stopline.cluster.frontend import ray_engine
 from stopline.config import EngineConfig
 from stopline.engine.async_engine import EngineObserver
 from stopline.engine.streams import EngineStopped
 from stopline.request import AbortSource, SamplingParams
+from tests.ray_support import ray_cluster, until  # noqa: F401 - the autouse fixture
 from tests.tiny_model import make_tiny_llama_dir
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    quiet_ray_env()
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-async def _until(cond, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(what)
-        await asyncio.sleep(0.02)
 
 
 def test_pause_resume_update_and_a_dead_replica_through_ray(tiny_long_model_dir, tmp_path):
@@ -86,7 +69,7 @@ def test_pause_resume_update_and_a_dead_replica_through_ray(tiny_long_model_dir,
                 except Exception as exc:  # noqa: BLE001 - the test looks at what it is
                     ended[i] = exc
             readers = [asyncio.ensure_future(read(i)) for i in range(2)]
-            await _until(lambda: all(len(v) > 3 for v in got.values()), 60, "no tokens")
+            await until(lambda: all(len(v) > 3 for v in got.values()), 60, "no tokens")
             # keep: both replicas halt, no token comes; resume: they come again.
             answer = await engine.pause("keep")
             assert answer["unreached"] == [] and answer["paused"] == "keep", answer
@@ -95,12 +78,12 @@ def test_pause_resume_update_and_a_dead_replica_through_ray(tiny_long_model_dir,
             await asyncio.sleep(0.5)
             assert {i: len(v) for i, v in got.items()} == n
             await engine.resume()
-            await _until(lambda: all(len(got[i]) > n[i] for i in got), 30, "no tokens after resume")
+            await until(lambda: all(len(got[i]) > n[i] for i in got), 30, "no tokens after resume")
             # A weight update (keep) reaches both; the streams go on under version 1.
             answer = await engine.update_weights(str(other), "keep")
             assert answer["weight_version"] == 1 and answer["unreached"] == [], answer
             assert [s.weight_version for s in await engine.utility("snapshot")] == [1, 1]
-            await _until(lambda: all(v[-1] == 1 for v in got.values()), 30, "no new-weight token")
+            await until(lambda: all(v[-1] == 1 for v in got.values()), 30, "no new-weight token")
             # A dead replica while paused (keep): its stream ends as an engine stop, source replica.
             await engine.pause("keep")
             victim = backend.slots[0]
@@ -111,7 +94,7 @@ def test_pause_resume_update_and_a_dead_replica_through_ray(tiny_long_model_dir,
             assert isinstance(ended[dead], EngineStopped) and ended[dead].source.value == "replica", ended
             assert aborted == ["replica"]
             # Ray restarts it: it catches up (halted, version 1) before it serves.
-            await _until(lambda: victim.state is ReplicaState.HEALTHY, 120, "never rejoined")
+            await until(lambda: victim.state is ReplicaState.HEALTHY, 120, "never rejoined")
             snaps = await engine.utility("snapshot")
             assert [(s.halted, s.weight_version) for s in snaps] == [(True, 1), (True, 1)], snaps
             # abort: the survivor's stream ends as a pause; resume admits again.
@@ -168,8 +151,8 @@ def test_adapters_on_every_replica_and_a_rejoining_one(tiny_long_model_dir, tmp_
             # A replica killed and restarted by Ray loads `a` again before it serves.
             victim = backend.slots[0]
             os.kill(victim.pid, signal.SIGKILL)
-            await _until(lambda: victim.state is not ReplicaState.HEALTHY, 30, "never seen dead")
-            await _until(lambda: victim.state is ReplicaState.HEALTHY, 120, "never rejoined")
+            await until(lambda: victim.state is not ReplicaState.HEALTHY, 30, "never seen dead")
+            await until(lambda: victim.state is ReplicaState.HEALTHY, 120, "never rejoined")
             assert [set(x) for x in await engine.utility(Utility.LORAS)] == [{"a"}, {"a"}]
             again = [await solo(engine, f"y{i}") for i in range(2)]
             assert {r[0] for r in again} == {0, 1} and all(r[1] == runs[0][1] for r in again), again

@@ -15,33 +15,16 @@ import time
 import pytest
 
 from stopline.cluster.cores import ReplicaState
-from stopline.cluster.frontend import quiet_ray_env, ray_engine
+from stopline.cluster.frontend import ray_engine
 from stopline.config import EngineConfig
 from stopline.engine.liveness import Bounds
 from stopline.engine.streams import EngineDead, EngineUnavailable
 from stopline.request import AbortSource, SamplingParams
+from tests.ray_support import ray_cluster, until  # noqa: F401 - the autouse fixture
 
 pytestmark = pytest.mark.timeout(400)
 
 STUCK_S, KILL_S = 1.0, 8.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    quiet_ray_env()
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-async def _until(cond, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, what
-        await asyncio.sleep(0.02)
-    return time.monotonic() - t0
 
 
 async def _drain(stream, log: dict) -> None:
@@ -75,7 +58,7 @@ def test_a_stuck_replica_is_skipped_its_cancels_confirmed_and_killed_past_the_bo
             assert set(owner) == {0, 1}
             logs = {i: {} for i in owner}
             tasks = [asyncio.ensure_future(_drain(owner[i], logs[i])) for i in owner]
-            await _until(lambda: all(v.get("tokens") for v in logs.values()), 30, "no tokens")
+            await until(lambda: all(v.get("tokens") for v in logs.values()), 30, "no tokens")
             victim = backend.slots[0]
             pid = victim.pid
             os.kill(pid, signal.SIGSTOP)
@@ -91,7 +74,7 @@ def test_a_stuck_replica_is_skipped_its_cancels_confirmed_and_killed_past_the_bo
                 except TimeoutError:
                     r["tie"] = "no answer"  # waits for the stopped replica
                 r["tie_s"] = time.monotonic() - t0
-                r["marked_s"] = await _until(lambda: victim.state.value == "stuck", 5,
+                r["marked_s"] = await until(lambda: victim.state.value == "stuck", 5,
                                              f"never stuck; the tie add: {r['tie']}")
                 r["health"] = backend.health()
                 s = await engine.add("new", [8, 8, 8], SamplingParams(max_tokens=50, ignore_eos=True))
@@ -104,7 +87,7 @@ def test_a_stuck_replica_is_skipped_its_cancels_confirmed_and_killed_past_the_bo
                 r["stuck_for"] = time.monotonic() - t_stop
             finally:
                 os.kill(pid, signal.SIGCONT)
-            await _until(lambda: victim.state is ReplicaState.HEALTHY, 5, "never healthy again")
+            await until(lambda: victim.state is ReplicaState.HEALTHY, 5, "never healthy again")
             await asyncio.sleep(0.5)
             r["after"] = await engine.utility("snapshot")
             await tasks[0]
@@ -114,14 +97,14 @@ def test_a_stuck_replica_is_skipped_its_cancels_confirmed_and_killed_past_the_bo
             assert backend.owners.live[s.incarnation].replica == 0
             log_b: dict = {}
             task_b = asyncio.ensure_future(_drain(s, log_b))
-            await _until(lambda: log_b.get("tokens"), 30, "b got no token")
+            await until(lambda: log_b.get("tokens"), 30, "b got no token")
             os.kill(pid, signal.SIGSTOP)
             t_stop = time.monotonic()
-            await _until(lambda: victim.state is ReplicaState.DEAD, KILL_S + 5, "never killed")
+            await until(lambda: victim.state is ReplicaState.DEAD, KILL_S + 5, "never killed")
             r["killed_s"] = time.monotonic() - t_stop
             await task_b
             r["log_b"] = log_b
-            await _until(lambda: victim.state is ReplicaState.HEALTHY, 120, "never restarted")
+            await until(lambda: victim.state is ReplicaState.HEALTHY, 120, "never restarted")
             r["deaths"], r["new_pid"], r["old_pid"] = victim.deaths, victim.pid, pid
             s = await engine.add("c", [3, 3, 3], SamplingParams(max_tokens=20, ignore_eos=True))
             r["c_replica"] = backend.owners.live[s.incarnation].replica
