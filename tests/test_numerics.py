@@ -208,6 +208,39 @@ def test_fast_kquant_weight_follows_what_the_cpu_grants(fmt: str, monkeypatch) -
     assert torch.equal(torch.cat([bf16(x[:4]), bf16(x[4:])]), y)
 
 
+def _extreme_q4_1(n: int, k: int, seed: int):
+    """Q4_1 blocks whose quant bytes are mostly 0x00, 0x0f, 0xf0 and 0xff (the largest and
+    smallest nibbles in either half), with finite f16 scales and minima."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    raw = rng.choice(np.array([0x00, 0x0F, 0xF0, 0xFF, 0x7F, 0x80], dtype=np.uint8), size=(n, k // 32, 20))
+    raw[..., 0:4] = (rng.standard_normal((n, k // 32, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+@needs_int8
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_k"])
+def test_int8_few_row_panels_give_the_many_row_panels_bits(fmt: str) -> None:
+    """Q4_1 and Q4_K at 1-3 rows run int8_few.c's panels (both nibbles through vpdpbusd as
+    they are, the high half's sum shifted out), at 4-6 rows int8_gemm.c's i8_panel: a row
+    gets the reference's bits either way, alone, in a 2- or 3-row call, and in a 6-row one,
+    with the integer sums at their extremes (every q -127 or 127, nibbles 0 or 15)."""
+    n, k = 96, 768
+    raw = _extreme_q4_1(n, k, seed=3) if fmt == "q4_1" else kquant_blocks(fmt, n, k, seed=3)
+    weight = Int8Weight.from_raw(fmt, raw, k)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, k, generator=gen)
+    x[0] = -1.0  # every q -127: the largest negative sums
+    x[1] = torch.where(torch.rand(k, generator=gen) < 0.5, -3.0, 3.0)
+    x[2, : k // 2] = 2.0
+    six = weight(x)  # i8_panel, one chunk of 6
+    assert torch.equal(six, int8_reference(x, fmt, raw))
+    for m in (1, 2, 3):
+        for start in range(0, 6 - m + 1):
+            assert torch.equal(weight(x[start:start + m]), six[start:start + m]), (m, start)
+
+
 @needs_int8
 def test_int8_nonfinite_input_spoils_only_its_row() -> None:
     """A NaN or an infinity in a row's input makes that row's outputs NaN (so the engine's

@@ -1,0 +1,93 @@
+/* The int8 kernel's Q4_1 and Q4_K panels for a few rows (1 to 3: decode of one to three
+ * streams), the same arithmetic as int8_gemm.c's i8_panel, bit for bit, in fewer instructions.
+ *
+ * Why: at one row a thread running i8_panel read its Q4_1 records from cache no faster than
+ * from memory (bench/int8_stream.py: 32 against 30 GB/s on the Intel Xeon host), so a one-row
+ * step on one thread is bound by the instructions a record takes, not by its bytes. i8_panel
+ * splits each 64-byte step into its two nibbles (and, shift, and) and sums each half apart.
+ * Here the step's bytes v go into vpdpbusd as they are, beside their high nibbles h = v & 0xf0:
+ *     A = sum v * q = S_lo + 16 S_hi,   B = sum h * q = 16 S_hi,
+ * so S_lo = A - B and S_hi = B >> 4, exactly (integer sums, |A| < 2^21): one and a step
+ * instead of three. The float steps after the integer sums are i8_panel's, in its order.
+ *
+ * SmolLM2's 30 layers' Q4_1 weights at one row, from the L2 cache (the first three linears
+ * over and over), alternated with i8_panel 200 times: 1.43 against 1.69 ms (median) on one
+ * thread of the Intel Xeon host; from L3 (all 30 layers) the two are level, bound there by
+ * what one core reads (docs/benchmarks.md, "One stream on the Intel Xeon host").
+ *
+ * Layout, formulas and the record sizes: int8_gemm.c (panels of 32 columns; Q4_K's record is
+ * Q4_1's with float32 scales and minima).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "panel.h"
+
+#define GROUP 32
+#define Q4_REC (PANEL * 2 * 2 + GROUP / 2 * PANEL)
+#define Q4K_REC (PANEL * 4 * 2 + GROUP / 2 * PANEL)
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+
+static inline TARGET __m512 f16x16(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+
+static inline TARGET __attribute__((always_inline)) void
+q4_few(const int8_t* xq, const float* xd, const float* xds, int K, const uint8_t* P, float* y,
+       long ldy, const int mr, const int f32) {
+    const int groups = K / GROUP;
+    const long rec_bytes = f32 ? Q4K_REC : Q4_REC;
+    const int head = f32 ? 256 : 128; /* bytes of scales and minima before the quants */
+    const __m512i high = _mm512_set1_epi8((char)0xf0);
+    __m512 acc[3][2];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        const uint8_t* rec = P + (long)g * rec_bytes;
+        /* even and odd steps apart: more vpdpbusd chains in flight (integer sums: any order) */
+        __m512i a[3][2], b[3][2];
+        for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = b[r][0] = b[r][1] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8") for (int t = 0; t < GROUP / 4; t++) {
+            __m512i v = _mm512_loadu_si512((const void*)(rec + head + t * 64));
+            __m512i h = _mm512_and_si512(v, high);
+            for (int r = 0; r < mr; r++) {
+                __m512i xv = _mm512_set1_epi32(*(const int32_t*)(xq + (long)r * K + g * GROUP + 4 * t));
+                a[r][t & 1] = _mm512_dpbusd_epi32(a[r][t & 1], v, xv);
+                b[r][t & 1] = _mm512_dpbusd_epi32(b[r][t & 1], h, xv);
+            }
+        }
+        const float* fs = (const float*)rec;
+        __m512 d0 = f32 ? _mm512_loadu_ps(fs) : f16x16(rec), d1 = f32 ? _mm512_loadu_ps(fs + 16) : f16x16(rec + 32);
+        __m512 m0 = f32 ? _mm512_loadu_ps(fs + 32) : f16x16(rec + 64);
+        __m512 m1 = f32 ? _mm512_loadu_ps(fs + 48) : f16x16(rec + 96);
+        for (int r = 0; r < mr; r++) {
+            __m512i A = _mm512_add_epi32(a[r][0], a[r][1]), B = _mm512_add_epi32(b[r][0], b[r][1]);
+            __m512i lo = _mm512_sub_epi32(A, B), hi = _mm512_srai_epi32(B, 4);
+            long i = (long)r * groups + g;
+            __m512 xdr = _mm512_set1_ps(xd[i]), xdsr = _mm512_set1_ps(xds[i]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(d0, xdr), acc[r][0]);
+            acc[r][0] = _mm512_fmadd_ps(m0, xdsr, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(d1, xdr), acc[r][1]);
+            acc[r][1] = _mm512_fmadd_ps(m1, xdsr, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm512_storeu_ps(y + r * ldy, acc[r][0]);
+        _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
+    }
+}
+
+/* int8_gemm.c's PanelFn for 1, 2 and 3 rows of a Q4_1 or Q4_K weight (xs unused: they take
+ * ds). */
+#define FEW_FN(kind, f32, n)                                                                     \
+    TARGET void stopline_##kind##_i8_few_##n(const int8_t* xq, const float* xd, const float* xds, \
+                                             const int32_t* xs, int K, const uint8_t* P, float* y, \
+                                             long ldy) {                                           \
+        (void)xs;                                                                                  \
+        q4_few(xq, xd, xds, K, P, y, ldy, n, f32);                                                 \
+    }
+FEW_FN(q4_1, 0, 1)
+FEW_FN(q4_1, 0, 2)
+FEW_FN(q4_1, 0, 3)
+FEW_FN(q4_k, 1, 1)
+FEW_FN(q4_k, 1, 2)
+FEW_FN(q4_k, 1, 3)
