@@ -165,6 +165,22 @@ static void gemm(const Layer* l, int which, const Step* s, const float* x, float
                            l->lora_parts[which], s->lora_scale, l->lora_r[which], K, N);
 }
 
+/* Built with -DSTOPLINE_PROFILE (bench/onerow_profile.py), the loop adds each section's
+ * seconds to prof[] and stopline_decoder_profile hands them out and zeroes them: where a
+ * step's time goes, measured inside the C call. Off in the engine's build. */
+enum { P_NORM, P_QKV, P_ROPE, P_ATTN, P_O, P_GATE_UP, P_SILU, P_DOWN, P_N };
+#ifdef STOPLINE_PROFILE
+static double prof[P_N];
+#define MARK(t) double t = seconds()
+#define SECTION(i, t) (prof[i] += seconds() - (t), t = seconds())
+void stopline_decoder_profile(double* out) {
+    for (int i = 0; i < P_N; i++) out[i] = prof[i], prof[i] = 0.0;
+}
+#else
+#define MARK(t) (void)0
+#define SECTION(i, t) (void)0
+#endif
+
 /* x: [rows][hidden], the residual stream, updated in place. Returns 0 when every layer ran,
  * 1 when *interrupt stopped it (*ran: layers completed), 2 when the attention could not get
  * its scratch memory. */
@@ -177,22 +193,32 @@ int stopline_decoder_layers(const Layer* layers, int n_layers, const Step* s, fl
         *ran = li;
         if (*s->interrupt) return 1;
         const Layer* l = layers + li;
+        MARK(t);
         if (li == 0)
             stopline_rms_norm(x, l->ln1, s->h, n, s->hidden, s->eps);
         else
             stopline_add_rms_norm(x, s->res, l->ln1, s->h, n, s->hidden, s->eps);
+        SECTION(P_NORM, t);
         gemm(l, QKV, s, s->h, s->qkv, n, s->hidden, qkv_width);
+        SECTION(P_QKV, t);
         stopline_rope_store(s->qkv, n, s->heads, s->kv_heads, s->d, s->positions, s->cos, s->sin,
                             s->write_slots, l->k_cache, l->v_cache, s->slots, s->q);
+        SECTION(P_ROPE, t);
         if (stopline_paged_attention(s->q, hd, l->k_cache, l->v_cache, s->attn, n, s->heads,
                                      s->kv_heads, s->d, s->slots, s->bs, s->nkeys, s->table_at,
                                      s->tables, s->max_keys, s->scale))
             return 2;
+        SECTION(P_ATTN, t);
         gemm(l, O, s, s->attn, s->o, n, hd, s->hidden);
+        SECTION(P_O, t);
         stopline_add_rms_norm(x, s->o, l->ln2, s->h, n, s->hidden, s->eps);
+        SECTION(P_NORM, t);
         gemm(l, GATE_UP, s, s->h, s->gu, n, s->hidden, 2 * s->inter);
+        SECTION(P_GATE_UP, t);
         stopline_silu_mul(s->gu, n, s->inter, s->act);
+        SECTION(P_SILU, t);
         gemm(l, DOWN, s, s->act, s->res, n, s->inter, s->hidden);
+        SECTION(P_DOWN, t);
     }
     *ran = n_layers;
     long total = (long)n * s->hidden;
