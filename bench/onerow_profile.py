@@ -6,6 +6,8 @@
                                                   # -DSTOPLINE_PROFILE, its own cached .so)
     python bench/onerow_profile.py --ab old.so    # steps alternate between the engine's kernels
                                                   # and another build's fused decoder (A/B)
+    python bench/onerow_profile.py --prefetch 0 4096  # steps alternate between the int8
+                                                  # kernel's prefetch distances (int8_few.c)
 
 Per step: the engine's whole step (`eng.step()`), the model's forward, the fused C decoder's
 call, the linears inside it (DecoderLoop.linear_s: quantizing the input and the int8 GEMV),
@@ -42,6 +44,7 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=20)
     ap.add_argument("--threads", type=int, nargs="+", default=[0], help="0: the engine's policy")
     ap.add_argument("--sections", action="store_true")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[-1], help="-1: the engine's choice")
     ap.add_argument("--ab", default=None, metavar="SO", help="another build of the kernels to alternate with")
     args = ap.parse_args()
     from stopline.model.kernels import native
@@ -94,14 +97,18 @@ def main() -> None:
                                              ignore_eos=True))
     for _ in range(args.warm):
         eng.step()
-    combos = [(t, f) for t in args.threads for f in fns]
+    combos = [(t, f, p) for t in args.threads for f in fns for p in args.prefetch]
+    lib = native.kernels()
+    default_pf = lib.stopline_int8_prefetch(0)
+    lib.stopline_int8_prefetch(default_pf)
     rows: dict = {c: {k: [] for k in ("step", "forward", "decoder", "linears", "head", *names)} for c in combos}
     full = torch.get_num_threads()
     if prof:
         prof(sec)
     for i in range(args.steps * len(combos)):
-        th, f = combos[i % len(combos)]
+        th, f, pf = combos[i % len(combos)]
         dec._fn = fns[f]
+        lib.stopline_int8_prefetch(default_pf if pf < 0 else pf)
         if th:
             torch.set_num_threads(th)
         for k in acc:
@@ -109,7 +116,7 @@ def main() -> None:
         dec.linear_s.zero_()
         t0 = time.perf_counter()
         eng.step()
-        r = rows[(th, f)]
+        r = rows[(th, f, pf)]
         if prof:
             prof(sec)
             for j, name in enumerate(names):
@@ -120,8 +127,9 @@ def main() -> None:
         r["linears"].append(float(dec.linear_s[0]))
         r["head"].append(acc["head"])
         torch.set_num_threads(full)
-    for (th, f), r in rows.items():
-        print(f"threads {th or 'policy'}, build {f}: ms median [p25-p75] over {len(r['step'])} steps")
+    for (th, f, pf), r in rows.items():
+        print(f"threads {th or 'policy'}, build {f}, prefetch {default_pf if pf < 0 else pf}: "
+              f"ms median [p25-p75] over {len(r['step'])} steps")
         derived = {
             "step": r["step"],
             "  engine python (step - forward)": [a - b for a, b in zip(r["step"], r["forward"], strict=True)],

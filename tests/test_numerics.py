@@ -220,25 +220,53 @@ def _extreme_q4_1(n: int, k: int, seed: int):
 
 
 @needs_int8
-@pytest.mark.parametrize("fmt", ["q4_1", "q4_k"])
-def test_int8_few_row_panels_give_the_many_row_panels_bits(fmt: str) -> None:
-    """Q4_1 and Q4_K at 1-3 rows run int8_few.c's panels (both nibbles through vpdpbusd as
-    they are, the high half's sum shifted out), at 4-6 rows int8_gemm.c's i8_panel: a row
-    gets the reference's bits either way, alone, in a 2- or 3-row call, and in a 6-row one,
-    with the integer sums at their extremes (every q -127 or 127, nibbles 0 or 15)."""
+@pytest.mark.parametrize("prefetch", [0, 4096])
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_k", "q8_0"])
+def test_int8_few_row_panels_give_the_many_row_panels_bits(fmt: str, prefetch: int) -> None:
+    """At 1-3 rows the int8 kernel runs int8_few.c's panels (Q4_1 and Q4_K: both nibbles
+    through vpdpbusd as they are, the high half's sum shifted out; all three: a prefetch
+    where it is on), at 4-6 rows int8_gemm.c's i8_panel: a row gets the reference's bits
+    either way, alone, in a 2- or 3-row call and in a 6-row one, with the integer sums at
+    their extremes (every q -127 or 127, nibbles 0 or 15), prefetching or not."""
     n, k = 96, 768
-    raw = _extreme_q4_1(n, k, seed=3) if fmt == "q4_1" else kquant_blocks(fmt, n, k, seed=3)
+    if fmt == "q4_1":
+        raw = _extreme_q4_1(n, k, seed=3)
+    elif fmt == "q8_0":
+        raw, _ = _blocks(fmt, n, k, seed=3)
+    else:
+        raw = kquant_blocks(fmt, n, k, seed=3)
     weight = Int8Weight.from_raw(fmt, raw, k)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, k, generator=gen)
     x[0] = -1.0  # every q -127: the largest negative sums
     x[1] = torch.where(torch.rand(k, generator=gen) < 0.5, -3.0, 3.0)
     x[2, : k // 2] = 2.0
-    six = weight(x)  # i8_panel, one chunk of 6
-    assert torch.equal(six, int8_reference(x, fmt, raw))
-    for m in (1, 2, 3):
-        for start in range(0, 6 - m + 1):
-            assert torch.equal(weight(x[start:start + m]), six[start:start + m]), (m, start)
+    lib = try_kernels()
+    old = lib.stopline_int8_prefetch(prefetch)
+    try:
+        six = weight(x)  # i8_panel, one chunk of 6
+        assert torch.equal(six, int8_reference(x, fmt, raw))
+        for m in (1, 2, 3):
+            for start in range(0, 6 - m + 1):
+                assert torch.equal(weight(x[start:start + m]), six[start:start + m]), (m, start)
+    finally:
+        lib.stopline_int8_prefetch(old)
+
+
+def test_int8_prefetch_follows_the_env_and_the_vendor(monkeypatch) -> None:
+    """STOPLINE_INT8_PREFETCH wins (a bad value is ignored); unset, Intel gets 4096 bytes."""
+    from stopline.model.kernels import native
+
+    monkeypatch.setenv(native.PREFETCH_SWITCH, "0")
+    assert native.int8_prefetch() == 0
+    monkeypatch.setenv(native.PREFETCH_SWITCH, "2560")
+    assert native.int8_prefetch() == 2560
+    monkeypatch.setenv(native.PREFETCH_SWITCH, "lots")
+    monkeypatch.setattr(native, "_vendor", lambda: "GenuineIntel")
+    assert native.int8_prefetch() == 4096
+    monkeypatch.delenv(native.PREFETCH_SWITCH)
+    monkeypatch.setattr(native, "_vendor", lambda: "AuthenticAMD")
+    assert native.int8_prefetch() == 0
 
 
 @needs_int8

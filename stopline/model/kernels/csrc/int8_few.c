@@ -28,6 +28,17 @@
 #define Q4K_REC (PANEL * 4 * 2 + GROUP / 2 * PANEL)
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
+/* Bytes ahead of the record in use that a pass fetches into L1, 0: none (the default; see
+ * stopline_int8_prefetch). */
+static int prefetch_ahead;
+
+/* Sets the few-row panels' prefetch distance in bytes (0 turns it off); returns the old one. */
+int stopline_int8_prefetch(int bytes) {
+    int old = prefetch_ahead;
+    prefetch_ahead = bytes > 0 ? bytes : 0;
+    return old;
+}
+
 static inline TARGET __m512 f16x16(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 }
@@ -38,11 +49,14 @@ q4_few(const int8_t* xq, const float* xd, const float* xds, int K, const uint8_t
     const int groups = K / GROUP;
     const long rec_bytes = f32 ? Q4K_REC : Q4_REC;
     const int head = f32 ? 256 : 128; /* bytes of scales and minima before the quants */
+    const long ahead = prefetch_ahead;
     const __m512i high = _mm512_set1_epi8((char)0xf0);
     __m512 acc[3][2];
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
         const uint8_t* rec = P + (long)g * rec_bytes;
+        if (ahead)
+            for (long c = 0; c < rec_bytes; c += 64) _mm_prefetch((const char*)(rec + ahead + c), _MM_HINT_T0);
         /* even and odd steps apart: more vpdpbusd chains in flight (integer sums: any order) */
         __m512i a[3][2], b[3][2];
         for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = b[r][0] = b[r][1] = _mm512_setzero_si512();
@@ -75,6 +89,64 @@ q4_few(const int8_t* xq, const float* xd, const float* xds, int K, const uint8_t
         _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
     }
 }
+
+/* Q8_0 (the LM head's format in SmolLM2's GGUF): i8_panel's steps as they are, with the
+ * prefetch. Its record: dw[32] f16, then 8 steps of 128 bytes, v + 128 of columns 0-15 in the
+ * first 64 and of 16-31 in the second; x's offset 128 * s comes off each exact sum. */
+#define Q8_REC (PANEL * 2 + GROUP * PANEL)
+static inline TARGET __attribute__((always_inline)) void
+q8_few(const int8_t* xq, const float* xd, const int32_t* xs, int K, const uint8_t* P, float* y,
+       long ldy, const int mr) {
+    const int groups = K / GROUP;
+    const long ahead = prefetch_ahead;
+    __m512 acc[3][2];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        const uint8_t* rec = P + (long)g * Q8_REC;
+        if (ahead)
+            for (long c = 0; c < Q8_REC; c += 64) _mm_prefetch((const char*)(rec + ahead + c), _MM_HINT_T0);
+        __m512i a[3][2], b[3][2]; /* even steps' sums of each half, odd steps' */
+        for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = b[r][0] = b[r][1] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8") for (int t = 0; t < GROUP / 4; t++) {
+            __m512i w0 = _mm512_loadu_si512((const void*)(rec + 64 + t * 128));
+            __m512i w1 = _mm512_loadu_si512((const void*)(rec + 64 + t * 128 + 64));
+            for (int r = 0; r < mr; r++) {
+                __m512i xv = _mm512_set1_epi32(*(const int32_t*)(xq + (long)r * K + g * GROUP + 4 * t));
+                if (t & 1) {
+                    b[r][0] = _mm512_dpbusd_epi32(b[r][0], w0, xv);
+                    b[r][1] = _mm512_dpbusd_epi32(b[r][1], w1, xv);
+                } else {
+                    a[r][0] = _mm512_dpbusd_epi32(a[r][0], w0, xv);
+                    a[r][1] = _mm512_dpbusd_epi32(a[r][1], w1, xv);
+                }
+            }
+        }
+        __m512 d0 = f16x16(rec), d1 = f16x16(rec + 32);
+        for (int r = 0; r < mr; r++) {
+            long i = (long)r * groups + g;
+            __m512i off = _mm512_set1_epi32(128 * xs[i]);
+            __m512 xdr = _mm512_set1_ps(xd[i]);
+            __m512i s0 = _mm512_add_epi32(a[r][0], b[r][0]), s1 = _mm512_add_epi32(a[r][1], b[r][1]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, off)), _mm512_mul_ps(d0, xdr), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s1, off)), _mm512_mul_ps(d1, xdr), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm512_storeu_ps(y + r * ldy, acc[r][0]);
+        _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
+    }
+}
+
+#define Q8_FEW_FN(n)                                                                                \
+    TARGET void stopline_q8_0_i8_few_##n(const int8_t* xq, const float* xd, const float* xds,      \
+                                         const int32_t* xs, int K, const uint8_t* P, float* y,     \
+                                         long ldy) {                                               \
+        (void)xds;                                                                                 \
+        q8_few(xq, xd, xs, K, P, y, ldy, n);                                                       \
+    }
+Q8_FEW_FN(1)
+Q8_FEW_FN(2)
+Q8_FEW_FN(3)
 
 /* int8_gemm.c's PanelFn for 1, 2 and 3 rows of a Q4_1 or Q4_K weight (xs unused: they take
  * ds). */

@@ -202,16 +202,21 @@ typedef void (*PanelFn)(const int8_t* xq, const float* xd, const float* xds, con
                                                   kind##_panel_3, kind##_panel_4,               \
                                                   kind##_panel_5, kind##_panel_6};
 PANEL_FNS(q4, F_Q4_1)
-/* Q4_1 and Q4_K at 1-3 rows: int8_few.c's panels (the same bits in fewer instructions). */
+/* Q4_1, Q4_K and Q8_0 at 1-3 rows: int8_few.c's panels (the same bits; fewer instructions for
+ * the 4-bit ones, and a software prefetch where stopline_int8_prefetch turns it on). */
 #define FEW_DECL(kind, n)                                                                        \
     void stopline_##kind##_i8_few_##n(const int8_t*, const float*, const float*, const int32_t*, \
                                       int, const uint8_t*, float*, long);
 FEW_DECL(q4_1, 1) FEW_DECL(q4_1, 2) FEW_DECL(q4_1, 3)
 FEW_DECL(q4_k, 1) FEW_DECL(q4_k, 2) FEW_DECL(q4_k, 3)
+FEW_DECL(q8_0, 1) FEW_DECL(q8_0, 2) FEW_DECL(q8_0, 3)
 static const PanelFn q4_few_panels[MR + 1] = {0, stopline_q4_1_i8_few_1, stopline_q4_1_i8_few_2,
                                               stopline_q4_1_i8_few_3, q4_panel_4, q4_panel_5,
                                               q4_panel_6};
 PANEL_FNS(q8, F_Q8_0)
+static const PanelFn q8_few_panels[MR + 1] = {0, stopline_q8_0_i8_few_1, stopline_q8_0_i8_few_2,
+                                              stopline_q8_0_i8_few_3, q8_panel_4, q8_panel_5,
+                                              q8_panel_6};
 PANEL_FNS(q4k, F_Q4_K)
 static const PanelFn q4k_few_panels[MR + 1] = {0, stopline_q4_k_i8_few_1, stopline_q4_k_i8_few_2,
                                                stopline_q4_k_i8_few_3, q4k_panel_4, q4k_panel_5,
@@ -247,7 +252,7 @@ void stopline_q4_1_i8_gemm(const int8_t* q, const float* d, const float* ds, con
 
 void stopline_q8_0_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
                            const uint8_t* w, float* y, int M, int K, int N) {
-    gemm(q8_panels, Q8_REC, q, d, ds, s, w, y, M, K, N, 1);
+    gemm(q8_few_panels, Q8_REC, q, d, ds, s, w, y, M, K, N, 1);
 }
 
 void stopline_q4_k_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
