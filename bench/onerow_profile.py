@@ -93,7 +93,7 @@ def main() -> None:
                 acc["head"] += time.perf_counter() - t
     model.lm_head = Head()
     ids = chat_prompts(eng.loaded, 1)[0]
-    eng.add_request("p", ids, SamplingParams(temperature=0.0, max_tokens=args.warm + args.steps * len(args.threads) + 8,
+    eng.add_request("p", ids, SamplingParams(temperature=0.0, max_tokens=args.warm + args.steps * len(args.threads) * len(fns) * len(args.prefetch) + 8,
                                              ignore_eos=True))
     for _ in range(args.warm):
         eng.step()
@@ -108,7 +108,8 @@ def main() -> None:
     for i in range(args.steps * len(combos)):
         th, f, pf = combos[i % len(combos)]
         dec._fn = fns[f]
-        lib.stopline_int8_prefetch(default_pf if pf < 0 else pf)
+        # B's LM head runs on this build's Q8_0 kernel: without prefetch, as the other build's
+        lib.stopline_int8_prefetch(0 if f == "B" and pf < 0 else default_pf if pf < 0 else pf)
         if th:
             torch.set_num_threads(th)
         for k in acc:
@@ -128,7 +129,8 @@ def main() -> None:
         r["head"].append(acc["head"])
         torch.set_num_threads(full)
     for (th, f, pf), r in rows.items():
-        print(f"threads {th or 'policy'}, build {f}, prefetch {default_pf if pf < 0 else pf}: "
+        shown = 0 if f == "B" and pf < 0 else default_pf if pf < 0 else pf
+        print(f"threads {th or 'policy'}, build {f}, prefetch {shown}: "
               f"ms median [p25-p75] over {len(r['step'])} steps")
         derived = {
             "step": r["step"],

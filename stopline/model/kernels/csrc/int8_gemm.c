@@ -58,7 +58,8 @@ enum { F_Q4_1, F_Q8_0, F_Q4_K, F_Q6_K };
  * SmolLM2's 30 layers and head at one row, interleaved, three runs: 2.95-3.43 ms without,
  * 3.47-3.82 ms with fetch_record's 2 KiB + 12 KiB, 3.56-4.15 ms with 2 KiB alone. One thread
  * alone (bench/int8_stream.py): 26 GB/s without, 21-24 with each record fetched 4-16 KiB ahead
- * into L1, L2 or non-temporally. */
+ * into L1, L2 or non-temporally. On the Intel Xeon host the opposite held at 1-3 rows, so
+ * int8_few.c's panels (which take those rows) prefetch there, by CPU vendor (native.py). */
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
 /* x: M x K float32 -> q: M x K int8, d, ds: M x K/32 float, s: M x K/32 int32. K a multiple
