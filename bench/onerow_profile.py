@@ -57,10 +57,13 @@ def main() -> None:
     dec = model.decoder
     dec.linear_s = torch.zeros(1, dtype=torch.float64)
     fns = {"A": dec._fn}
+    other_pf = None
     if args.ab:
         other = ctypes.CDLL(args.ab).stopline_decoder_layers
         other.argtypes, other.restype = dec._fn.argtypes, dec._fn.restype
         fns["B"] = other
+        # a build with int8_few.c's prefetch gets A's setting (its own default is none)
+        other_pf = getattr(ctypes.CDLL(args.ab), "stopline_int8_prefetch", None)
     names = ["C loop norms", "qkv", "rope+store", "attention", "o", "gate_up", "silu", "down"]
     sec = (ctypes.c_double * len(names))()
     prof = native.kernels().stopline_decoder_profile if args.sections else None
@@ -108,8 +111,12 @@ def main() -> None:
     for i in range(args.steps * len(combos)):
         th, f, pf = combos[i % len(combos)]
         dec._fn = fns[f]
-        # B's LM head runs on this build's Q8_0 kernel: without prefetch, as the other build's
-        lib.stopline_int8_prefetch(0 if f == "B" and pf < 0 else default_pf if pf < 0 else pf)
+        # B's LM head runs on this build's Q8_0 kernel: without prefetch where the other build
+        # has none (main's), unless --prefetch names a distance
+        bare = f == "B" and pf < 0 and other_pf is None
+        lib.stopline_int8_prefetch(0 if bare else default_pf if pf < 0 else pf)
+        if args.ab and other_pf is not None:
+            other_pf(default_pf if pf < 0 else pf)
         if th:
             torch.set_num_threads(th)
         for k in acc:
@@ -129,7 +136,7 @@ def main() -> None:
         r["head"].append(acc["head"])
         torch.set_num_threads(full)
     for (th, f, pf), r in rows.items():
-        shown = 0 if f == "B" and pf < 0 else default_pf if pf < 0 else pf
+        shown = 0 if f == "B" and pf < 0 and other_pf is None else default_pf if pf < 0 else pf
         print(f"threads {th or 'policy'}, build {f}, prefetch {shown}: "
               f"ms median [p25-p75] over {len(r['step'])} steps")
         derived = {
