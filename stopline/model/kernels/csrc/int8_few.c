@@ -1,19 +1,24 @@
-/* The int8 kernel's Q4_1 and Q4_K panels for a few rows (1 to 3: decode of one to three
- * streams), the same arithmetic as int8_gemm.c's i8_panel, bit for bit, in fewer instructions.
+/* The int8 kernel's panels for a few rows (1 to 3: decode of one to three streams) of Q4_1,
+ * Q4_K and Q8_0 weights: int8_gemm.c's i8_panel arithmetic, bit for bit, with fewer
+ * instructions for the 4-bit formats and a software prefetch where it pays.
  *
- * Why: at one row a thread running i8_panel read its Q4_1 records from cache no faster than
- * from memory (bench/int8_stream.py: 32 against 30 GB/s on the Intel Xeon host), so a one-row
- * step on one thread is bound by the instructions a record takes, not by its bytes. i8_panel
- * splits each 64-byte step into its two nibbles (and, shift, and) and sums each half apart.
- * Here the step's bytes v go into vpdpbusd as they are, beside their high nibbles h = v & 0xf0:
+ * Fewer instructions. i8_panel splits each 64-byte step of a 4-bit record into its two
+ * nibbles (and, shift, and) and sums each half apart. Here the step's bytes v go into
+ * vpdpbusd as they are, beside their high nibbles h = v & 0xf0:
  *     A = sum v * q = S_lo + 16 S_hi,   B = sum h * q = 16 S_hi,
  * so S_lo = A - B and S_hi = B >> 4, exactly (integer sums, |A| < 2^21): one and a step
  * instead of three. The float steps after the integer sums are i8_panel's, in its order.
+ * SmolLM2's Q4_1 layers at one row on one thread of the Intel Xeon host, 200 passes
+ * alternated with i8_panel: 1.43 against 1.69 ms (median) from L2 (the first three linears
+ * over and over); from L3 or memory (all 30 layers) level, bound there by what one core reads.
  *
- * SmolLM2's 30 layers' Q4_1 weights at one row, from the L2 cache (the first three linears
- * over and over), alternated with i8_panel 200 times: 1.43 against 1.69 ms (median) on one
- * thread of the Intel Xeon host; from L3 (all 30 layers) the two are level, bound there by
- * what one core reads (docs/benchmarks.md, "One stream on the Intel Xeon host").
+ * Prefetch. On the Intel Xeon host, with each record fetched 2-8 KiB ahead into L1, a
+ * one-stream step's linears took 6-48% less time (medians of steps alternated in one
+ * process, one and two threads, a shared host) and the kernel alone 12%; on the AMD EPYC (Zen 4)
+ * host every prefetch tried slowed it (int8_gemm.c). So the distance is a setting,
+ * stopline_int8_prefetch, which native.py makes 4096 on Intel and 0 elsewhere. Prefetches
+ * past a weight's end are hints that never fault. (docs/benchmarks.md, "One stream on the
+ * Intel Xeon host".)
  *
  * Layout, formulas and the record sizes: int8_gemm.c (panels of 32 columns; Q4_K's record is
  * Q4_1's with float32 scales and minima).
