@@ -221,7 +221,7 @@ def _extreme_q4_1(n: int, k: int, seed: int):
 
 @needs_int8
 @pytest.mark.parametrize("prefetch", [0, 4096])
-@pytest.mark.parametrize("fmt", ["q4_1", "q4_k", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_k", "q8_0", "q6_k"])
 def test_int8_few_row_panels_give_the_many_row_panels_bits(fmt: str, prefetch: int) -> None:
     """At 1-3 rows the int8 kernel runs int8_few.c's panels (Q4_1 and Q4_K: both nibbles
     through vpdpbusd as they are, the high half's sum shifted out; all three: a prefetch

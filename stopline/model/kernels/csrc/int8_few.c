@@ -1,5 +1,5 @@
 /* The int8 kernel's panels for a few rows (1 to 3: decode of one to three streams) of Q4_1,
- * Q4_K and Q8_0 weights: int8_gemm.c's i8_panel arithmetic, bit for bit, with fewer
+ * Q4_K, Q8_0 and Q6_K weights: int8_gemm.c's i8_panel arithmetic, bit for bit, with fewer
  * instructions for the 4-bit formats and a software prefetch where it pays.
  *
  * Fewer instructions. i8_panel splits each 64-byte step of a 4-bit record into its two
@@ -152,6 +152,71 @@ q8_few(const int8_t* xq, const float* xd, const int32_t* xs, int K, const uint8_
 Q8_FEW_FN(1)
 Q8_FEW_FN(2)
 Q8_FEW_FN(3)
+
+/* Q6_K: i8_panel's steps too, with the prefetch. Its record: s0[32], s1[32] float32 (the
+ * scales of k 0-15 and of k 16-31), then Q8_0's 8 steps of q + 128; steps 0-3 are the first
+ * half, 4-7 the second, each with its own exact sum and x's offset (xs: x's sums per 16 k). */
+#define Q6K_REC (PANEL * 4 * 2 + GROUP * PANEL)
+static inline TARGET __attribute__((always_inline)) void
+q6k_few(const int8_t* xq, const float* xd, const int32_t* xs, int K, const uint8_t* P, float* y,
+        long ldy, const int mr) {
+    const int groups = K / GROUP;
+    const long ahead = prefetch_ahead;
+    __m512 acc[3][2];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        const uint8_t* rec = P + (long)g * Q6K_REC;
+        if (ahead)
+            for (long c = 0; c < Q6K_REC; c += 64) _mm_prefetch((const char*)(rec + ahead + c), _MM_HINT_T0);
+        __m512i lo[3][2], hi[3][2]; /* steps 0-3 (k 0-15), steps 4-7 (k 16-31) */
+        for (int r = 0; r < mr; r++) lo[r][0] = lo[r][1] = hi[r][0] = hi[r][1] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8") for (int t = 0; t < GROUP / 4; t++) {
+            __m512i w0 = _mm512_loadu_si512((const void*)(rec + 256 + t * 128));
+            __m512i w1 = _mm512_loadu_si512((const void*)(rec + 256 + t * 128 + 64));
+            for (int r = 0; r < mr; r++) {
+                __m512i xv = _mm512_set1_epi32(*(const int32_t*)(xq + (long)r * K + g * GROUP + 4 * t));
+                if (t >= 4) {
+                    hi[r][0] = _mm512_dpbusd_epi32(hi[r][0], w0, xv);
+                    hi[r][1] = _mm512_dpbusd_epi32(hi[r][1], w1, xv);
+                } else {
+                    lo[r][0] = _mm512_dpbusd_epi32(lo[r][0], w0, xv);
+                    lo[r][1] = _mm512_dpbusd_epi32(lo[r][1], w1, xv);
+                }
+            }
+        }
+        const float* fs = (const float*)rec;
+        __m512 d0 = _mm512_loadu_ps(fs), d1 = _mm512_loadu_ps(fs + 16);
+        __m512 e0 = _mm512_loadu_ps(fs + 32), e1 = _mm512_loadu_ps(fs + 48);
+        for (int r = 0; r < mr; r++) {
+            long i = (long)r * groups + g;
+            __m512i off_lo = _mm512_set1_epi32(128 * xs[2 * i]), off_hi = _mm512_set1_epi32(128 * xs[2 * i + 1]);
+            __m512 xdr = _mm512_set1_ps(xd[i]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo[r][0], off_lo)),
+                                        _mm512_mul_ps(d0, xdr), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo[r][1], off_lo)),
+                                        _mm512_mul_ps(d1, xdr), acc[r][1]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi[r][0], off_hi)),
+                                        _mm512_mul_ps(e0, xdr), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi[r][1], off_hi)),
+                                        _mm512_mul_ps(e1, xdr), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm512_storeu_ps(y + r * ldy, acc[r][0]);
+        _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
+    }
+}
+
+#define Q6K_FEW_FN(n)                                                                               \
+    TARGET void stopline_q6_k_i8_few_##n(const int8_t* xq, const float* xd, const float* xds,      \
+                                         const int32_t* xs, int K, const uint8_t* P, float* y,     \
+                                         long ldy) {                                               \
+        (void)xds;                                                                                 \
+        q6k_few(xq, xd, xs, K, P, y, ldy, n);                                                      \
+    }
+Q6K_FEW_FN(1)
+Q6K_FEW_FN(2)
+Q6K_FEW_FN(3)
 
 /* int8_gemm.c's PanelFn for 1, 2 and 3 rows of a Q4_1 or Q4_K weight (xs unused: they take
  * ds). */

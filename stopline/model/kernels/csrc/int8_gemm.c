@@ -203,7 +203,7 @@ typedef void (*PanelFn)(const int8_t* xq, const float* xd, const float* xds, con
                                                   kind##_panel_3, kind##_panel_4,               \
                                                   kind##_panel_5, kind##_panel_6};
 PANEL_FNS(q4, F_Q4_1)
-/* Q4_1, Q4_K and Q8_0 at 1-3 rows: int8_few.c's panels (the same bits; fewer instructions for
+/* Q4_1, Q4_K, Q8_0 and Q6_K at 1-3 rows: int8_few.c's panels (the same bits; fewer instructions for
  * the 4-bit ones, and a software prefetch where stopline_int8_prefetch turns it on). */
 #define FEW_DECL(kind, n)                                                                        \
     void stopline_##kind##_i8_few_##n(const int8_t*, const float*, const float*, const int32_t*, \
@@ -211,6 +211,7 @@ PANEL_FNS(q4, F_Q4_1)
 FEW_DECL(q4_1, 1) FEW_DECL(q4_1, 2) FEW_DECL(q4_1, 3)
 FEW_DECL(q4_k, 1) FEW_DECL(q4_k, 2) FEW_DECL(q4_k, 3)
 FEW_DECL(q8_0, 1) FEW_DECL(q8_0, 2) FEW_DECL(q8_0, 3)
+FEW_DECL(q6_k, 1) FEW_DECL(q6_k, 2) FEW_DECL(q6_k, 3)
 static const PanelFn q4_few_panels[MR + 1] = {0, stopline_q4_1_i8_few_1, stopline_q4_1_i8_few_2,
                                               stopline_q4_1_i8_few_3, q4_panel_4, q4_panel_5,
                                               q4_panel_6};
@@ -223,6 +224,9 @@ static const PanelFn q4k_few_panels[MR + 1] = {0, stopline_q4_k_i8_few_1, stopli
                                                stopline_q4_k_i8_few_3, q4k_panel_4, q4k_panel_5,
                                                q4k_panel_6};
 PANEL_FNS(q6k, F_Q6_K)
+static const PanelFn q6k_few_panels[MR + 1] = {0, stopline_q6_k_i8_few_1, stopline_q6_k_i8_few_2,
+                                               stopline_q6_k_i8_few_3, q6k_panel_4, q6k_panel_5,
+                                               q6k_panel_6};
 
 /* Each thread takes whole panels (guided, as quant_gemm.c, for neighbours); a panel runs its
  * rows in chunks of at most MR, as even as possible. The chunking changes which registers hold
@@ -264,5 +268,5 @@ void stopline_q4_k_i8_gemm(const int8_t* q, const float* d, const float* ds, con
 /* s here: x's quant sums per 16 k (M x K/16), one per Q6_K scale. */
 void stopline_q6_k_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
                            const uint8_t* w, float* y, int M, int K, int N) {
-    gemm(q6k_panels, Q6K_REC, q, d, ds, s, w, y, M, K, N, 2);
+    gemm(q6k_few_panels, Q6K_REC, q, d, ds, s, w, y, M, K, N, 2);
 }
