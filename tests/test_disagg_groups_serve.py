@@ -2,8 +2,8 @@
 Gemma 3: local layers of window 16, a global layer; blocks of 4): greedy output and n = 2
 equal to one engine's for prompts shorter and longer than the window; /metrics counts the
 blocks each group shipped (the local group fewer once a prompt passes the window); the
-console's snapshot lists both groups' pools; a stream cut mid-answer leaves every group's
-pool of both roles empty."""
+console's snapshot lists both groups' pools; a stream cut mid-answer, and a prefill role
+killed mid-prefill, leave every group's pool empty (the restarted role serves again)."""
 
 from __future__ import annotations
 
@@ -55,10 +55,18 @@ def _moved(srv: ServerProcess) -> dict[tuple[str, str], float]:
             for d, r in (("sent", "prefill"), ("received", "decode")) for g in ("0", "1")}
 
 
-def _group_used(srv: ServerProcess) -> list[float]:
+def _group_used(srv: ServerProcess, roles: tuple[str, ...] = ("prefill", "decode")) -> list[float]:
     m = srv.metrics()
     return [m[f'stopline_kv_group_blocks{{group="{g}",replica="{r}",state="used",window="{w}"}}']
-            for r in ("prefill", "decode") for g, w in (("0", "0"), ("1", "16"))]
+            for r in roles for g, w in (("0", "0"), ("1", "16"))]
+
+
+def _wait_empty(srv: ServerProcess, roles: tuple[str, ...] = ("prefill", "decode")) -> None:
+    """Every group's pool of `roles` holds no block within 10 s."""
+    deadline = time.monotonic() + 10
+    while any(used := _group_used(srv, roles)):
+        assert time.monotonic() < deadline, used
+        time.sleep(0.05)
 
 
 def test_output_equals_one_engine_and_each_group_ships_its_live_blocks(servers):
@@ -88,9 +96,58 @@ def test_console_lists_each_groups_pool_and_a_cut_stream_frees_them(servers):
         groups = httpx.get(split.base + "/v1/console/snapshot", timeout=5).json()["pool"]["groups"]
         assert [(g["group"], g["window"], g["total"]) for g in groups] == [(0, 0, 256), (1, 16, 256)]
         assert all(g["used"] + g["cached"] + g["free"] == g["total"] for g in groups)
-    deadline = time.monotonic() + 10
-    while any(_group_used(split)):  # the client left: both roles' pools, every group
-        assert time.monotonic() < deadline, _group_used(split)
-        time.sleep(0.05)
+    _wait_empty(split)  # the client left: both roles' pools, every group
     groups = httpx.get(split.base + "/v1/console/snapshot", timeout=5).json()["pool"]["groups"]
     assert [g["used"] for g in groups] == [0, 0]
+
+
+def test_prefill_killed_mid_prefill_frees_every_group_and_restarts(servers):
+    """SIGKILL of the prefill role while long prompts prefill: each stream ends once (an
+    error naming the dead role, or its length if decode had taken the KV); decode's pools of
+    both groups are empty once they end; the restarted role serves one engine's output."""
+    import os
+    import signal
+    import threading
+
+    split, single = servers
+    prefill_pid = httpx.get(split.base + "/health", timeout=5).json()["roles"]
+    prefill_pid = next(r["pid"] for r in prefill_pid if r["role"] == "prefill")
+    ended: list[tuple[BaseException | None, str]] = []
+
+    def one(i: int) -> None:
+        try:
+            ended.append((None, _finish(split, random_prompts(1, [900], seed=20 + i)[0])))
+        except Exception as exc:
+            ended.append((exc, ""))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while split.metrics()['stopline_requests_running{replica="prefill"}'] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    os.kill(prefill_pid, signal.SIGKILL)
+    for t in threads:
+        t.join(30)
+    assert len(ended) == 3 and any(exc is not None for exc, _ in ended), ended
+    for exc, reason in ended:
+        assert reason == "length" if exc is None else "prefill engine died" in str(exc), (exc, reason)
+    _wait_empty(split, roles=("decode",))
+    deadline = time.monotonic() + 60
+    while True:  # the restarted role (tests/test_disagg_restart.py) serves the split again
+        roles = {r["role"]: r for r in httpx.get(split.base + "/health", timeout=5).json()["roles"]}
+        if roles["prefill"]["state"] == "healthy" and roles["prefill"]["pid"] != prefill_pid:
+            break
+        assert time.monotonic() < deadline, roles
+        time.sleep(0.1)
+    prompt = random_prompts(1, [61], seed=30)[0]
+    assert _complete(split, prompt, max_tokens=8) == _complete(single, prompt, max_tokens=8)
+    _wait_empty(split)
+
+
+def _finish(srv: ServerProcess, prompt: list[int]) -> str:
+    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    r = client.completions.create(model="gemma", prompt=prompt, max_tokens=4, temperature=0.0,
+                                  extra_body={"ignore_eos": True})
+    return r.choices[0].finish_reason
