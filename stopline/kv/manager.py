@@ -20,7 +20,8 @@ block table per group, all covering the same positions; group 0's table is `tabl
 Under a group's window, `slide` gives back the blocks its layers have slid past while the
 request runs, behind the fence; their table entries become HOLE. Holes are always a table's
 leading entries (`dropped` of them): the ledger, swap, forks, the prefix cache and the P/D
-split (each group's live blocks, `export_prefix` / `import_prefix`) see live blocks only, and a prefix hit needs only the blocks each group's window reads.
+split (`export_prefix` / `import_prefix`, group by group) see live blocks only, and a prefix
+hit needs only the blocks each group's window reads.
 A request fits only if every group's pool has room.
 
 The manager is the last holder of the one release (lifecycle.py): by the time it frees a
