@@ -97,6 +97,30 @@ def test_a_prompt_longer_than_the_window_ships_fewer_local_blocks(gemma, pair):
     assert pair.out["long", 0].usage.cached_tokens == 60
 
 
+@pytest.mark.parametrize("family", ["qwen2_window", "gemma3_gguf"])
+def test_other_models_of_two_groups(family, tmp_path_factory):
+    """Qwen2 with use_sliding_window (the layer below max_window_layers global, the rest of
+    window 16) and the llama.cpp Gemma 3 layout (five local layers, one global): the split's
+    greedy output equals one engine's, the local group shipping fewer blocks."""
+    loaded = load_model(str(make_family_dir(tmp_path_factory.mktemp(f"split_{family}"), family)),
+                        progress=False)
+    prompts = random_prompts(2, [12, 49], seed=21)
+    reqs = [(f"g{i}", p, greedy(10)) for i, p in enumerate(prompts)]
+    want = _single(loaded, reqs)
+    pr = make_pair(loaded)
+    try:
+        assert pr.d.kv_manager.windows == [0, WINDOW]
+        for rid, prompt, params in reqs:
+            pr.add(rid, prompt, params)
+        pr.settle()
+        pr.assert_idle()
+        assert {k: r.token_ids for k, r in pr.out.items()} == {k: r.token_ids for k, r in want.items()}
+        got = pr.d.lifecycle.stats.transfer_blocks
+        assert (got["received", 0], got["received", 1]) == (2 + 12, 2 + 4)
+    finally:
+        pr.close()
+
+
 @pytest.mark.parametrize("first", ["decode", "prefill"])
 def test_cancel_mid_transfer_leaves_every_group_clean(pair, first):
     """The KV is on the link; the abort reaches one side first, then the other: the decode
