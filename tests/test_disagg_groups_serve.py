@@ -2,8 +2,9 @@
 Gemma 3: local layers of window 16, a global layer; blocks of 4): greedy output and n = 2
 equal to one engine's for prompts shorter and longer than the window; /metrics counts the
 blocks each group shipped (the local group fewer once a prompt passes the window); the
-console's snapshot lists both groups' pools; a stream cut mid-answer, and a prefill role
-killed mid-prefill, leave every group's pool empty (the restarted role serves again)."""
+console's snapshot lists both groups' pools; a stream cut mid-answer, a prefill role killed
+mid-prefill and a decode role killed mid-decode leave every group's pool empty (the restarted
+role serves again)."""
 
 from __future__ import annotations
 
@@ -110,8 +111,7 @@ def test_prefill_killed_mid_prefill_frees_every_group_and_restarts(servers):
     import threading
 
     split, single = servers
-    prefill_pid = httpx.get(split.base + "/health", timeout=5).json()["roles"]
-    prefill_pid = next(r["pid"] for r in prefill_pid if r["role"] == "prefill")
+    prefill_pid = _pid(split, "prefill")
     ended: list[tuple[BaseException | None, str]] = []
 
     def one(i: int) -> None:
@@ -134,16 +134,50 @@ def test_prefill_killed_mid_prefill_frees_every_group_and_restarts(servers):
     for exc, reason in ended:
         assert reason == "length" if exc is None else "prefill engine died" in str(exc), (exc, reason)
     _wait_empty(split, roles=("decode",))
-    deadline = time.monotonic() + 60
-    while True:  # the restarted role (tests/test_disagg_restart.py) serves the split again
-        roles = {r["role"]: r for r in httpx.get(split.base + "/health", timeout=5).json()["roles"]}
-        if roles["prefill"]["state"] == "healthy" and roles["prefill"]["pid"] != prefill_pid:
-            break
-        assert time.monotonic() < deadline, roles
-        time.sleep(0.1)
+    _wait_restarted(split, "prefill", prefill_pid)
     prompt = random_prompts(1, [61], seed=30)[0]
     assert _complete(split, prompt, max_tokens=8) == _complete(single, prompt, max_tokens=8)
     _wait_empty(split)
+
+
+def test_decode_killed_mid_decode_frees_prefill_and_restarts(servers):
+    """SIGKILL of the decode role while a long prompt's answer streams: the stream ends with an
+    error naming it, the prefill role's pools of both groups are empty, and the restarted
+    decode role serves one engine's output."""
+    import os
+    import signal
+
+    split, single = servers
+    decode_pid = _pid(split, "decode")
+    body = {"model": "gemma", "prompt": random_prompts(1, [45], seed=14)[0], "max_tokens": 900,
+            "ignore_eos": True, "temperature": 0.0, "stream": True}
+    with httpx.stream("POST", split.base + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(line for line in lines if line.startswith("data:"))
+        os.kill(decode_pid, signal.SIGKILL)
+        rest = "\n".join(lines)
+    assert "decode engine died" in rest, rest[-500:]
+    _wait_empty(split, roles=("prefill",))
+    _wait_restarted(split, "decode", decode_pid)
+    prompt = random_prompts(1, [61], seed=31)[0]
+    assert _complete(split, prompt, max_tokens=8) == _complete(single, prompt, max_tokens=8)
+    _wait_empty(split)
+
+
+def _pid(srv: ServerProcess, role: str) -> int:
+    return next(r["pid"] for r in httpx.get(srv.base + "/health", timeout=5).json()["roles"] if r["role"] == role)
+
+
+def _wait_restarted(srv: ServerProcess, role: str, old_pid: int) -> None:
+    """The killed role is restarted (tests/test_disagg_restart.py) and serves again."""
+    deadline = time.monotonic() + 60
+    while True:
+        roles = {r["role"]: r for r in httpx.get(srv.base + "/health", timeout=5).json()["roles"]}
+        if roles[role]["state"] == "healthy" and roles[role]["pid"] != old_pid:
+            return
+        assert time.monotonic() < deadline, roles
+        time.sleep(0.1)
 
 
 def _finish(srv: ServerProcess, prompt: list[int]) -> str:
