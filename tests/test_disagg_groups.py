@@ -20,7 +20,7 @@ from stopline.kv.block_pool import BlockPool
 from stopline.kv.kv_cache import KVCache
 from stopline.kv.manager import HOLE, KVManager
 from stopline.model.loaders.loader import load_model
-from stopline.request import AbortSource, FinishReason, Request, SamplingParams
+from stopline.request import AbortSource, FinishReason, Request, RequestStatus, SamplingParams
 from stopline.stats import StopStats
 from tests.disagg_support import config, make_pair
 from tests.engine_support import drive, greedy, random_prompts
@@ -160,6 +160,8 @@ def _cancel_queued(pair) -> None:
     pair.settle(until=lambda pr: pr.d.role.imported_blocks > 0 and not pr.p.has_unfinished()
                 and ("busy", 0) in pr.out)
     assert not pair.d.role._waiting
+    queued = next(r for r in pair.d.live_requests() if r.incarnation == inc)
+    assert queued.status is RequestStatus.WAITING  # imported, not admitted: behind max_num_seqs
     pair.d.abort([inc], AbortSource.CANCEL, time.monotonic())
     pair.abort(busy)
     pair.settle()
