@@ -1,7 +1,8 @@
 """Per-layer-group KV on a tiny Gemma 3 (two local layers of window 16, one global layer;
 blocks of 4), past its window (issue 43, item 4): the local group's pool use is bounded by
 the window while the global group's grows with the context, greedy output stays HF's, alone
-equals 24 at once, and cancels mid-prefill, n > 1, swap and recompute leave the audit clean.
+equals 24 at once, and cancels mid-prefill, n > 1, swap and recompute leave the audit clean
+(the split of this model: tests/test_disagg_groups.py).
 The figures are in docs/sliding-window.md."""
 
 from __future__ import annotations
@@ -11,13 +12,8 @@ import time
 import pytest
 
 from stopline import LLM
-from stopline.disagg.decode_core import DecodeCore
-from stopline.disagg.messages import RoleSpec
-from stopline.disagg.prefill_core import PrefillCore
 from stopline.model.kernels.paged_attention import supports as native_attention
-from stopline.model.loaders.loader import load_model
 from stopline.request import AbortSource, FinishReason
-from tests.disagg_support import config
 from tests.engine_support import drive, greedy, hf_greedy, load_hf, random_prompts
 from tests.tiny_families import make_family_dir
 
@@ -121,16 +117,3 @@ def test_a_prefix_hit_past_the_window(gemma, prompts, oracle):
     assert again["b", 0].token_ids == first["a", 0].token_ids
     assert again["b", 0].usage.cached_tokens >= len(long) - 2 * BS
     assert e.lifecycle.stats.window_freed_blocks > 0
-
-
-def test_the_split_refuses_a_model_of_several_groups(gemma):
-    """The P/D split ships one table's live blocks: a model of two layer groups is refused
-    when a role binds, with an error naming why, and the manager refuses an import."""
-    loaded = load_model(str(gemma), progress=False)
-    for role, cls in (("prefill", PrefillCore), ("decode", DecodeCore)):
-        with pytest.raises(ValueError, match="the prefill/decode split takes models of one KV layer group"):
-            cls(loaded, config(), spec=RoleSpec(role, "ipc:///nonexistent/kv", "ipc:///nonexistent/ack", 3.0),
-                progress=False)
-    e = engine(gemma).engine
-    with pytest.raises(ValueError, match="one KV layer group"):
-        e.kv_manager.import_prefix(list(range(3, 11)), 2, lambda blocks: None)

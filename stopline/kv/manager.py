@@ -20,7 +20,8 @@ block table per group, all covering the same positions; group 0's table is `tabl
 Under a group's window, `slide` gives back the blocks its layers have slid past while the
 request runs, behind the fence; their table entries become HOLE. Holes are always a table's
 leading entries (`dropped` of them): the ledger, swap, forks, the prefix cache and the P/D
-split see live blocks only, and a prefix hit needs only the blocks each group's window reads.
+split (`export_prefix` / `import_prefix`, group by group) see live blocks only, and a prefix
+hit needs only the blocks each group's window reads.
 A request fits only if every group's pool has room.
 
 The manager is the last holder of the one release (lifecycle.py): by the time it frees a
@@ -324,39 +325,58 @@ class KVManager:
                 mt.dropped = min(t.dropped, len(shared))
         return True
 
+    def export_prefix(self, req: Request, n_blocks: int) -> list[tuple[int, list[int]]]:
+        """What a prefill engine ships of req's first n_blocks blocks (stopline/disagg): for
+        each layer group, (first, blocks first .. n_blocks - 1), first being the leading
+        blocks no query at n_blocks * block_size or later reads under the group's window
+        (0 for a group without one), or the holes if more. Those are the blocks a prefix hit
+        of n_blocks needs in that group (`_lookup`)."""
+        out = []
+        for t, w in zip(self.seq(req).groups(), self.windows, strict=True):
+            first = max(t.dropped, self._dead(n_blocks * self.block_size, w))
+            out.append((first, list(t.block_ids[first:n_blocks])))
+        return out
+
     def import_prefix(self, token_ids: Sequence[int], n_blocks: int,
-                      write: Callable[[list[int]], None], first: int = 0, salt: Hashable = None) -> int:
+                      write: Callable[[list[list[int]]], None], firsts: Sequence[int] = (),
+                      salt: Hashable = None) -> list[int]:
         """Blocks computed elsewhere (a prefill engine, stopline/disagg) enter the prefix
-        cache: allocate n_blocks, `write` fills them, register their chained hashes, drop the
-        reference (cached, refcount 0). The request is admitted at the same step boundary and
-        finds them as prefix hits. Returns the blocks imported: 0 when the pool has no room
-        (the request then computes its prompt here). If `write` raises, the blocks go back
-        to the free pool unhashed and the error propagates. first: the leading blocks a
-        sliding window passed, not shipped (blocks first .. n_blocks - 1 come). salt: the
-        request's (self.salt(req), its adapter's load), so the blocks are found only under it."""
+        cache: in each layer group allocate blocks firsts[g] .. n_blocks - 1, `write` fills
+        them (each group's new blocks, in group order), register their chained hashes, drop
+        the reference (cached, refcount 0). The request is admitted at the same step boundary
+        and finds them as prefix hits (each group's window blocks: `export_prefix`). Returns
+        the blocks imported per group: all 0 when some group's pool has no room (the request
+        then computes its prompt here). If `write` raises, the blocks go back to the free
+        pools unhashed and the error propagates. firsts: each group's leading blocks a sliding
+        window passed, not shipped (() : none); a group's first past what its window reads is
+        refused (ValueError), as that import could never be a hit. salt: the request's
+        (self.salt(req), its adapter's load), so the blocks are found only under it."""
         if not self.prefix_caching:
             raise ValueError("importing a prefix needs prefix caching")
-        self.one_group("importing a prefix")
-        if n_blocks - first <= 0 or not self.pool.can_allocate(n_blocks - first):
-            return 0
-        hashes = extend_hashes([], token_ids, self.block_size, n_blocks, salt)[first:]
-        blocks = self.pool.allocate(n_blocks - first)
+        firsts = list(firsts) or [0] * len(self.pools)
+        if len(firsts) != len(self.pools):
+            raise ValueError(f"blocks of {len(firsts)} KV layer groups for a model of {len(self.pools)}")
+        for g, (f, w) in enumerate(zip(firsts, self.windows, strict=True)):
+            need = self._dead(n_blocks * self.block_size, w)
+            if not 0 <= f <= need:
+                raise ValueError(f"layer group {g} (window {w}) sent from block {f}: its window "
+                                 f"reads blocks {need} .. {n_blocks - 1}")
+        counts = [n_blocks - f for f in firsts]
+        if not any(counts) or not all(p.can_allocate(c) for p, c in zip(self.pools, counts, strict=True)):
+            return [0] * len(self.pools)
+        hashes = extend_hashes([], token_ids, self.block_size, n_blocks, salt)
+        blocks = [p.allocate(c) for p, c in zip(self.pools, counts, strict=True)]
         try:
             write(blocks)
         except BaseException:
-            self.pool.release(blocks, keep_cached=False)
+            for p, b in zip(self.pools, blocks, strict=True):
+                p.release(b, keep_cached=False)
             raise
-        for b, h in zip(blocks, hashes, strict=True):
-            self.pool.register(b, h)
-        self.pool.release(blocks)
-        return len(blocks)
-
-    def one_group(self, what: str) -> None:
-        """Refuse `what` (the prefill/decode split) on a model of several layer groups: it
-        ships and imports one table's blocks."""
-        if len(self.pools) > 1:
-            raise ValueError(f"{what} takes models of one KV layer group; this one has {len(self.pools)} "
-                             f"(layers of windows {self.windows}: docs/sliding-window.md)")
+        for p, b, f in zip(self.pools, blocks, firsts, strict=True):
+            for blk, h in zip(b, hashes[f:], strict=True):
+                p.register(blk, h)
+            p.release(b)
+        return counts
 
     def admit_need(self, num_tokens: int, forks: int = 0) -> int:
         """Blocks a request of num_tokens tokens (and `forks` samples waiting to fork) takes
