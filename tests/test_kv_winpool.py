@@ -48,7 +48,7 @@ def test_the_local_table_grows_chunk_by_chunk_exact_counts():
     h = hybrid(num_blocks=32, local_blocks=5, max_num_batched_tokens=8)
     req = h.add("a", prompt_len=40, max_tokens=20)
     peak = 0
-    while not req.status.is_finished:
+    for _ in range(30):
         plan = h.plan()
         if not plan.chunks:
             break
@@ -66,6 +66,7 @@ def test_the_local_table_grows_chunk_by_chunk_exact_counts():
         assert used(h)[1] == blocks(end) - dead(end)
         if h.kv.computed(req) == req.prompt_len + req.params.max_tokens - 1:
             h.lifecycle.finish(req, FinishReason.LENGTH)
+            break
     assert len(req.output_token_ids) == 20 and peak <= 5
     assert h.stats.window_freed_blocks == dead(59) and not h.stats.preemptions
     h.audit()
@@ -132,11 +133,13 @@ def test_a_long_prompt_swapped_mid_prefill_comes_back_with_its_holes():
     assert plan.chunks[0].start == 24 and local(h, req)[:4] == [HOLE] * 4
     h.complete(plan)
     h.audit()
-    while not req.status.is_finished:
+    for _ in range(6):
         h.complete(h.plan())
         h.audit()
         if len(req.output_token_ids) == 4:
             h.lifecycle.finish(req, FinishReason.LENGTH)
+            break
+    assert req.status.is_finished and len(req.output_token_ids) == 4
     assert h.pools[1].num_used == 0 and h.swap.num_used == 0
     h.audit()
 
@@ -144,8 +147,9 @@ def test_a_long_prompt_swapped_mid_prefill_comes_back_with_its_holes():
 def test_a_prefix_hit_on_the_small_local_pool_then_chunks():
     h = hybrid(num_blocks=32, local_blocks=5, max_num_batched_tokens=8)
     a = h.add("a", prompt_len=40, max_tokens=1)
-    while not a.output_token_ids:
+    for _ in range(5):  # five chunks of 8
         h.complete(h.plan())
+    assert a.output_token_ids
     h.lifecycle.finish(a, FinishReason.LENGTH)
     h.audit()
     b = h.add("b", prompt_len=40, max_tokens=1)
