@@ -556,7 +556,7 @@ class KVManager:
         if self.cache is None or self.swap is None or self.num_used:
             return None
         cache = self.cache
-        n = min(8, self.pool.num_blocks)
+        n = min(8, *(p.num_blocks for p in self.pools))  # blocks 0 .. n - 1 of every group
 
         def round_trip(blocks: list[int]) -> float:
             best = float("inf")
