@@ -70,7 +70,8 @@ class DecodeRows:
         """tile: attention's key tile (the width is a whole number of them and of blocks);
         max_rows: the most sequences decoding at once; max_bytes: the most memory the
         buffers may take, beyond which a step gathers; layer_group: each layer's KV group
-        (kv_cache.layer_groups; None: one), whose blocks its rows copy."""
+        (kv_cache.layer_groups; None: one), whose blocks its rows copy; null_block: each
+        group's zero block (KVCache.nulls), or one for every group."""
         self.num_layers, self.hk, self.d = num_layers, num_kv_heads, head_dim
         self.bs = block_size
         self.unit = math.lcm(tile, block_size)

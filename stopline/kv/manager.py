@@ -16,14 +16,14 @@ for whether a request can ever fit the pool (`fits`) lives here only.
 Sliding windows and layer groups (docs/sliding-window.md). The layers are grouped by window
 (`kv_cache.layer_groups`): one group for most models, two for Gemma 3 (its global layers,
 then its local ones). Each group has its own block pool and K/V tensors, and a request one
-block table per group, all covering the same positions; group 0's table is `table(req)`.
+block table per group, all starting at position 0; group 0's table is `table(req)`.
 Under a group's window, `slide` gives back the blocks its layers have slid past while the
 request runs, behind the fence; their table entries become HOLE. Holes are always a table's
 leading entries (`dropped` of them): the ledger, swap, forks, the prefix cache and the P/D
 split see live blocks only, and a prefix hit needs only the blocks each group's window reads.
-A windowed group's table grows chunk by chunk: to compute positions [start, end) it needs
-the blocks from the first one the window of `start` reads to the block of end - 1, so its
-pool may be far smaller than the global group's (kv_cache.make_cache sizes it). Every count
+A windowed group's table beside a global group grows chunk by chunk: to compute [start, end)
+it needs the blocks from the first one the window of `start` reads to the block of end - 1,
+so its pool may be far smaller than the global group's (kv_cache.make_cache sizes it). Every count
 (admission, growth, the never-fits rule, swap-in, the shortage that preemption covers) is
 each group's own. A request fits only if every group's pool has room.
 
@@ -238,9 +238,11 @@ class KVManager:
         return (positions + self.block_size - 2) // self.block_size + 1 if positions > 0 else 0
 
     def _chunked(self, g: int) -> bool:
-        """Group g's table grows chunk by chunk (it has a window; group 0's pool, sized by
-        num_blocks, is the one admission keeps its headroom in)."""
-        return bool(self.windows[g])
+        """Group g's table grows chunk by chunk: it has a window, beside a global group 0
+        (whose pool, of num_blocks, is the one admission keeps its headroom in). A model of
+        windowed groups only (Mistral) keeps whole tables: its pools are num_blocks each
+        (kv_cache.split_blocks)."""
+        return bool(self.windows[g]) and not self.windows[0]
 
     def covered(self, req: Request) -> int:
         """Tokens from the start that every group's table covers (a windowed group's
