@@ -183,10 +183,11 @@ def window_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batch
 def split_blocks(cfg: EngineConfig, layers: Sequence[int], windows: Sequence[int], per_layer: int) -> list[int]:
     """Each layer group's pool size. layers: each group's layer count; windows: its window;
     per_layer: bytes of one block of one layer. A windowed group gets what its window needs
-    (`window_blocks`, or cfg.window_pool_blocks), at most the global group's count; the groups without a window (the
-    first) get the rest of the budget: cfg.num_blocks blocks (the global group's), or what is
-    left of kv_cache_memory_gb. A model without a global group, or of one group, has
-    num_blocks in every group (the budget split by layer counts)."""
+    (`window_blocks`, or cfg.window_pool_blocks), at most the global group's count; the
+    groups without a window (the first) get the rest of the budget: cfg.num_blocks blocks
+    (the global group's), or what is left of kv_cache_memory_gb. A model without a global
+    group, or of one group, has num_blocks in every group (the budget split by layer
+    counts), as has every group when the windows' share would exceed that."""
     budget = int(cfg.kv_cache_memory_gb * 2**30)
     if len(layers) == 1 or all(windows):
         return [cfg.num_blocks or max(1, budget // (per_layer * sum(layers)))] * len(layers)
