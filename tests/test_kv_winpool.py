@@ -14,7 +14,7 @@ from stopline.config import EngineConfig
 from stopline.kv.block_pool import LedgerError
 from stopline.kv.kv_cache import KVCache, make_cache, split_blocks, window_blocks
 from stopline.kv.manager import HOLE
-from stopline.request import FinishReason, Request, RequestStatus
+from stopline.request import AbortSource, FinishReason, Request, RequestStatus
 from tests.scripted import HandDriven
 
 BS, W = 4, 8  # a query at p reads the keys at p - 7 .. p: at most three blocks
@@ -71,6 +71,25 @@ def test_the_local_table_grows_chunk_by_chunk_exact_counts():
     assert h.stats.window_freed_blocks == dead(59) and not h.stats.preemptions
     h.audit()
     assert used(h) == (0, 0)
+
+
+def test_cancel_mid_prefill_on_the_small_local_pool_behind_the_fence_once():
+    h = hybrid(num_blocks=32, local_blocks=5, max_num_batched_tokens=8)
+    req = h.add("a", prompt_len=40, max_tokens=4)
+    for _ in range(3):
+        h.complete(h.plan())
+    plan = h.plan()  # the fourth chunk [24, 32) in flight: local blocks 4 .. 7
+    live = [b for b in local(h, req) if b != HOLE]
+    assert len(live) == 4 and used(h) == (10, 4)
+    h.lifecycle.abort(req, AbortSource.CANCEL)
+    # Behind the fence: the step in flight may still write every one of them.
+    assert used(h) == (10, 4) and {d.group for d in h.kv.deferred} == {0, 1}
+    h.audit()
+    h.complete(plan)
+    h.audit()
+    assert used(h) == (0, 0) and not h.kv.deferred and h.stats.window_freed_blocks == dead(24)
+    with pytest.raises(LedgerError, match="double free"):
+        h.pools[1].release(live[:1])
 
 
 def test_a_prompt_longer_than_the_global_pool_is_still_refused():
