@@ -138,6 +138,32 @@ def test_the_local_pool_short_preempts_for_it_and_both_finish():
         assert used(h) == (0, 0) and (not swap or h.swap.num_used == 0)
 
 
+def test_a_prefill_chunk_shrinks_to_the_local_room_beside_a_decode():
+    """A 60-token prompt admitted beside a decoding request on a local pool of 7 blocks: its
+    chunks (budget 17 tokens) shrink to what the local pool has (KVManager.room) instead of
+    preempting the decode, which runs every step."""
+    h = hybrid(num_blocks=64, local_blocks=7, max_num_batched_tokens=17)
+    a = h.add("a", prompt_len=6, max_tokens=60)
+    for _ in range(4):
+        h.complete(h.plan())
+    b = h.add("b", prompt_len=60, max_tokens=4, first_token=100)
+    shrunk = False
+    while h.kv.computed(b) < 60:
+        plan = h.plan()
+        ids = [c.req.request_id for c in plan.chunks]
+        assert ids == ["a", "b"], ids
+        ch = plan.chunks[1]
+        shrunk |= 1 < ch.num_tokens < min(17 - 1, 60 - ch.start)
+        assert h.pools[1].num_used <= 7
+        h.complete(plan)
+        h.audit()
+    assert shrunk and not h.stats.preemptions
+    for r in (a, b):
+        h.lifecycle.finish(r, FinishReason.LENGTH)
+    h.audit()
+    assert used(h) == (0, 0)
+
+
 def test_a_long_prompt_swapped_mid_prefill_comes_back_with_its_holes():
     h = hybrid(num_blocks=32, local_blocks=5, swap=True, max_num_batched_tokens=8)
     req = h.add("a", prompt_len=40, max_tokens=4)
