@@ -65,6 +65,36 @@ def test_local_pool_bounded_by_the_window_global_by_the_context(gemma, prompts, 
     assert kv.num_used == 0
 
 
+@pytest.mark.parametrize("backend,async_scheduling", [(b, a) for b in BACKENDS for a in (False, True)])
+def test_a_local_pool_sized_by_the_window(gemma, prompts, oracle, backend, async_scheduling):
+    """num_blocks is the global group's; the local pool is what the window needs for three
+    requests (22 blocks of 4: fewer than one long prompt's 50). Long prompts, chunked
+    prefill over the small pool, 80 tokens each past the window: HF's greedy tokens, the same
+    as an engine with equal pools, the audit clean after every step (both pools)."""
+    long = random_prompts(2, [200, 120], seed=5)
+    ref = hf_greedy(load_hf(gemma), long, MAX_NEW).tokens
+    work = [*prompts, *long]
+    want = [*oracle, *ref]
+    kw = dict(attention_backend=backend, num_blocks=160, max_num_seqs=3, max_num_batched_tokens=8,
+              async_scheduling=async_scheduling, preemption_mode="swap")
+    e = engine(gemma, **kw).engine
+    assert [p.num_blocks for p in e.pools] == [160, 22] and e.kv.nulls == [160, 22]
+    peak = [0, 0]
+
+    def watch(eng, step):
+        for i, pool in enumerate(eng.pools):
+            peak[i] = max(peak[i], pool.num_used)
+
+    res = drive(e, [(f"r{i}", p, greedy(MAX_NEW)) for i, p in enumerate(work)], after_step=watch)
+    assert [res[f"r{i}", 0].token_ids for i in range(len(work))] == want
+    assert peak[1] <= 22 < -(-len(long[0]) // BS) and peak[0] > 22
+    assert e.lifecycle.stats.window_freed_blocks > 100
+    equal = engine(gemma, **kw, window_pool_blocks=160).engine
+    assert [p.num_blocks for p in equal.pools] == [160, 160]
+    res_eq = drive(equal, [(f"r{i}", p, greedy(MAX_NEW)) for i, p in enumerate(work)])
+    assert [res_eq[f"r{i}", 0].token_ids for i in range(len(work))] == want
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_alone_equals_24_concurrent_past_the_window(gemma, prompts, oracle, backend):
     many = [prompts[i % 3] for i in range(24)]

@@ -511,18 +511,25 @@ def hybrid(hybrid_dir):
     return load_model(str(hybrid_dir), progress=False)
 
 
-@pytest.mark.parametrize("mode,async_scheduling,attention",
-                         [("swap", True, "auto"), ("recompute", False, "auto"), ("auto", True, "auto"),
-                          ("swap", True, "torch")])
-def test_storm_on_a_model_with_local_and_global_layers(hybrid, mode, async_scheduling, attention):
+@pytest.mark.parametrize("mode,async_scheduling,attention,local",
+                         [("swap", True, "auto", None), ("recompute", False, "auto", None),
+                          ("auto", True, "auto", None), ("swap", True, "torch", None),
+                          ("swap", True, "auto", 16), ("recompute", False, "auto", 16),
+                          ("auto", True, "torch", 16)])
+def test_storm_on_a_model_with_local_and_global_layers(hybrid, mode, async_scheduling, attention, local):
     """The sliding-window storm on per-group block tables: cancels (mid-prefill too), n > 1
     families, swap and recompute preemption, async scheduling; the audit checks both pools
-    and every request's tables after every step (debug poisons freed blocks of either)."""
+    and every request's tables after every step (debug poisons freed blocks of either).
+    local: a local pool of that many blocks beside the global 40 (sized by the window: its
+    table grows chunk by chunk, and preemption makes room in whichever pool is short)."""
     work = make_workload(seed=23, count=160, vocab=hybrid.config.vocab_size)
     ref = run_reference(hybrid, work, attention=attention)  # each attention has its own bits
-    res = run_storm(hybrid, work, storm_config(mode, async_scheduling, attention=attention), seed=9)
+    config = dataclasses.replace(storm_config(mode, async_scheduling, attention=attention),
+                                 window_pool_blocks=local)
+    res = run_storm(hybrid, work, config, seed=9)
     stats = res.engine.lifecycle.stats
     kv = res.engine.kv_manager
+    assert [p.num_blocks for p in kv.pools] == [40, local or 40]
     assert attention != "torch" or res.engine.runner.rows is not None  # decode rows of both groups
     assert kv.windows == [0, 16] and stats.window_freed_blocks > 50, stats.window_freed_blocks
     assert sum(stats.preemptions.values()) > 10, stats.preemptions
