@@ -10,7 +10,9 @@ every row count, by construction, on every CPU that runs the kernel. `reference`
 arithmetic in plain torch, bit for bit.
 
 A step of few rows reads ~5 bits a weight and does little more than read them, which is why
-this mode's one-stream step sits near its bandwidth floor (docs/benchmarks.md).
+this mode's one-stream step sits near its bandwidth floor (docs/benchmarks.md). Many rows of
+Q4_1 and Q4_K weights form their group sums on AMX-INT8 tiles where the OS grants them
+(csrc/amx_i8_gemm.c): the same integers, so the same bits, with the nibbles split once a panel.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from stopline.model.kernels.quant_linear import (
 
 # STOPLINE_INT8=0 keeps block weights on the bf16 kernels in fast mode (as float weights are).
 INT8_SWITCH = "STOPLINE_INT8"
+# STOPLINE_INT8_AMX=0 keeps every row count on the VNNI panels (the bits are the same either way).
+AMX_SWITCH = "STOPLINE_INT8_AMX"
 
 
 def has_vnni() -> bool:
@@ -47,6 +51,26 @@ def int8_ready() -> bool:
     """Whether fast mode's block weights take this kernel: the CPU has AVX512-VNNI and
     STOPLINE_INT8 is not 0 (the C kernels being built is the caller's check)."""
     return os.environ.get(INT8_SWITCH, "1") != "0" and has_vnni()
+
+
+def use_amx(on: int | None = None) -> int:
+    """Switch the kernel's many-row path (64 rows and up) onto AMX-INT8 tiles
+    (csrc/amx_i8_gemm.c), and say how far: 0 off, 1 for Q4_1 and Q4_K weights, 2 for every
+    format (Q8_0 and Q6_K measured slower on tiles: docs/benchmarks.md; for benchmarks and
+    tests). None: 1 where the CPU has AMX-INT8, the OS grants the tile state and
+    STOPLINE_INT8_AMX is not 0, else 0. Every setting gives the same bits, so it may change at
+    any time."""
+    lib = kernels()
+    if on is None:
+        on = int(os.environ.get(AMX_SWITCH, "1") != "0" and {"amx_tile", "amx_int8"} <= _cpu_flags()
+                 and lib.stopline_amx_init() == 0)
+    lib.stopline_i8_amx(on)
+    return on
+
+
+@functools.cache
+def _amx_default() -> int:
+    return use_amx()
 
 
 def pack(fmt: str, raw: np.ndarray, in_features: int) -> torch.Tensor:
@@ -94,6 +118,8 @@ class Int8Weight:
     @classmethod
     def from_raw(cls, fmt: str, raw: np.ndarray | torch.Tensor, in_features: int) -> Int8Weight:
         arr = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+        if has_vnni():
+            _amx_default()  # once a process, before the first call (the fused decoder's too)
         return cls(arr.shape[0], in_features, fmt, pack(fmt, arr, in_features))
 
     def bytes_read(self, rows: int) -> int:

@@ -176,6 +176,8 @@ def _load() -> ctypes.CDLL:
                lib.stopline_q6_k_i8_gemm):
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int, c_int, c_int]
         fn.restype = None
+    lib.stopline_i8_amx.argtypes = [c_int]
+    lib.stopline_i8_amx.restype = None
     lib.stopline_lora_rows.argtypes = [ptr, c_long, ptr, c_long, c_int, ptr, ptr, ptr, ptr, ptr,
                                        c_int, c_int, c_int]
     lib.stopline_lora_rows.restype = None
