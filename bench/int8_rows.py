@@ -71,7 +71,12 @@ def amx_granted() -> bool:
     return "amx_int8" in _cpu_flags() and kernels().stopline_amx_init() == 0
 
 
-def kernel_call(lib: ctypes.CDLL, w: Int8Weight, x: torch.Tensor, y: torch.Tensor, amx: int | None = None):
+# (split, amx) of each arm of the work tree's library
+PATHS = {"after panels": (0, 0), "after split": (1, 0), "after amx": (1, 1)}
+
+
+def kernel_call(lib: ctypes.CDLL, w: Int8Weight, x: torch.Tensor, y: torch.Tensor,
+                paths: tuple[int, int] | None = None):
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.int8)
     d, ds = torch.empty(m, k // 32), torch.empty(m, k // 32)
@@ -81,8 +86,9 @@ def kernel_call(lib: ctypes.CDLL, w: Int8Weight, x: torch.Tensor, y: torch.Tenso
             w.out_features)
 
     def call(keep=(q, d, ds, s, y, w)) -> None:  # keep: the buffers live as long as the call
-        if amx is not None:
-            lib.stopline_i8_amx(amx)
+        if paths is not None:
+            lib.stopline_i8_split(paths[0])
+            lib.stopline_i8_amx(paths[1])
         lib.stopline_quantize_rows(x.data_ptr(), m, k, *args[:4])
         fn(*args)
     return call
@@ -112,10 +118,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="int8rows-"))
     arms = {"before": build(sources(args.against), tmp / "before.so")}
     after = build(sources(None), tmp / "after.so")
-    if hasattr(after, "stopline_i8_amx"):
-        amx = amx_granted()
-        arms["after vnni"] = after
-        if amx:  # the same library, its AMX path switched on around its calls
+    if hasattr(after, "stopline_i8_amx"):  # the same library, its paths switched around its calls
+        arms["after panels"] = after
+        arms["after split"] = after
+        if amx_granted():
             arms["after amx"] = after
     else:
         arms["after"] = after
@@ -137,8 +143,7 @@ def main() -> None:
             ys = {}
             for a, lib in arms.items():
                 ys[a] = torch.empty(rows, n)
-                amx = None if a in ("before", "after") else int(a == "after amx")
-                calls[a].append((kernel_call(lib, w, x, ys[a], amx), count))
+                calls[a].append((kernel_call(lib, w, x, ys[a], PATHS.get(a)), count))
             if not args.no_torch:
                 xt = torch.randint(-127, 128, (rows, k), generator=gen, dtype=torch.int8)
                 wt = torch.randint(-127, 128, (k, n), generator=gen, dtype=torch.int8)

@@ -1,13 +1,14 @@
-"""The int8 kernel's many-row path (csrc/amx_i8_gemm.c, AMX-INT8 tiles where the OS grants
-them) against the plain torch reference of the same arithmetic, bit for bit, at many row
-counts, in every format; and every row the same as when computed alone (batch invariance)."""
+"""The int8 kernel's many-row paths against the plain torch reference of the same arithmetic,
+bit for bit, at many row counts, in every format; and every row the same as when computed
+alone (batch invariance). The paths: Q4 nibbles split once a panel (csrc/int8_rows.c, more
+than 18 rows) and AMX-INT8 tiles where the OS grants them (csrc/amx_i8_gemm.c, 64 rows up)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from stopline.model.kernels.int8_linear import Int8Weight, has_vnni, use_amx
+from stopline.model.kernels.int8_linear import Int8Weight, has_vnni, use_amx, use_split
 from stopline.model.kernels.int8_linear import reference as int8_reference
 from stopline.model.kernels.native import _cpu_flags, try_kernels
 from tests.test_numerics import _blocks
@@ -15,25 +16,34 @@ from tests.test_numerics import _blocks
 pytestmark = pytest.mark.skipif(not has_vnni() or try_kernels() is None,
                                 reason="no AVX512-VNNI (or no C kernels) on this host")
 
-# Row counts around the tiles' 16 and the path's threshold (64), odd ones up to 700.
-ROWS = [1, 15, 17, 63, 64, 65, 97, 129, 255, 333, 511, 700]
+# Row counts around the split path's threshold (19), the tiles' 16 and their threshold (64),
+# odd ones up to 700.
+ROWS = [1, 15, 17, 18, 19, 25, 63, 64, 65, 97, 129, 255, 333, 511, 700]
 # (n, k): K of 18 and 24 groups takes the sums' blocks of 8 groups whole and in part.
 SHAPES = {"q4_1": (96, 576), "q8_0": (64, 576), "q4_k": (96, 768), "q6_k": (64, 512)}
 
 
-@pytest.fixture
-def amx_all():
-    """Tiles for every format where the OS grants them; the process default again after."""
-    granted = {"amx_tile", "amx_int8"} <= _cpu_flags() and use_amx(None) == 1
-    if not granted:
-        pytest.skip("no AMX-INT8 tile state on this host")
-    use_amx(2)
-    yield
+def _amx_granted() -> bool:
+    return {"amx_tile", "amx_int8"} <= _cpu_flags() and use_amx(None) == 1
+
+
+@pytest.fixture(params=["split", "tiles"])
+def path(request):
+    """Each many-row path in turn (tiles for every format where the OS grants them); the
+    process defaults again after."""
+    if request.param == "tiles":
+        if not _amx_granted():
+            pytest.skip("no AMX-INT8 tile state on this host")
+        use_amx(2)
+    else:
+        use_amx(0)
+    yield request.param
     use_amx(None)
+    use_split(True)
 
 
 @pytest.mark.parametrize("fmt", sorted(SHAPES))
-def test_many_rows_equal_reference_and_rows_alone(fmt: str, amx_all) -> None:
+def test_many_rows_equal_reference_and_rows_alone(fmt: str, path: str) -> None:
     n, k = SHAPES[fmt]
     raw, _ = _blocks(fmt, n, k, seed=len(fmt) + n)
     weight = Int8Weight.from_raw(fmt, raw, k)
@@ -42,23 +52,25 @@ def test_many_rows_equal_reference_and_rows_alone(fmt: str, amx_all) -> None:
     assert torch.equal(alone, int8_reference(x, fmt, raw))
     for m in ROWS:
         assert torch.equal(weight(x[:m]), alone[:m]), f"{fmt}: {m} rows"
-    # a batch cut where the tiles' blocks fall differently
+    # a batch cut where the tiles' blocks and the chunks fall differently
     assert torch.equal(torch.cat([weight(x[:101]), weight(x[101:])]), alone)
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-def test_tiles_and_panels_agree_bit_for_bit(fmt: str, amx_all) -> None:
-    """The same call with the tiles switched off (every row through the VNNI panels)."""
+@pytest.mark.parametrize("fmt", sorted(SHAPES))
+def test_many_row_paths_agree_with_the_panels(fmt: str, path: str) -> None:
+    """The same call with the path switched off (every chunk of rows through the VNNI
+    panels), a non-finite input included: it spoils its own row only, on every path."""
     n, k = SHAPES[fmt]
     raw, _ = _blocks(fmt, n, k, seed=3)
     weight = Int8Weight.from_raw(fmt, raw, k)
     x = torch.randn(333, k, generator=torch.Generator().manual_seed(9))
-    x[5, 7] = float("nan")  # spoils its own row only, on both paths
-    tiles = weight(x)
+    x[5, 7] = float("nan")
+    fast = weight(x)
     use_amx(0)
+    use_split(False)
     panels = weight(x)
-    assert torch.equal(tiles.nan_to_num(7.0), panels.nan_to_num(7.0))
-    assert tiles[5].isnan().all() and not tiles[[4, 6]].isnan().any()
+    assert torch.equal(fast.nan_to_num(7.0), panels.nan_to_num(7.0))
+    assert fast[5].isnan().all() and not fast[[4, 6]].isnan().any()
 
 
 def test_default_switch_follows_the_grant(monkeypatch) -> None:

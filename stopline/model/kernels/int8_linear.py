@@ -68,6 +68,13 @@ def use_amx(on: int | None = None) -> int:
     return on
 
 
+def use_split(on: bool) -> None:
+    """Whether more than 18 rows of a Q4_1 or Q4_K weight split each panel's nibbles once a
+    call (csrc/int8_rows.c, the default) or once a chunk of 6 rows (the panels): the same bits
+    either way; for benchmarks and tests."""
+    kernels().stopline_i8_split(int(on))
+
+
 @functools.cache
 def _amx_default() -> int:
     return use_amx()

@@ -178,6 +178,8 @@ def _load() -> ctypes.CDLL:
         fn.restype = None
     lib.stopline_i8_amx.argtypes = [c_int]
     lib.stopline_i8_amx.restype = None
+    lib.stopline_i8_split.argtypes = [c_int]
+    lib.stopline_i8_split.restype = None
     lib.stopline_lora_rows.argtypes = [ptr, c_long, ptr, c_long, c_int, ptr, ptr, ptr, ptr, ptr,
                                        c_int, c_int, c_int]
     lib.stopline_lora_rows.restype = None

@@ -78,7 +78,6 @@ block(const int8_t* xq, const float* xd, const float* xds, const int32_t* xs, in
       const uint8_t* ub, long rec_bytes, float* y, long ldy, int fmt) {
     const int groups = K / GROUP;
     const int q8 = fmt == F_Q8_0 || fmt == F_Q6_K, k6 = fmt == F_Q6_K, f32 = fmt >= F_Q4_K;
-    const int head = f32 ? 256 : q8 ? 64 : 128;
     const int bstride = q8 ? 128 : 64;
     /* S[g - g0][h][lo/hi][16 rows x 16 columns] */
     int32_t S[KB][2][2][TR * 16] __attribute__((aligned(64)));

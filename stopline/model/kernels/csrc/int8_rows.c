@@ -1,0 +1,119 @@
+/* The int8 kernel's (int8_gemm.c) many-row path for Q4_1 and Q4_K weights on the VNNI panels:
+ * the panel's nibbles split once into a per-thread buffer that every chunk of rows reuses.
+ *
+ * int8_gemm.c's panel splits each step's 64 bytes into the low and high nibbles (three vector
+ * ops) for every chunk of up to 6 rows, so at 512 rows a panel's nibbles are split 86 times;
+ * here once a call. Everything else is the panel's, term for term: the integer sums of a
+ * group (exact, any order) and the float chain per output over the groups in k order
+ * (acc = fma(float(sum), dw * d, acc); acc = fma(mw, ds, acc)), so the bits are the same at
+ * every row count and however the rows are chunked.
+ *
+ * Split layout (also amx_i8_gemm.c's): group g at g * 1024 bytes, the low nibbles (columns
+ * 0-15) of step t at + t * 64, the high ones (columns 16-31) at + 512 + t * 64.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "panel.h"
+
+#define GROUP 32
+#define MR 6
+#define UNROLL _Pragma("GCC unroll 6")
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+
+static inline TARGET __m512 f16x16(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+
+/* Rows [0, mr) of one panel: P its records (for the scales), U its split nibbles. */
+static inline TARGET __attribute__((always_inline)) void
+rows_panel(const int8_t* xq, const float* xd, const float* xds, int K, const uint8_t* P, long rec_bytes,
+           const uint8_t* U, float* y, long ldy, int mr, int f32) {
+    const int groups = K / GROUP;
+    __m512 acc[MR][2];
+    UNROLL for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        const uint8_t* u = U + (long)g * 1024;
+        __m512i sum[MR][2];
+        UNROLL for (int r = 0; r < mr; r++) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8") for (int t = 0; t < GROUP / 4; t++) {
+            __m512i w0 = _mm512_load_si512((const void*)(u + t * 64));
+            __m512i w1 = _mm512_load_si512((const void*)(u + 512 + t * 64));
+            UNROLL for (int r = 0; r < mr; r++) {
+                __m512i xv = _mm512_set1_epi32(*(const int32_t*)(xq + (long)r * K + g * GROUP + 4 * t));
+                sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], w0, xv);
+                sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], w1, xv);
+            }
+        }
+        const uint8_t* rec = P + (long)g * rec_bytes;
+        const float* fs = (const float*)rec;
+        __m512 d0 = f32 ? _mm512_loadu_ps(fs) : f16x16(rec), d1 = f32 ? _mm512_loadu_ps(fs + 16) : f16x16(rec + 32);
+        __m512 m0 = f32 ? _mm512_loadu_ps(fs + 32) : f16x16(rec + 64);
+        __m512 m1 = f32 ? _mm512_loadu_ps(fs + 48) : f16x16(rec + 96);
+        UNROLL for (int r = 0; r < mr; r++) {
+            long i = (long)r * groups + g;
+            __m512 xdr = _mm512_set1_ps(xd[i]), xdsr = _mm512_set1_ps(xds[i]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, xdr), acc[r][0]);
+            acc[r][0] = _mm512_fmadd_ps(m0, xdsr, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, xdr), acc[r][1]);
+            acc[r][1] = _mm512_fmadd_ps(m1, xdsr, acc[r][1]);
+        }
+    }
+    UNROLL for (int r = 0; r < mr; r++) {
+        _mm512_storeu_ps(y + r * ldy, acc[r][0]);
+        _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
+    }
+}
+
+typedef void (*RowsFn)(const int8_t*, const float*, const float*, int, const uint8_t*, long, const uint8_t*,
+                       float*, long);
+#define ROWS_FN(name, n, f32)                                                                    \
+    static TARGET __attribute__((noinline)) void name(const int8_t* xq, const float* xd,         \
+                                                      const float* xds, int K, const uint8_t* P, \
+                                                      long rec_bytes, const uint8_t* U, float* y, \
+                                                      long ldy) {                                \
+        rows_panel(xq, xd, xds, K, P, rec_bytes, U, y, ldy, n, f32);                             \
+    }
+ROWS_FN(q4_4, 4, 0)
+ROWS_FN(q4_5, 5, 0)
+ROWS_FN(q4_6, 6, 0)
+ROWS_FN(q4k_4, 4, 1)
+ROWS_FN(q4k_5, 5, 1)
+ROWS_FN(q4k_6, 6, 1)
+
+/* Set by benchmarks to compare with the panels (int8_linear.use_split); on by default. */
+int stopline_i8_split_on = 1;
+
+void stopline_i8_split(int on) { stopline_i8_split_on = on; }
+
+/* M > 3 * MR rows (so every chunk holds 4-6 rows) of a Q4_1 (f32 = 0) or Q4_K (f32 = 1)
+ * weight: int8_gemm.c's gemm arguments. Whole panels a thread (guided), as there. */
+TARGET void stopline_i8_q4_rows(int f32, long rec_bytes, long head, const int8_t* xq, const float* xd,
+                                const float* xds, const uint8_t* w, float* y, int M, int K, int N) {
+    const int groups = K / GROUP, chunks = (M + MR - 1) / MR;
+    const long panel_bytes = (long)groups * rec_bytes;
+    const RowsFn fns[MR + 1] = {0, 0, 0, 0, f32 ? q4k_4 : q4_4, f32 ? q4k_5 : q4_5, f32 ? q4k_6 : q4_6};
+#pragma omp parallel
+    {
+        uint8_t* U = aligned_alloc(64, (size_t)groups * 1024);
+        const __m512i low = _mm512_set1_epi8(0x0f);
+#pragma omp for schedule(guided)
+        for (int p = 0; p < N / PANEL; p++) {
+            const uint8_t* P = w + p * panel_bytes;
+            for (int g = 0; g < groups; g++)
+                for (int t = 0; t < GROUP / 4; t++) {
+                    __m512i v = _mm512_loadu_si512((const void*)(P + g * rec_bytes + head + t * 64));
+                    _mm512_store_si512((void*)(U + g * 1024 + t * 64), _mm512_and_si512(v, low));
+                    _mm512_store_si512((void*)(U + g * 1024 + 512 + t * 64),
+                                       _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+                }
+            for (int c = 0; c < chunks; c++) {
+                int m0 = (int)((long)M * c / chunks), mr = (int)((long)M * (c + 1) / chunks) - m0;
+                long o = (long)m0 * groups;
+                fns[mr](xq + (long)m0 * K, xd + o, xds + o, K, P, rec_bytes, U, y + (long)m0 * N + p * PANEL, N);
+            }
+        }
+        free(U);
+    }
+}
