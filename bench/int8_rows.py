@@ -3,7 +3,7 @@ kernel of another commit, interleaved in one process: GFLOPS over SmolLM2's line
 
     python bench/int8_rows.py --against main --rows 1 32 128 512 --rounds 7
 
-Each arm's library is int8_gemm.c alone, built with native.py's flags (the "before" from
+Each arm's library is int8_gemm.c (with amx_i8_gemm.c and int8_rows.c where they exist), built with native.py's flags (the "before" from
 `git show REF:...`). Shapes: SmolLM2-135M's qkv, o, gate_up, down (Q4_1, 30 each) and the head
 (Q8_0, once), weighted by count as `stopline bench floors` weights them; x's quantization is
 in each call. A round times every arm once per shape (best of `--reps` calls); the figure is
@@ -50,9 +50,9 @@ def build(sources: dict[str, str], out: Path) -> ctypes.CDLL:
 
 
 def sources(ref: str | None) -> dict[str, str]:
-    """int8_gemm.c and, where it exists, amx_i8_gemm.c, at a git ref (None: the work tree)."""
+    """int8_gemm.c and, where they exist, amx_i8_gemm.c and int8_rows.c, at a git ref (None: the work tree)."""
     out = {}
-    for name in ("int8_gemm.c", "amx_i8_gemm.c"):
+    for name in ("int8_gemm.c", "amx_i8_gemm.c", "int8_rows.c"):
         if ref is None:
             f = CSRC / name
             if f.exists():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stopline.model.kernels.int8_linear import Int8Weight, has_vnni, use_amx, use_split
+from stopline.model.kernels.int8_linear import Int8Weight, amx_granted, has_vnni, use_amx, use_split
 from stopline.model.kernels.int8_linear import reference as int8_reference
 from stopline.model.kernels.native import _cpu_flags, try_kernels
 from tests.test_numerics import _blocks
@@ -23,16 +23,12 @@ ROWS = [1, 15, 17, 18, 19, 25, 63, 64, 65, 97, 129, 255, 333, 511, 700]
 SHAPES = {"q4_1": (96, 576), "q8_0": (64, 576), "q4_k": (96, 768), "q6_k": (64, 512)}
 
 
-def _amx_granted() -> bool:
-    return {"amx_tile", "amx_int8"} <= _cpu_flags() and use_amx(None) == 1
-
-
 @pytest.fixture(params=["split", "tiles"])
 def path(request):
     """Each many-row path in turn (tiles for every format where the OS grants them); the
     process defaults again after."""
     if request.param == "tiles":
-        if not _amx_granted():
+        if not amx_granted():
             pytest.skip("no AMX-INT8 tile state on this host")
         use_amx(2)
     else:
@@ -73,14 +69,14 @@ def test_many_row_paths_agree_with_the_panels(fmt: str, path: str) -> None:
     assert fast[5].isnan().all() and not fast[[4, 6]].isnan().any()
 
 
-def test_default_switch_follows_the_grant(monkeypatch) -> None:
-    """On where the CPU has AMX-INT8 and the OS grants the tiles; STOPLINE_INT8_AMX=0 keeps the
-    panels."""
-    granted = {"amx_tile", "amx_int8"} <= _cpu_flags()
+def test_tiles_only_when_asked_and_granted(monkeypatch) -> None:
+    """Off by default; STOPLINE_INT8_AMX=1 turns the tiles on where the CPU has AMX-INT8 and
+    the OS grants the tile state."""
     try:
-        assert use_amx(None) == (1 if granted and try_kernels().stopline_amx_init() == 0 else 0)
-        monkeypatch.setenv("STOPLINE_INT8_AMX", "0")
+        monkeypatch.delenv("STOPLINE_INT8_AMX", raising=False)
         assert use_amx(None) == 0
+        monkeypatch.setenv("STOPLINE_INT8_AMX", "1")
+        assert use_amx(None) == int({"amx_tile", "amx_int8"} <= _cpu_flags() and amx_granted())
     finally:
         monkeypatch.delenv("STOPLINE_INT8_AMX")
         use_amx(None)

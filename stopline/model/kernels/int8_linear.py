@@ -10,9 +10,10 @@ every row count, by construction, on every CPU that runs the kernel. `reference`
 arithmetic in plain torch, bit for bit.
 
 A step of few rows reads ~5 bits a weight and does little more than read them, which is why
-this mode's one-stream step sits near its bandwidth floor (docs/benchmarks.md). Many rows of
-Q4_1 and Q4_K weights form their group sums on AMX-INT8 tiles where the OS grants them
-(csrc/amx_i8_gemm.c): the same integers, so the same bits, with the nibbles split once a panel.
+this mode's one-stream step sits near its bandwidth floor (docs/benchmarks.md). More than 18
+rows of Q4_1 and Q4_K weights split each panel's nibbles once (csrc/int8_rows.c); with
+STOPLINE_INT8_AMX=1, 64 rows and more form their group sums on AMX-INT8 tiles where the OS
+grants them (csrc/amx_i8_gemm.c). The same integers and the same float chain: the same bits.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from stopline.model.kernels.quant_linear import (
 
 # STOPLINE_INT8=0 keeps block weights on the bf16 kernels in fast mode (as float weights are).
 INT8_SWITCH = "STOPLINE_INT8"
-# STOPLINE_INT8_AMX=0 keeps every row count on the VNNI panels (the bits are the same either way).
+# STOPLINE_INT8_AMX=1 sends 64 rows and more of Q4 weights to AMX-INT8 tiles where the OS
+# grants them (off by default: no faster than the split panels where measured; the bits are
+# the same either way).
 AMX_SWITCH = "STOPLINE_INT8_AMX"
 
 
@@ -53,18 +56,21 @@ def int8_ready() -> bool:
     return os.environ.get(INT8_SWITCH, "1") != "0" and has_vnni()
 
 
+def amx_granted() -> bool:
+    """The CPU has AMX-INT8 and the OS grants this process the tile state."""
+    return {"amx_tile", "amx_int8"} <= _cpu_flags() and kernels().stopline_amx_init() == 0
+
+
 def use_amx(on: int | None = None) -> int:
     """Switch the kernel's many-row path (64 rows and up) onto AMX-INT8 tiles
     (csrc/amx_i8_gemm.c), and say how far: 0 off, 1 for Q4_1 and Q4_K weights, 2 for every
     format (Q8_0 and Q6_K measured slower on tiles: docs/benchmarks.md; for benchmarks and
-    tests). None: 1 where the CPU has AMX-INT8, the OS grants the tile state and
-    STOPLINE_INT8_AMX is not 0, else 0. Every setting gives the same bits, so it may change at
-    any time."""
-    lib = kernels()
+    tests). None: 1 where STOPLINE_INT8_AMX is 1 and amx_granted(), else 0 (the default: on
+    the one host measured, a VM on an Intel Xeon, the tiles were no faster than the split
+    panels). Every setting gives the same bits, so it may change at any time."""
     if on is None:
-        on = int(os.environ.get(AMX_SWITCH, "1") != "0" and {"amx_tile", "amx_int8"} <= _cpu_flags()
-                 and lib.stopline_amx_init() == 0)
-    lib.stopline_i8_amx(on)
+        on = int(os.environ.get(AMX_SWITCH, "0") == "1" and amx_granted())
+    kernels().stopline_i8_amx(on)
     return on
 
 
