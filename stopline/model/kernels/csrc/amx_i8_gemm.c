@@ -13,9 +13,12 @@
  *     Q6_K:        acc = fma(float(sum_lo - 128 s_lo), s0 * d, acc); then _hi with s1
  * with the 16 rows' accumulators (one column half) held in registers across the groups.
  *
- * Why: the VNNI panel spends ~14 vector ops per 8 vpdpbusd on a row's 16 columns and one group
- * (the nibble split redone for each chunk of 6 rows, the conversions and the two fmas); here
- * the 8 vpdpbusd become 1/16 of a tile op and the epilogue's 4 ops are what is left.
+ * Why it exists, and why it is off by default (STOPLINE_INT8_AMX=1 turns it on): the VNNI panel
+ * spends 8 vpdpbusd and 4 float ops on a row's 16 columns and one group; here the 8 vpdpbusd
+ * are 1/16 of a tile op and only the 4 float ops are left to the vector units. On the one
+ * AMX host measured (an Intel Xeon guest, docs/benchmarks.md) the tile ops were slow enough
+ * (tdpbsud 16x16x32 and tilestored ~40-50 cycles each) that this path was no faster than the
+ * VNNI panels with the nibbles split once (int8_rows.c): 367 against 392 GFLOPS at 512 rows.
  *
  * Rows run in blocks of 16 (a full tile); the caller sends the remainder (M % 16 rows) through
  * the VNNI panels, whose bits are the same. The next group's tile product is issued before the
@@ -23,6 +26,7 @@
  * overlap.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,9 +74,9 @@ static inline TARGET __m512 f16x16(const uint8_t* p) {
  * tile product of the KB groups into S (a group's C tiles alternate between two sets, so a
  * product need not wait for the last one's store), then the float epilogue over them, the 16
  * rows' accumulators of one half in registers. The accumulators pass from one KB to the next
- * through y (a float stored and loaded: the same bits). Splitting the phases keeps the vector
- * loads from waiting on tile stores still in flight, which cost ~3x when each group's
- * epilogue read the stores of the group just before. */
+ * through y (a float stored and loaded: the same bits). Measured against the alternatives
+ * (each group's epilogue one group behind its product; blocks of 4 double-buffered): as fast
+ * or faster (docs/benchmarks.md). */
 static inline TARGET __attribute__((always_inline)) void
 block(const int8_t* xq, const float* xd, const float* xds, const int32_t* xs, int K, const uint8_t* P,
       const uint8_t* ub, long rec_bytes, float* y, long ldy, int fmt) {
@@ -182,11 +186,12 @@ BLOCK_FN(block_q4_k, F_Q4_K)
 BLOCK_FN(block_q6_k, F_Q6_K)
 
 /* Rows [0, M16) of int8_gemm.c's gemm, M16 a multiple of 16; same arguments. Each thread takes
- * whole panels (guided), splits a Q4 panel's nibbles once into its buffer, then runs every row
- * block of the panel against it. */
-TARGET void stopline_amx_i8_rows(int fmt, long rec_bytes, const int8_t* xq, const float* xd, const float* xds,
-                                 const int32_t* xs, const uint8_t* w, float* y, int M16, int K, int N,
-                                 int sums_a_group) {
+ * whole panels (guided), copies a panel's quants once into its buffer (Q4's nibbles split),
+ * then runs every row block of the panel against it. -1, with nothing done, where a thread's
+ * buffer could not be had. */
+TARGET int stopline_amx_i8_rows(int fmt, long rec_bytes, const int8_t* xq, const float* xd, const float* xds,
+                                const int32_t* xs, const uint8_t* w, float* y, int M16, int K, int N,
+                                int sums_a_group) {
     const int groups = K / GROUP, q8 = fmt == F_Q8_0 || fmt == F_Q6_K;
     const long panel_bytes = (long)groups * rec_bytes;
     const int head = fmt >= F_Q4_K ? 256 : q8 ? 64 : 128; /* bytes of scales before the quants */
@@ -194,9 +199,12 @@ TARGET void stopline_amx_i8_rows(int fmt, long rec_bytes, const int8_t* xq, cons
     void (*fn)(const int8_t*, const float*, const float*, const int32_t*, int, const uint8_t*, const uint8_t*,
                long, float*, long) =
         fmt == F_Q4_1 ? block_q4_1 : fmt == F_Q8_0 ? block_q8_0 : fmt == F_Q4_K ? block_q4_k : block_q6_k;
+    const size_t per_thread = (size_t)groups * 1024;
+    uint8_t* bufs = aligned_alloc(64, per_thread * omp_get_max_threads());
+    if (!bufs) return -1;
 #pragma omp parallel
     {
-        uint8_t* ub = aligned_alloc(64, (size_t)groups * 1024);
+        uint8_t* ub = bufs + per_thread * omp_get_thread_num();
         config(fmt == F_Q6_K);
 #pragma omp for schedule(guided)
         for (int p = 0; p < N / PANEL; p++) {
@@ -227,6 +235,7 @@ TARGET void stopline_amx_i8_rows(int fmt, long rec_bytes, const int8_t* xq, cons
             }
         }
         _tile_release();
-        free(ub);
     }
+    free(bufs);
+    return 0;
 }

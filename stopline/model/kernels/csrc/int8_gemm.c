@@ -210,16 +210,16 @@ PANEL_FNS(q6k, F_Q6_K)
  * tile products. Used for the first M / 16 * 16 rows once M reaches AMX_ROWS and the Python
  * side has switched it on (the OS granted the tile state): 1 for the Q4 formats, 2 for all
  * (Q8_0's on tiles measured slower); the rest of the rows go through the panels. Below
- * AMX_ROWS the panels were as fast or faster (32 rows: 0.9-1.0x). */
+ * AMX_ROWS the panels were as fast or faster (32 rows: 0.7-1.0x). */
 extern int stopline_i8_amx_on;
-void stopline_amx_i8_rows(int fmt, long rec_bytes, const int8_t* xq, const float* xd, const float* xds,
+int stopline_amx_i8_rows(int fmt, long rec_bytes, const int8_t* xq, const float* xd, const float* xds,
                           const int32_t* xs, const uint8_t* w, float* y, int M16, int K, int N,
                           int sums_a_group);
 #define AMX_ROWS 64
 /* More than 3 chunks of Q4_1 or Q4_K rows: the panel's nibbles split once, not per chunk
  * (int8_rows.c; the same bits). */
 extern int stopline_i8_split_on;
-void stopline_i8_q4_rows(int f32, long rec_bytes, long head, const int8_t* xq, const float* xd, const float* xds,
+int stopline_i8_q4_rows(int f32, long rec_bytes, long head, const int8_t* xq, const float* xd, const float* xds,
                          const uint8_t* w, float* y, int M, int K, int N);
 
 /* Each thread takes whole panels (guided, as quant_gemm.c, for neighbours); a panel runs its
@@ -231,14 +231,14 @@ static void gemm(const PanelFn* panels, int fmt, long rec_bytes, const int8_t* x
     if (stopline_i8_amx_on && M >= AMX_ROWS && (fmt == F_Q4_1 || fmt == F_Q4_K || stopline_i8_amx_on > 1)) {
         int m16 = M / 16 * 16;
         long o = (long)m16 * (K / GROUP);
-        stopline_amx_i8_rows(fmt, rec_bytes, xq, xd, xds, xs, w, y, m16, K, N, sums_a_group);
-        xq += (long)m16 * K, xd += o, xds += o, xs += o * sums_a_group, y += (long)m16 * N, M -= m16;
-        if (!M) return;
+        if (stopline_amx_i8_rows(fmt, rec_bytes, xq, xd, xds, xs, w, y, m16, K, N, sums_a_group) == 0) {
+            xq += (long)m16 * K, xd += o, xds += o, xs += o * sums_a_group, y += (long)m16 * N, M -= m16;
+            if (!M) return;
+        }
     }
-    if (stopline_i8_split_on && M > 3 * MR && (fmt == F_Q4_1 || fmt == F_Q4_K)) {
-        stopline_i8_q4_rows(fmt == F_Q4_K, rec_bytes, fmt == F_Q4_K ? 256 : 128, xq, xd, xds, w, y, M, K, N);
+    if (stopline_i8_split_on && M > 3 * MR && (fmt == F_Q4_1 || fmt == F_Q4_K) &&
+        stopline_i8_q4_rows(fmt == F_Q4_K, rec_bytes, fmt == F_Q4_K ? 256 : 128, xq, xd, xds, w, y, M, K, N) == 0)
         return;
-    }
     long panel_bytes = (long)(K / GROUP) * rec_bytes;
     int groups = K / GROUP, chunks = (M + MR - 1) / MR;
 #pragma omp parallel for schedule(guided)

@@ -12,6 +12,7 @@
  * 0-15) of step t at + t * 64, the high ones (columns 16-31) at + 512 + t * 64.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -88,15 +89,19 @@ int stopline_i8_split_on = 1;
 void stopline_i8_split(int on) { stopline_i8_split_on = on; }
 
 /* M > 3 * MR rows (so every chunk holds 4-6 rows) of a Q4_1 (f32 = 0) or Q4_K (f32 = 1)
- * weight: int8_gemm.c's gemm arguments. Whole panels a thread (guided), as there. */
-TARGET void stopline_i8_q4_rows(int f32, long rec_bytes, long head, const int8_t* xq, const float* xd,
-                                const float* xds, const uint8_t* w, float* y, int M, int K, int N) {
+ * weight: int8_gemm.c's gemm arguments. Whole panels a thread (guided), as there. -1, with
+ * nothing done, where the threads' buffers could not be had. */
+TARGET int stopline_i8_q4_rows(int f32, long rec_bytes, long head, const int8_t* xq, const float* xd,
+                               const float* xds, const uint8_t* w, float* y, int M, int K, int N) {
     const int groups = K / GROUP, chunks = (M + MR - 1) / MR;
     const long panel_bytes = (long)groups * rec_bytes;
     const RowsFn fns[MR + 1] = {0, 0, 0, 0, f32 ? q4k_4 : q4_4, f32 ? q4k_5 : q4_5, f32 ? q4k_6 : q4_6};
+    const size_t per_thread = (size_t)groups * 1024;
+    uint8_t* bufs = aligned_alloc(64, per_thread * omp_get_max_threads());
+    if (!bufs) return -1;
 #pragma omp parallel
     {
-        uint8_t* U = aligned_alloc(64, (size_t)groups * 1024);
+        uint8_t* U = bufs + per_thread * omp_get_thread_num();
         const __m512i low = _mm512_set1_epi8(0x0f);
 #pragma omp for schedule(guided)
         for (int p = 0; p < N / PANEL; p++) {
@@ -114,6 +119,7 @@ TARGET void stopline_i8_q4_rows(int f32, long rec_bytes, long head, const int8_t
                 fns[mr](xq + (long)m0 * K, xd + o, xds + o, K, P, rec_bytes, U, y + (long)m0 * N + p * PANEL, N);
             }
         }
-        free(U);
     }
+    free(bufs);
+    return 0;
 }
