@@ -42,6 +42,8 @@ enum { F_Q4_1, F_Q8_0, F_Q4_K, F_Q6_K };
  * count on the VNNI panels (and lets a benchmark compare the two in one process). */
 int stopline_i8_amx_on = 0;
 
+uint8_t* stopline_i8_scratch(size_t bytes); /* int8_rows.c */
+
 void stopline_i8_amx(int on) { stopline_i8_amx_on = on; }
 
 typedef struct {
@@ -187,8 +189,8 @@ BLOCK_FN(block_q6_k, F_Q6_K)
 
 /* Rows [0, M16) of int8_gemm.c's gemm, M16 a multiple of 16; same arguments. Each thread takes
  * whole panels (guided), copies a panel's quants once into its buffer (Q4's nibbles split),
- * then runs every row block of the panel against it. -1, with nothing done, where a thread's
- * buffer could not be had. */
+ * then runs every row block of the panel against it. -1, with nothing done, where the scratch
+ * (int8_rows.c's) could not be had. */
 TARGET int stopline_amx_i8_rows(int fmt, long rec_bytes, const int8_t* xq, const float* xd, const float* xds,
                                 const int32_t* xs, const uint8_t* w, float* y, int M16, int K, int N,
                                 int sums_a_group) {
@@ -200,7 +202,7 @@ TARGET int stopline_amx_i8_rows(int fmt, long rec_bytes, const int8_t* xq, const
                long, float*, long) =
         fmt == F_Q4_1 ? block_q4_1 : fmt == F_Q8_0 ? block_q8_0 : fmt == F_Q4_K ? block_q4_k : block_q6_k;
     const size_t per_thread = (size_t)groups * 1024;
-    uint8_t* bufs = aligned_alloc(64, per_thread * omp_get_max_threads());
+    uint8_t* bufs = stopline_i8_scratch(per_thread * omp_get_max_threads());
     if (!bufs) return -1;
 #pragma omp parallel
     {
@@ -236,6 +238,5 @@ TARGET int stopline_amx_i8_rows(int fmt, long rec_bytes, const int8_t* xq, const
         }
         _tile_release();
     }
-    free(bufs);
     return 0;
 }

@@ -83,21 +83,36 @@ ROWS_FN(q4k_4, 4, 1)
 ROWS_FN(q4k_5, 5, 1)
 ROWS_FN(q4k_6, 6, 1)
 
+/* The calling thread's scratch for its team's split nibbles, kept and grown rather than
+ * allocated (and its pages faulted in) every call of a fraction of a millisecond. One buffer
+ * per thread that calls the kernel (the engine's few), never freed: groups x 1 KiB per team
+ * thread, 96 KiB for SmolLM2's down on two. NULL if it cannot grow. */
+uint8_t* stopline_i8_scratch(size_t bytes) {
+    static __thread uint8_t* buf;
+    static __thread size_t cap;
+    if (bytes > cap) {
+        free(buf);
+        buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        cap = buf ? bytes : 0;
+    }
+    return buf;
+}
+
 /* Set by benchmarks to compare with the panels (int8_linear.use_split); on by default. */
 int stopline_i8_split_on = 1;
 
 void stopline_i8_split(int on) { stopline_i8_split_on = on; }
 
-/* M > 3 * MR rows (so every chunk holds 4-6 rows) of a Q4_1 (f32 = 0) or Q4_K (f32 = 1)
+/* M > 3 * MR rows (so every chunk holds 4-6 rows; the caller sends 64 and more) of a Q4_1 (f32 = 0) or Q4_K (f32 = 1)
  * weight: int8_gemm.c's gemm arguments. Whole panels a thread (guided), as there. -1, with
- * nothing done, where the threads' buffers could not be had. */
+ * nothing done, where the scratch could not be had. */
 TARGET int stopline_i8_q4_rows(int f32, long rec_bytes, long head, const int8_t* xq, const float* xd,
                                const float* xds, const uint8_t* w, float* y, int M, int K, int N) {
     const int groups = K / GROUP, chunks = (M + MR - 1) / MR;
     const long panel_bytes = (long)groups * rec_bytes;
     const RowsFn fns[MR + 1] = {0, 0, 0, 0, f32 ? q4k_4 : q4_4, f32 ? q4k_5 : q4_5, f32 ? q4k_6 : q4_6};
     const size_t per_thread = (size_t)groups * 1024;
-    uint8_t* bufs = aligned_alloc(64, per_thread * omp_get_max_threads());
+    uint8_t* bufs = stopline_i8_scratch(per_thread * omp_get_max_threads());
     if (!bufs) return -1;
 #pragma omp parallel
     {
@@ -120,6 +135,5 @@ TARGET int stopline_i8_q4_rows(int f32, long rec_bytes, long head, const int8_t*
             }
         }
     }
-    free(bufs);
     return 0;
 }
