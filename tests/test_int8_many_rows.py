@@ -80,3 +80,21 @@ def test_tiles_only_when_asked_and_granted(monkeypatch) -> None:
     finally:
         monkeypatch.delenv("STOPLINE_INT8_AMX")
         use_amx(None)
+
+
+def test_packing_needs_no_kernels(monkeypatch) -> None:
+    """Building a weight reads the tiles' switch; without the C kernels (STOPLINE_NATIVE=0) it
+    still packs, as before the switch existed."""
+    from stopline.model.kernels import int8_linear, native
+
+    raw, _ = _blocks("q4_1", 32, 64, seed=1)
+    monkeypatch.setenv("STOPLINE_NATIVE", "0")
+    native.reset()
+    int8_linear._amx_default.cache_clear()
+    try:
+        weight = Int8Weight.from_raw("q4_1", raw, 64)
+        assert weight.packed.numel() == 2 * 640
+    finally:
+        monkeypatch.delenv("STOPLINE_NATIVE")
+        native.reset()
+        int8_linear._amx_default.cache_clear()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stopline.model.kernels.native import _cpu_flags, kernels
+from stopline.model.kernels.native import NativeUnavailable, _cpu_flags, kernels
 from stopline.model.kernels.quant_linear import (
     BLOCK_BYTES,
     GROUP,
@@ -83,7 +83,10 @@ def use_split(on: bool) -> None:
 
 @functools.cache
 def _amx_default() -> int:
-    return use_amx()
+    try:
+        return use_amx()
+    except NativeUnavailable:  # no kernels: nothing to switch (the caller says why, once)
+        return 0
 
 
 def pack(fmt: str, raw: np.ndarray, in_features: int) -> torch.Tensor:
