@@ -216,12 +216,12 @@ int stopline_amx_i8_rows(int fmt, long rec_bytes, const int8_t* xq, const float*
                           const int32_t* xs, const uint8_t* w, float* y, int M16, int K, int N,
                           int sums_a_group);
 #define AMX_ROWS 64
-/* SPLIT_ROWS_MIN rows and more of Q4_1 or Q4_K: the panel's nibbles split once, not per chunk
- * (int8_rows.c; the same bits). One thread: 1.07x the panels at 32 rows, 1.07-1.12x at
- * 128-512; two: 0.95-0.97x at 32, 1.04-1.10x at 128-512 (docs/benchmarks.md). */
-#define SPLIT_ROWS_MIN 64
+/* More than 3 chunks of Q4_1 or Q4_K rows: the panel's nibbles split once, by its first chunk,
+ * not per chunk (int8_rows.c; the same bits). One thread: 1.08x "before" at 32 rows, 1.08-1.10x
+ * at 128-512; two: 0.99-1.11x at 32, 1.08-1.10x at 128-512 (docs/benchmarks.md). */
+#define SPLIT_ROWS_MIN (3 * MR + 1)
 extern int stopline_i8_split_on;
-int stopline_i8_q4_rows(int f32, long rec_bytes, long head, const int8_t* xq, const float* xd, const float* xds,
+int stopline_i8_q4_rows(int f32, long rec_bytes, const int8_t* xq, const float* xd, const float* xds,
                          const uint8_t* w, float* y, int M, int K, int N);
 
 /* Each thread takes whole panels (guided, as quant_gemm.c, for neighbours); a panel runs its
@@ -239,7 +239,7 @@ static void gemm(const PanelFn* panels, int fmt, long rec_bytes, const int8_t* x
         }
     }
     if (stopline_i8_split_on && M >= SPLIT_ROWS_MIN && (fmt == F_Q4_1 || fmt == F_Q4_K) &&
-        stopline_i8_q4_rows(fmt == F_Q4_K, rec_bytes, fmt == F_Q4_K ? 256 : 128, xq, xd, xds, w, y, M, K, N) == 0)
+        stopline_i8_q4_rows(fmt == F_Q4_K, rec_bytes, xq, xd, xds, w, y, M, K, N) == 0)
         return;
     long panel_bytes = (long)(K / GROUP) * rec_bytes;
     int groups = K / GROUP, chunks = (M + MR - 1) / MR;

@@ -3,7 +3,8 @@
  *
  * int8_gemm.c's panel splits each step's 64 bytes into the low and high nibbles (three vector
  * ops) for every chunk of up to 6 rows, so at 512 rows a panel's nibbles are split 86 times;
- * here once a call. Everything else is the panel's, term for term: the integer sums of a
+ * here once a call, by the panel's first chunk as it computes (a separate pass over the panel
+ * first was 0.95-0.97x the panels at 32 rows on two threads). Everything else is the panel's, term for term: the integer sums of a
  * group (exact, any order) and the float chain per output over the groups in k order
  * (acc = fma(float(sum), dw * d, acc); acc = fma(mw, ds, acc)), so the bits are the same at
  * every row count and however the rows are chunked.
@@ -27,20 +28,33 @@ static inline TARGET __m512 f16x16(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 }
 
-/* Rows [0, mr) of one panel: P its records (for the scales), U its split nibbles. */
+/* Rows [0, mr) of one panel: P its records, U its split nibbles. The panel's first chunk
+ * (first = 1) splits them from the records as it goes and stores them to U; the others load
+ * them from U. */
 static inline TARGET __attribute__((always_inline)) void
 rows_panel(const int8_t* xq, const float* xd, const float* xds, int K, const uint8_t* P, long rec_bytes,
-           const uint8_t* U, float* y, long ldy, int mr, int f32) {
+           uint8_t* U, float* y, long ldy, int mr, int f32, int first) {
+    const int head = f32 ? 256 : 128;
+    const __m512i low = _mm512_set1_epi8(0x0f);
     const int groups = K / GROUP;
     __m512 acc[MR][2];
     UNROLL for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
-        const uint8_t* u = U + (long)g * 1024;
+        uint8_t* u = U + (long)g * 1024;
         __m512i sum[MR][2];
         UNROLL for (int r = 0; r < mr; r++) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
         _Pragma("GCC unroll 8") for (int t = 0; t < GROUP / 4; t++) {
-            __m512i w0 = _mm512_load_si512((const void*)(u + t * 64));
-            __m512i w1 = _mm512_load_si512((const void*)(u + 512 + t * 64));
+            __m512i w0, w1;
+            if (first) {
+                __m512i v = _mm512_loadu_si512((const void*)(P + (long)g * rec_bytes + head + t * 64));
+                w0 = _mm512_and_si512(v, low);
+                w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                _mm512_store_si512((void*)(u + t * 64), w0);
+                _mm512_store_si512((void*)(u + 512 + t * 64), w1);
+            } else {
+                w0 = _mm512_load_si512((const void*)(u + t * 64));
+                w1 = _mm512_load_si512((const void*)(u + 512 + t * 64));
+            }
             UNROLL for (int r = 0; r < mr; r++) {
                 __m512i xv = _mm512_set1_epi32(*(const int32_t*)(xq + (long)r * K + g * GROUP + 4 * t));
                 sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], w0, xv);
@@ -67,21 +81,20 @@ rows_panel(const int8_t* xq, const float* xd, const float* xds, int K, const uin
     }
 }
 
-typedef void (*RowsFn)(const int8_t*, const float*, const float*, int, const uint8_t*, long, const uint8_t*,
-                       float*, long);
-#define ROWS_FN(name, n, f32)                                                                    \
+typedef void (*RowsFn)(const int8_t*, const float*, const float*, int, const uint8_t*, long, uint8_t*, float*,
+                       long);
+#define ROWS_FN(name, n, f32, first)                                                             \
     static TARGET __attribute__((noinline)) void name(const int8_t* xq, const float* xd,         \
                                                       const float* xds, int K, const uint8_t* P, \
-                                                      long rec_bytes, const uint8_t* U, float* y, \
+                                                      long rec_bytes, uint8_t* U, float* y,      \
                                                       long ldy) {                                \
-        rows_panel(xq, xd, xds, K, P, rec_bytes, U, y, ldy, n, f32);                             \
+        rows_panel(xq, xd, xds, K, P, rec_bytes, U, y, ldy, n, f32, first);                      \
     }
-ROWS_FN(q4_4, 4, 0)
-ROWS_FN(q4_5, 5, 0)
-ROWS_FN(q4_6, 6, 0)
-ROWS_FN(q4k_4, 4, 1)
-ROWS_FN(q4k_5, 5, 1)
-ROWS_FN(q4k_6, 6, 1)
+#define ROWS_FNS(kind, f32)                                                                      \
+    ROWS_FN(kind##_4, 4, f32, 0) ROWS_FN(kind##_5, 5, f32, 0) ROWS_FN(kind##_6, 6, f32, 0)        \
+    ROWS_FN(kind##_4f, 4, f32, 1) ROWS_FN(kind##_5f, 5, f32, 1) ROWS_FN(kind##_6f, 6, f32, 1)
+ROWS_FNS(q4, 0)
+ROWS_FNS(q4k, 1)
 
 /* The calling thread's scratch for its team's split nibbles, kept and grown rather than
  * allocated (and its pages faulted in) every call of a fraction of a millisecond. One buffer
@@ -103,35 +116,28 @@ int stopline_i8_split_on = 1;
 
 void stopline_i8_split(int on) { stopline_i8_split_on = on; }
 
-/* M > 3 * MR rows (so every chunk holds 4-6 rows; the caller sends 64 and more) of a Q4_1 (f32 = 0) or Q4_K (f32 = 1)
+/* M > 3 * MR rows (so every chunk holds 4-6 rows) of a Q4_1 (f32 = 0) or Q4_K (f32 = 1)
  * weight: int8_gemm.c's gemm arguments. Whole panels a thread (guided), as there. -1, with
  * nothing done, where the scratch could not be had. */
-TARGET int stopline_i8_q4_rows(int f32, long rec_bytes, long head, const int8_t* xq, const float* xd,
+TARGET int stopline_i8_q4_rows(int f32, long rec_bytes, const int8_t* xq, const float* xd,
                                const float* xds, const uint8_t* w, float* y, int M, int K, int N) {
     const int groups = K / GROUP, chunks = (M + MR - 1) / MR;
     const long panel_bytes = (long)groups * rec_bytes;
-    const RowsFn fns[MR + 1] = {0, 0, 0, 0, f32 ? q4k_4 : q4_4, f32 ? q4k_5 : q4_5, f32 ? q4k_6 : q4_6};
+    const RowsFn fns[2][MR + 1] = {{0, 0, 0, 0, f32 ? q4k_4 : q4_4, f32 ? q4k_5 : q4_5, f32 ? q4k_6 : q4_6},
+                                   {0, 0, 0, 0, f32 ? q4k_4f : q4_4f, f32 ? q4k_5f : q4_5f, f32 ? q4k_6f : q4_6f}};
     const size_t per_thread = (size_t)groups * 1024;
     uint8_t* bufs = stopline_i8_scratch(per_thread * omp_get_max_threads());
     if (!bufs) return -1;
 #pragma omp parallel
     {
         uint8_t* U = bufs + per_thread * omp_get_thread_num();
-        const __m512i low = _mm512_set1_epi8(0x0f);
 #pragma omp for schedule(guided)
         for (int p = 0; p < N / PANEL; p++) {
             const uint8_t* P = w + p * panel_bytes;
-            for (int g = 0; g < groups; g++)
-                for (int t = 0; t < GROUP / 4; t++) {
-                    __m512i v = _mm512_loadu_si512((const void*)(P + g * rec_bytes + head + t * 64));
-                    _mm512_store_si512((void*)(U + g * 1024 + t * 64), _mm512_and_si512(v, low));
-                    _mm512_store_si512((void*)(U + g * 1024 + 512 + t * 64),
-                                       _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-                }
             for (int c = 0; c < chunks; c++) {
                 int m0 = (int)((long)M * c / chunks), mr = (int)((long)M * (c + 1) / chunks) - m0;
                 long o = (long)m0 * groups;
-                fns[mr](xq + (long)m0 * K, xd + o, xds + o, K, P, rec_bytes, U, y + (long)m0 * N + p * PANEL, N);
+                fns[c == 0][mr](xq + (long)m0 * K, xd + o, xds + o, K, P, rec_bytes, U, y + (long)m0 * N + p * PANEL, N);
             }
         }
     }
