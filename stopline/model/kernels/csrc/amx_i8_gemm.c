@@ -18,7 +18,7 @@
  * are 1/16 of a tile op and only the 4 float ops are left to the vector units. On the one
  * AMX host measured (an Intel Xeon guest, docs/benchmarks.md) the tile ops were slow enough
  * (tdpbsud 16x16x32 and tilestored ~40-50 cycles each) that this path was no faster than the
- * VNNI panels with the nibbles split once (int8_rows.c): 367 against 392 GFLOPS at 512 rows.
+ * VNNI panels with the nibbles split once (int8_rows.c): 419 against 427 GFLOPS at 512 rows.
  *
  * Rows run in blocks of 16 (a full tile); the caller sends the remainder (M % 16 rows) through
  * the VNNI panels, whose bits are the same. The next group's tile product is issued before the
