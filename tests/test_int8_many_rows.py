@@ -1,7 +1,7 @@
 """The int8 kernel's many-row paths against the plain torch reference of the same arithmetic,
 bit for bit, at many row counts, in every format; and every row the same as when computed
 alone (batch invariance). The paths: Q4 nibbles split once a panel (csrc/int8_rows.c, more
-more than 18 rows) and AMX-INT8 tiles where the OS grants them (csrc/amx_i8_gemm.c, 64 rows up)."""
+than 18 rows) and AMX-INT8 tiles where the OS grants them (csrc/amx_i8_gemm.c, 64 rows up)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not has_vnni() or try_kernels() is None,
 # Row counts around the split path's threshold (19), the tiles' 16 and their threshold (64),
 # odd ones up to 700.
 ROWS = [1, 15, 17, 18, 19, 25, 63, 64, 65, 97, 129, 255, 333, 511, 700]
-# (n, k): K of 18 and 24 groups takes the sums' blocks of 8 groups whole and in part.
+# (n, k): K of 16, 18 and 24 groups takes the tiles' blocks of 8 groups whole and in part.
 SHAPES = {"q4_1": (96, 576), "q8_0": (64, 576), "q4_k": (96, 768), "q6_k": (64, 512)}
 
 
