@@ -11,7 +11,8 @@ arithmetic in plain torch, bit for bit.
 
 A step of few rows reads ~5 bits a weight and does little more than read them, which is why
 this mode's one-stream step sits near its bandwidth floor (docs/benchmarks.md). More than 18
-rows of Q4_1 and Q4_K weights split each panel's nibbles once (csrc/int8_rows.c); with
+rows of Q4_1 and Q4_K weights split each panel's nibbles once, Q8_0's start their sums at
+-128 s (csrc/int8_rows.c); with
 STOPLINE_INT8_AMX=1, 64 rows and more form their group sums on AMX-INT8 tiles where the OS
 grants them (csrc/amx_i8_gemm.c). The same integers and the same float chain: the same bits.
 """
@@ -75,9 +76,10 @@ def use_amx(on: int | None = None) -> int:
 
 
 def use_split(on: bool) -> None:
-    """Whether more than 18 rows of a Q4_1 or Q4_K weight split each panel's nibbles once a
-    call (csrc/int8_rows.c, the default) or once a chunk of 6 rows (the panels): the same bits
-    either way; for benchmarks and tests."""
+    """Whether more than 18 rows take csrc/int8_rows.c (the default): a Q4_1 or Q4_K panel's
+    nibbles split once a call rather than once a chunk of 6 rows, Q8_0's group sums started at
+    -128 s rather than offset after. Off: the panels of int8_gemm.c. The same bits either way;
+    for benchmarks and tests."""
     kernels().stopline_i8_split(int(on))
 
 

@@ -220,6 +220,10 @@ int stopline_amx_i8_rows(int fmt, long rec_bytes, const int8_t* xq, const float*
  * not per chunk (int8_rows.c; the same bits). One thread: 1.08x "before" at 32 rows, 1.08-1.10x
  * at 128-512; two: 0.99-1.11x at 32, 1.08-1.10x at 128-512 (docs/benchmarks.md). */
 #define SPLIT_ROWS_MIN (3 * MR + 1)
+/* Q8_0 at as many rows: the sums started at -128 s, one subtraction less a group (int8_rows.c):
+ * the head alone 1.00-1.09x the panels at 32 and 512 rows, one run of six 0.79x. */
+void stopline_i8_q8_rows(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* w, float* y,
+                         int M, int K, int N);
 extern int stopline_i8_split_on;
 int stopline_i8_q4_rows(int f32, long rec_bytes, const int8_t* xq, const float* xd, const float* xds,
                          const uint8_t* w, float* y, int M, int K, int N);
@@ -241,6 +245,10 @@ static void gemm(const PanelFn* panels, int fmt, long rec_bytes, const int8_t* x
     if (stopline_i8_split_on && M >= SPLIT_ROWS_MIN && (fmt == F_Q4_1 || fmt == F_Q4_K) &&
         stopline_i8_q4_rows(fmt == F_Q4_K, rec_bytes, xq, xd, xds, w, y, M, K, N) == 0)
         return;
+    if (stopline_i8_split_on && M >= SPLIT_ROWS_MIN && fmt == F_Q8_0) {
+        stopline_i8_q8_rows(xq, xd, xs, w, y, M, K, N);
+        return;
+    }
     long panel_bytes = (long)(K / GROUP) * rec_bytes;
     int groups = K / GROUP, chunks = (M + MR - 1) / MR;
 #pragma omp parallel for schedule(guided)

@@ -143,3 +143,66 @@ TARGET int stopline_i8_q4_rows(int f32, long rec_bytes, const int8_t* xq, const 
     }
     return 0;
 }
+
+/* Q8_0 at more than 3 chunks of rows: the panel's loop, with each group's sums started at
+ * -128 s rather than 0, so the offset of the stored v + 128 comes off inside the integer sum
+ * (exact: the same integer as the panel's sum - 128 s) and the epilogue drops its subtraction:
+ * acc = fma(float(sum), dw * d, acc), as documented in int8_gemm.c. */
+static inline TARGET __attribute__((always_inline)) void
+q8_rows_panel(const int8_t* xq, const float* xd, const int32_t* xs, int K, const uint8_t* P, float* y, long ldy,
+              int mr) {
+    const int groups = K / GROUP;
+    const long rec_bytes = PANEL * 2 + GROUP * PANEL;
+    __m512 acc[MR][2];
+    UNROLL for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        const uint8_t* rec = P + (long)g * rec_bytes;
+        __m512i sum[MR][2];
+        UNROLL for (int r = 0; r < mr; r++) sum[r][0] = sum[r][1] = _mm512_set1_epi32(-128 * xs[(long)r * groups + g]);
+        _Pragma("GCC unroll 8") for (int t = 0; t < GROUP / 4; t++) {
+            __m512i w0 = _mm512_loadu_si512((const void*)(rec + 64 + t * 128));
+            __m512i w1 = _mm512_loadu_si512((const void*)(rec + 64 + t * 128 + 64));
+            UNROLL for (int r = 0; r < mr; r++) {
+                __m512i xv = _mm512_set1_epi32(*(const int32_t*)(xq + (long)r * K + g * GROUP + 4 * t));
+                sum[r][0] = _mm512_dpbusd_epi32(sum[r][0], w0, xv);
+                sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], w1, xv);
+            }
+        }
+        __m512 d0 = f16x16(rec), d1 = f16x16(rec + 32);
+        UNROLL for (int r = 0; r < mr; r++) {
+            __m512 xdr = _mm512_set1_ps(xd[(long)r * groups + g]);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, xdr), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, xdr), acc[r][1]);
+        }
+    }
+    UNROLL for (int r = 0; r < mr; r++) {
+        _mm512_storeu_ps(y + r * ldy, acc[r][0]);
+        _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
+    }
+}
+
+typedef void (*Q8RowsFn)(const int8_t*, const float*, const int32_t*, int, const uint8_t*, float*, long);
+#define Q8_ROWS_FN(n)                                                                            \
+    static TARGET __attribute__((noinline)) void q8_rows_##n(const int8_t* xq, const float* xd,  \
+                                                             const int32_t* xs, int K,           \
+                                                             const uint8_t* P, float* y, long ldy) { \
+        q8_rows_panel(xq, xd, xs, K, P, y, ldy, n);                                              \
+    }
+Q8_ROWS_FN(4)
+Q8_ROWS_FN(5)
+Q8_ROWS_FN(6)
+
+/* M > 3 * MR rows of a Q8_0 weight: int8_gemm.c's gemm arguments, whole panels a thread. */
+TARGET void stopline_i8_q8_rows(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* w, float* y,
+                                int M, int K, int N) {
+    const int groups = K / GROUP, chunks = (M + MR - 1) / MR;
+    const long panel_bytes = (long)groups * (PANEL * 2 + GROUP * PANEL);
+    const Q8RowsFn fns[MR + 1] = {0, 0, 0, 0, q8_rows_4, q8_rows_5, q8_rows_6};
+#pragma omp parallel for schedule(guided)
+    for (int p = 0; p < N / PANEL; p++)
+        for (int c = 0; c < chunks; c++) {
+            int m0 = (int)((long)M * c / chunks), mr = (int)((long)M * (c + 1) / chunks) - m0;
+            long o = (long)m0 * groups;
+            fns[mr](xq + (long)m0 * K, xd + o, xs + o, K, w + p * panel_bytes, y + (long)m0 * N + p * PANEL, N);
+        }
+}
