@@ -29,6 +29,9 @@ class TransferHeader(msgspec.Struct, frozen=True):
     # the receiver takes it only for a request holding that very load.
     lora: str | None = None
     lora_load: int = 0
+    # Each tensor's dtype where they differ (an int8 cache: K and V quants, then float32
+    # scales); empty: every tensor is `dtype`.
+    dtypes: list[str] = []
 
 
 class BadTransfer(ValueError):
@@ -45,8 +48,9 @@ def pack(request_id: str, cache: KVCache, epochs: BlockEpochs, refs: Sequence[Bl
     t0 = time.monotonic()
     epochs.check(refs)  # a stale ref fails before any byte is read
     data = cache.read_blocks([r.block for r in refs])
-    head = TransferHeader(request_id, list(refs), str(data[0].dtype).removeprefix("torch."),
-                          [list(t.shape) for t in data], t0, first, *(lora or (None, 0)))
+    names = [str(t.dtype).removeprefix("torch.") for t in data]
+    head = TransferHeader(request_id, list(refs), names[0], [list(t.shape) for t in data], t0, first,
+                          *(lora or (None, 0)), dtypes=names if len(set(names)) > 1 else [])
     return [_ENC.encode(head)] + [memoryview(t.contiguous().numpy()).cast("B") for t in data]
 
 
@@ -57,13 +61,16 @@ def unpack(frames: Sequence[bytes | memoryview]) -> tuple[TransferHeader, list[t
         head = _DEC.decode(frames[0])
     except msgspec.DecodeError as e:
         raise BadTransfer(f"bad transfer header: {e}") from e
-    dtype = getattr(torch, head.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise BadTransfer(f"unknown dtype {head.dtype!r}")
-    if len(frames) - 1 != len(head.shapes):
-        raise BadTransfer(f"header names {len(head.shapes)} tensors, got {len(frames) - 1} frames")
+    names = head.dtypes or [head.dtype] * len(head.shapes)
+    dtypes = [getattr(torch, n, None) for n in names]
+    for n, dtype in zip(names, dtypes, strict=True):
+        if not isinstance(dtype, torch.dtype):
+            raise BadTransfer(f"unknown dtype {n!r}")
+    if len(frames) - 1 != len(head.shapes) or len(dtypes) != len(head.shapes):
+        raise BadTransfer(f"header names {len(head.shapes)} tensors and {len(dtypes)} dtypes, "
+                          f"got {len(frames) - 1} frames")
     out = []
-    for f, shape in zip(frames[1:], head.shapes, strict=True):
+    for f, shape, dtype in zip(frames[1:], head.shapes, dtypes, strict=True):
         t = torch.frombuffer(bytearray(f), dtype=dtype)
         if t.numel() != _numel(shape):
             raise BadTransfer(f"frame of {t.numel()} values for shape {shape}")
@@ -76,8 +83,13 @@ def write(cache: KVCache, epochs: BlockEpochs, dst: Sequence[BlockRef], head: Tr
     """Write received blocks into the receiver's reserved blocks, checking their epochs."""
     if len(dst) != len(head.refs):
         raise BadTransfer(f"{len(head.refs)} blocks sent for {len(dst)} reserved")
-    if len(data) != len(cache.k) + len(cache.v):
-        raise BadTransfer(f"{len(data)} tensors for a cache of {len(cache.k)} layers")
+    want = len(cache.k) + len(cache.v) + len(cache.k_scale) + len(cache.v_scale)
+    if len(data) != want:
+        raise BadTransfer(f"{len(data)} tensors for a cache of {len(cache.k)} layers ({want} tensors)")
+    for t, c in zip(data, cache.k + cache.v + cache.k_scale + cache.v_scale, strict=True):
+        if t.dtype != c.dtype:  # a float32 sender and an int8 receiver, or the reverse
+            raise BadTransfer(f"KV blocks of {t.dtype} for a cache of {c.dtype} (both sides need the "
+                              f"same --kv-cache-dtype)")
     epochs.check(dst)
     cache.write_blocks([r.block for r in dst], data)
 

@@ -255,9 +255,10 @@ class LlamaModel:
             self._check(interrupt, li)
             h = rms_norm(x, layer["ln1"], eps) if res is None else add_rms_norm(x, res, layer["ln1"], eps)
             lin = self._linear(layer, li, inp.lora)
+            ks, vs = kv.scales(li)
             q = rope_store(lin("qkv", h), inp.positions, self.cos, self.sin, inp.write_slots,
-                           kv.k[li], kv.v[li], c.num_heads)
-            o = paged_attention(q, kv.k[li], kv.v[li], paged, kv.block_size, self.scale)
+                           kv.k[li], kv.v[li], c.num_heads, ks, vs)
+            o = paged_attention(q, kv.k[li], kv.v[li], paged, kv.block_size, self.scale, 0, ks, vs)
             h = add_rms_norm(x, lin("o", o), layer["ln2"], eps)
             res = lin("down", silu_mul(lin("gate_up", h)))
         return x if res is None else x.add_(res)
@@ -296,8 +297,7 @@ class LlamaModel:
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
             gi = groups[lg[li]]  # this layer's group's slots and tables
-            kv.k[li].index_copy_(1, gi.write_slots, k.transpose(0, 1))
-            kv.v[li].index_copy_(1, gi.write_slots, v.transpose(0, 1))
+            kv.store(li, gi.write_slots, k.transpose(0, 1), v.transpose(0, 1))
             o = lin("o", self._attention(li, q, k, v, windowed.get((lg[li], c.window(li)), gi), kv, decode_rows))
             if "attn_out_norm" in layer:
                 o = rms_norm(o, layer["attn_out_norm"], c.rms_norm_eps)
@@ -341,7 +341,9 @@ class LlamaModel:
         [N, kv_heads, d] are already in the cache."""
         if inp.paged is not None:  # the C attention under the torch glue (c_glue off, or not Llama)
             return paged_attention(q, kv.k[li], kv.v[li], inp.paged, kv.block_size, self.scale,
-                                   self.config.window(li))
+                                   self.config.window(li), *kv.scales(li))
+        if kv.quantized:
+            raise RuntimeError("an int8 KV cache is read by the C attention only")
         dec = inp.decode
         rows_kv = None
         if dec is not None and dec.staged is not None and decode_rows is not None:
