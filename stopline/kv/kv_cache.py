@@ -53,6 +53,11 @@ class KVCache:
         self.restore_memory()
 
     @property
+    def kinds(self) -> int:
+        """Tensors a layer has: K and V, and their scales in an int8 cache."""
+        return 4 if self.quantized else 2
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_scale + self.v_scale)
 
