@@ -185,25 +185,57 @@ static inline __attribute__((always_inline)) void item(
         n -= first;
     }
     for (int t = 0; t < KEYS_AHEAD && t < n; t++) prefetch_row(kc, ks, slot[t], NV, Q8);
-    for (int e = 0; e < g; e++) {
-        __m512 qv[8];
-        UNROLL for (int c = 0; c < NV; c++)
-            qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + e * d + 16 * c), _mm512_set1_ps(scale));
-        float* se = s + (long)e * n;
+    if (Q8) {
+        /* Each run of 16 keys dequantized once into kt (L1) and scored there by every head of
+         * the group, rather than dequantized again for each head: the same products and sums
+         * as below over the same values, so the same bits (1.3x the float cache's time at 4
+         * rows of 256 keys before this). */
+        float kt[16 * 128];
         int j0 = 0;
-        for (; j0 + 16 <= n; j0 += 16) {
-            if (e == 0) /* the first head brings the keys in; the others find them in cache */
-                for (int t = j0 + KEYS_AHEAD; t < j0 + KEYS_AHEAD + 16 && t < n; t++)
-                    prefetch_row(kc, ks, slot[t], NV, Q8);
-            if (e == g - 1 && j0 < KEYS_AHEAD) /* and the last the values the value pass starts with */
-                for (int t = j0; t < j0 + 16; t++) prefetch_row(vc, vs, slot[t], NV, Q8);
-            __m512 v[16];
-            UNROLL for (int t = 0; t < 16; t++) /* the order sum16x16 gives back as 0..15 */
-                v[t] = dot(qv, kc, ks, slot[j0 + 4 * (t % 4) + t / 4], NV, Q8);
-            _mm512_storeu_ps(se + j0, sum16x16(v));
+        for (; j0 < n; j0 += 16) {
+            int m = n - j0 < 16 ? n - j0 : 16;
+            for (int t = j0 + KEYS_AHEAD; t < j0 + KEYS_AHEAD + 16 && t < n; t++) prefetch_row(kc, ks, slot[t], NV, 1);
+            if (j0 < KEYS_AHEAD)
+                for (int t = j0; t < j0 + m; t++) prefetch_row(vc, vs, slot[t], NV, 1);
+            for (int t = 0; t < m; t++)
+                UNROLL for (int c = 0; c < NV; c++) _mm512_storeu_ps(kt + t * d + 16 * c, load16(kc, ks, slot[j0 + t], c, NV, 1));
+            for (int e = 0; e < g; e++) {
+                __m512 qv[8];
+                UNROLL for (int c = 0; c < NV; c++)
+                    qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + e * d + 16 * c), _mm512_set1_ps(scale));
+                float* se = s + (long)e * n;
+                if (m == 16) {
+                    __m512 v[16];
+                    UNROLL for (int t = 0; t < 16; t++)
+                        v[t] = dot(qv, kt, 0, 4 * (t % 4) + t / 4, NV, 0);
+                    _mm512_storeu_ps(se + j0, sum16x16(v));
+                } else {
+                    for (int t = 0; t < m; t++) se[j0 + t] = sum16(dot(qv, kt, 0, t, NV, 0));
+                }
+            }
         }
-        for (; j0 < n; j0++) se[j0] = sum16(dot(qv, kc, ks, slot[j0], NV, Q8));
-        l[e] = softmax_in_place(se, n);
+        for (int e = 0; e < g; e++) l[e] = softmax_in_place(s + (long)e * n, n);
+    } else {
+        for (int e = 0; e < g; e++) {
+            __m512 qv[8];
+            UNROLL for (int c = 0; c < NV; c++)
+                qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + e * d + 16 * c), _mm512_set1_ps(scale));
+            float* se = s + (long)e * n;
+            int j0 = 0;
+            for (; j0 + 16 <= n; j0 += 16) {
+                if (e == 0) /* the first head brings the keys in; the others find them in cache */
+                    for (int t = j0 + KEYS_AHEAD; t < j0 + KEYS_AHEAD + 16 && t < n; t++)
+                        prefetch_row(kc, ks, slot[t], NV, Q8);
+                if (e == g - 1 && j0 < KEYS_AHEAD) /* and the last the values the value pass starts with */
+                    for (int t = j0; t < j0 + 16; t++) prefetch_row(vc, vs, slot[t], NV, Q8);
+                __m512 v[16];
+                UNROLL for (int t = 0; t < 16; t++) /* the order sum16x16 gives back as 0..15 */
+                    v[t] = dot(qv, kc, ks, slot[j0 + 4 * (t % 4) + t / 4], NV, Q8);
+                _mm512_storeu_ps(se + j0, sum16x16(v));
+            }
+            for (; j0 < n; j0++) se[j0] = sum16(dot(qv, kc, ks, slot[j0], NV, Q8));
+            l[e] = softmax_in_place(se, n);
+        }
     }
     for (int e0 = 0; e0 < g; e0 += MAX_EH(NV)) {
         const float* se = s + (long)e0 * n;
