@@ -332,3 +332,32 @@ def test_int8_on_a_model_with_local_and_global_layers(tmp_path_factory: pytest.T
     one = [_signature(llm.generate([p], greedy(12, logprobs=2))[0].outputs[0]) for p in ps]
     many = [_signature(r.outputs[0]) for r in llm.generate(ps, greedy(12, logprobs=2))]
     assert one == many
+
+
+@needs_fast
+def test_a_prefill_decode_split_ships_the_int8_blocks(tiny_model_dir) -> None:
+    """Both roles on int8 caches: the transfer carries quants and scales, and the split's
+    tokens and logprobs equal one engine's."""
+    from stopline.engine.core import EngineCore
+    from stopline.model.loaders.loader import load_model
+    from tests.disagg_support import config, make_pair
+    from tests.engine_support import drive
+
+    loaded = load_model(str(tiny_model_dir), progress=False)
+    kw = dict(numerics="fast", kv_cache_dtype="int8")
+    prompts = random_prompts(4, [3, 9, 17, 26], seed=3)
+    reqs = [(f"g{i}", p, greedy(8, logprobs=2)) for i, p in enumerate(prompts)]
+    want = drive(EngineCore(loaded, config(**kw)), reqs)
+    pair = make_pair(loaded, **kw)
+    try:
+        assert pair.p.kv.quantized and pair.d.kv.quantized
+        for rid, prompt, params in reqs:
+            pair.add(rid, prompt, params)
+        pair.settle()
+        pair.assert_idle()
+        assert pair.d.role.imported_blocks == sum((len(p) - 1) // 4 for p in prompts)
+        for key, r in want.items():
+            assert pair.out[key].token_ids == r.token_ids, key
+            assert pair.out[key].logprobs == r.logprobs, key
+    finally:
+        pair.close()
