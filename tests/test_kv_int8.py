@@ -17,7 +17,7 @@ import torch
 
 from stopline import LLM
 from stopline.args import add_engine_args, engine_config
-from stopline.config import EngineConfig, KVCacheDtype
+from stopline.config import AttentionBackend, EngineConfig, KVCacheDtype
 from stopline.kv.kv_cache import KVCache, dequantize, make_cache, quantize_rows
 from stopline.model.kernels.native import has_bf16, try_kernels
 from tests.engine_support import greedy, random_prompts, record_plans, sharp_tiny_dir
@@ -361,3 +361,13 @@ def test_a_prefill_decode_split_ships_the_int8_blocks(tiny_model_dir) -> None:
             assert pair.out[key].logprobs == r.logprobs, key
     finally:
         pair.close()
+
+
+@needs_fast
+def test_an_engine_whose_attention_falls_back_to_torch_refuses_int8(model_dir: Path, monkeypatch) -> None:
+    import stopline.model.kernels.paged_attention as pa
+
+    monkeypatch.setattr(pa, "supports", lambda head_dim, device: "no C attention here (test)")
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8 is read by the C attention only"):
+        _engine(model_dir)
+    assert _engine(model_dir, kv="auto").engine.model.attention is AttentionBackend.TORCH  # float32 falls back

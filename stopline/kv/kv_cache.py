@@ -111,7 +111,8 @@ class KVCache:
         return t[:, b * self.block_size:(b + 1) * self.block_size]
 
     def _tensors(self, group: int | None) -> list[torch.Tensor]:
-        """K then V of every layer, or of one group's layers (block ids are per group)."""
+        """K then V of every layer, or of one group's layers (block ids are per group); an
+        int8 cache's K then V scales after them."""
         if group is None or len(self.groups) == 1:
             return self.k + self.v + self.k_scale + self.v_scale
         layers = self.groups[group]
