@@ -371,3 +371,19 @@ def test_an_engine_whose_attention_falls_back_to_torch_refuses_int8(model_dir: P
     with pytest.raises(ValueError, match="--kv-cache-dtype int8 is read by the C attention only"):
         _engine(model_dir)
     assert _engine(model_dir, kv="auto").engine.model.attention is AttentionBackend.TORCH  # float32 falls back
+
+
+@needs_fast
+def test_sleep_frees_the_scales_too_and_wake_reads_the_new_ones(model_dir: Path, prompts, alone) -> None:
+    """The engine's sleep drops quants and scales (`free_memory`'s bytes count both); woken,
+    the fused decoder's table points at the new tensors and a request's output is unchanged."""
+    llm = _engine(model_dir)
+    kv = llm.engine.kv
+    assert _signature(llm.generate([prompts[5]], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) == alone[5]
+    nbytes = kv.nbytes
+    layers, slots = len(kv.k), kv.k[0].shape[1]
+    assert nbytes == 2 * layers * slots * kv.k[0].shape[0] * (kv.k[0].shape[2] + 4)
+    assert kv.free_memory() == nbytes and kv.nbytes == 0 and not kv.k_scale
+    kv.restore_memory()
+    assert kv.nbytes == nbytes and all((s == 0).all() for s in kv.k_scale + kv.v_scale)
+    assert _signature(llm.generate([prompts[5]], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) == alone[5]
