@@ -522,10 +522,10 @@ def summary(r: dict) -> str:
     g = r["gemm_gflops_32_rows"] | r["gemm_gflops_512_rows"]
     lines = [f"read bandwidth {r['read_bandwidth_gbs']:.1f} GB/s ({r['threads']} threads); GEMM at 32 rows "
              f"(@512: at 512): " + ", ".join(f"{k} {v:.0f}" for k, v in g.items()) + " GFLOPS",
-             f"{'streams':>7} {'mode':>5} {'p50 ms':>8} {'min ms':>8} {'MiB read':>9} {'bw floor':>9} "
+             f"{'streams':>7} {'mode':>9} {'p50 ms':>8} {'min ms':>8} {'MiB read':>9} {'bw floor':>9} "
              f"{'fma floor':>9} {'x floor':>7}"]
     for s in r["steps"]:
-        lines.append(f"{s['streams']:>7} {s['mode']:>5} {s['p50_ms']:>8.2f} {s['min_ms']:>8.2f} "
+        lines.append(f"{s['streams']:>7} {s['mode']:>9} {s['p50_ms']:>8.2f} {s['min_ms']:>8.2f} "
                      f"{(s['weight_bytes'] + s['kv_bytes']) / 2**20:>9.1f} {s['bandwidth_floor_ms']:>9.2f} "
                      f"{s['fma_floor_ms']:>9.2f} {s['x_floor']:>7.2f}")
     for kind in ("bf16", "int8"):
