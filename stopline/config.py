@@ -188,13 +188,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = KVCacheDtype(self.kv_cache_dtype)
-        if self.kv_cache_dtype is KVCacheDtype.INT8:
-            if self.numerics is not Numerics.FAST:
-                raise ValueError("--kv-cache-dtype int8 rounds the KV cache, so it needs --numerics fast "
-                                 f"(EngineConfig.kv_cache_dtype int8 with numerics {self.numerics.value})")
-            if self.attention_backend is AttentionBackend.TORCH:
-                raise ValueError("--kv-cache-dtype int8 is read by the C attention only: it can't run with "
-                                 "--attention-backend torch")
+        if self.kv_cache_dtype is KVCacheDtype.INT8 and self.numerics is not Numerics.FAST:
+            raise ValueError("--kv-cache-dtype int8 rounds the KV cache, so it needs --numerics fast "
+                             f"(EngineConfig.kv_cache_dtype int8 with numerics {self.numerics.value})")
         if not 0 <= self.admission_headroom < 1:
             raise ValueError("EngineConfig.admission_headroom must be in [0, 1)")
         if not self.grammar_deadline > 0:

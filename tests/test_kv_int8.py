@@ -33,13 +33,11 @@ LENGTHS = [1, 3, 5, 8, 12, 16, 17, 20, 24, 31, 32, 33, 40, 47, 50, 63, 64, 65, 7
 
 # --- configuration and sizing ---------------------------------------------------------------
 
-def test_int8_needs_fast_numerics_and_the_c_attention() -> None:
+def test_int8_needs_fast_numerics() -> None:
     assert EngineConfig().kv_cache_dtype is KVCacheDtype.AUTO
     assert EngineConfig(numerics="fast", kv_cache_dtype="int8").kv_cache_dtype is KVCacheDtype.INT8
     with pytest.raises(ValueError, match="--kv-cache-dtype int8.*--numerics fast"):
         EngineConfig(kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match="--attention-backend torch"):
-        EngineConfig(numerics="fast", kv_cache_dtype="int8", attention_backend="torch")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, int8"):
         EngineConfig(kv_cache_dtype="fp8")
     p = argparse.ArgumentParser()
@@ -363,14 +361,28 @@ def test_a_prefill_decode_split_ships_the_int8_blocks(tiny_model_dir) -> None:
         pair.close()
 
 
-@needs_fast
-def test_an_engine_whose_attention_falls_back_to_torch_refuses_int8(model_dir: Path, monkeypatch) -> None:
-    import stopline.model.kernels.paged_attention as pa
+@pytest.fixture(scope="module")
+def alone_torch(model_dir: Path, prompts) -> list[list[tuple]]:
+    llm = _engine(model_dir, attention_backend="torch")
+    assert llm.engine.kv.quantized and llm.engine.model.attention is AttentionBackend.TORCH
+    return [_signature(llm.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts]
 
-    monkeypatch.setattr(pa, "supports", lambda head_dim, device: "no C attention here (test)")
-    with pytest.raises(ValueError, match="--kv-cache-dtype int8 is read by the C attention only"):
-        _engine(model_dir)
-    assert _engine(model_dir, kv="auto").engine.model.attention is AttentionBackend.TORCH  # float32 falls back
+
+@needs_fast
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 5}, {"decode_rows": False},
+                                {"num_blocks": 40, "preemption_mode": "swap", "debug": True}],
+                         ids=["concurrent", "chunked", "gathering", "swapped-debug"])
+def test_int8_on_torch_attention_alone_vs_24_concurrent(model_dir: Path, prompts, alone_torch, kw: dict) -> None:
+    """torch's attention reads the int8 cache too: gathered blocks dequantized, DecodeRows
+    holding the dequantized rows (in debug mode checked against the cache every layer), the
+    gathering path giving DecodeRows' bits."""
+    llm = _engine(model_dir, attention_backend="torch", **kw)
+    assert (llm.engine.runner.rows is not None) == kw.get("decode_rows", True)
+    res = llm.generate(prompts, greedy(MAX_NEW, logprobs=3))
+    if "num_blocks" in kw:
+        assert sum(llm.engine.lifecycle.stats.preemptions.values()) > 0, "the pool was never short"
+    differ = [i for i, r in enumerate(res) if _signature(r.outputs[0]) != alone_torch[i]]
+    assert differ == [], f"{len(differ)} of 24 requests changed when batched: {differ}"
 
 
 @needs_fast

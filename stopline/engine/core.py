@@ -42,7 +42,6 @@ from stopline.kv.kv_cache import layer_groups, make_cache
 from stopline.kv.manager import KVManager
 from stopline.lifecycle import Holder, Lifecycle
 from stopline.model.decoder_native import StepInterrupt
-from stopline.model.kernels.paged_attention import supports
 from stopline.model.llama import LlamaModel, StepInterrupted
 from stopline.model.loaders.loader import LoadedModel, load_model
 from stopline.request import (
@@ -93,9 +92,6 @@ class EngineCore:
         if runner is None and worker is None:
             runner = ModelRunner.for_model(loaded, self.kv, cfg)
             self.model = runner.model
-        if self.kv.quantized and self.model is not None and self.model.attention is AttentionBackend.TORCH:
-            why = supports(mc.head_dim, cfg.device) or "the model's attention runs in torch"
-            raise ValueError(f"--kv-cache-dtype int8 is read by the C attention only, which can't run here: {why}")
         if self.model is None or self.model.attention is AttentionBackend.TORCH:
             # Torch attention multiplies whole blocks by masked weights: unwritten slots must
             # hold zeros, not a freed block's NaN. The C kernel reads written slots only.

@@ -102,10 +102,12 @@ class DecoderLoop:
         return all(lin.quant is not None and lin.quant.fmt in _FMT and lin.kc() is not None for lin in lins)
 
     def _table(self, kv: KVCache) -> ctypes.Array:
-        # Keyed by the tensors' address too: a cache that slept and woke up (engine-stops.md)
-        # holds new tensors under the same object; and by the LoRA slots' buffers, which grow.
+        # Keyed by the tensors' allocation too: a cache that slept and woke up (engine-stops.md)
+        # holds new tensors under the same object (some perhaps at their old addresses, others
+        # not: keying on one address read freed scales of an int8 cache); and by the LoRA
+        # slots' buffers, which grow.
         slots = self.model.lora_slots
-        key = (id(kv), kv.k[0].data_ptr(), id(slots), slots.version if slots is not None else 0)
+        key = (id(kv), kv.generation, id(slots), slots.version if slots is not None else 0)
         table = self._tables.get(key)
         if table is None:
             table = (Layer * len(self.model.layers))()
