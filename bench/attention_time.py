@@ -3,7 +3,8 @@
     python bench/attention_time.py                       # SmolLM2's shape, 64 rows, 32..1000 keys
     python bench/attention_time.py --rows 11 --keys 100 300
     python bench/attention_time.py --against /tmp/old/stopline_kernels-XXXX.so   # A/B two builds
-    python bench/attention_time.py --int8 --rows 1 32 --keys 2048   # a float32 cache against int8
+    python bench/attention_time.py --int8 --rows 1 32 --keys 256 2048   # a float32 cache against int8
+    python bench/attention_time.py --int8 --prefill --keys 2048   # a 2,048-token prompt's rows, causal
 
 Prints the best of several timings and the K/V bytes read per second: a decode row reads
 every key and value of its sequence once, so past a few hundred keys a step's attention is
@@ -13,6 +14,7 @@ there once, and take the .so from `~/.cache/stopline/native/`), checks that both
 same bits and times them alternately. `--int8` times this build over an int8 cache (the rows
 quantized, kv_cache.quantize_rows) against it over a float32 cache holding the same values
 dequantized, alternately, and checks the two give the same bits (docs/numerics.md).
+`--prefill`: one prompt of K tokens instead, row i reading keys 0 .. i (--rows unused).
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--against", metavar="LIB", help="another build of the kernels to compare with")
     ap.add_argument("--int8", action="store_true", help="a float32 cache against an int8 one, this build")
+    ap.add_argument("--prefill", action="store_true", help="one prompt's causal rows over K keys instead")
     args = ap.parse_args()
+    if args.prefill:
+        args.rows = [1]
     if args.int8 and args.against:
         raise SystemExit("--int8 compares two caches on this build; --against, two builds")
     for r in args.rows:
@@ -99,7 +104,13 @@ def run(args: argparse.Namespace, nrows: int) -> None:
     print(f"{nrows} rows, {args.heads} heads over {args.kv_heads} KV heads, head_dim {d}, "
           f"block size {bs}, {torch.get_num_threads()} threads")
     for n in args.keys:
-        rows = PagedRows.build([n] * nrows, [i * per_row for i in range(nrows)], tables)
+        if args.prefill:  # row i at position i
+            rows = PagedRows.build(list(range(1, n + 1)), [0] * n, tables)
+            q = torch.randn(n, args.heads, d, generator=gen)
+            reads = n * (n + 1) // 2
+        else:
+            rows = PagedRows.build([n] * nrows, [i * per_row for i in range(nrows)], tables)
+            reads = nrows * n
         outs = {name: caches[name][2](lib, q, *caches[name][:2], rows, bs, scale) for name, lib in libs.items()}
         first = next(iter(outs.values()))
         same = all(torch.equal(first, o) for o in outs.values())
@@ -112,13 +123,13 @@ def run(args: argparse.Namespace, nrows: int) -> None:
                     fn(lib, q, k_, v_, rows, bs, scale)
                 best[name] = min(best[name], (time.perf_counter() - t) / 10)
         per_value = {"int8 cache": 1 + 4 / d}  # a quant, and a row's scale over its d values
-        gb = {name: 2 * nrows * n * args.kv_heads * d * per_value.get(name, 4) / 1e9 for name in libs}
+        gb = {name: 2 * reads * args.kv_heads * d * per_value.get(name, 4) / 1e9 for name in libs}
         line = ", ".join(f"{name} {t * 1e3:.3f} ms ({gb[name] / t:.1f} GB/s)" for name, t in best.items())
         extra = ""
         if len(libs) > 1:
             a, b = best.values()
             extra = f"; ratio {a / b:.3f}, {'same bits' if same else 'DIFFERENT BITS'}"
-        print(f"{n} keys: {line}{extra}")
+        print(f"{n} keys{' (a prompt, causal)' if args.prefill else ''}: {line}{extra}")
 
 
 if __name__ == "__main__":
