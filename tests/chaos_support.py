@@ -318,6 +318,7 @@ def check_storm(work: list[Job], ref, res: StormResult) -> int:
                 assert len(res.terminals[(job.key, i)]) <= 1, f"{job.key}[{i}]: two terminals"
                 tokens = res.got[job.key][i]
                 assert tokens == ref[job.key][i][: len(tokens)], f"{job.key}[{i}]: stopped, not a prefix"
+            continue  # its stream raised EngineStopped: no terminal output is its end
         if job.key in res.refused:
             assert job.params.lora is not None and not any((job.key, i) in res.terminals for i in range(4))
             continue

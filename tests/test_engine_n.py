@@ -93,3 +93,23 @@ def test_family_usage(model_dir: Path) -> None:
     assert r.usage.prompt_tokens == 13
     assert r.usage.completion_tokens == 15
     assert [c.usage.completion_tokens for c in r.outputs] == [5, 5, 5]
+
+
+@pytest.mark.parametrize("stop", ["length", "stop token"])
+def test_samples_keep_their_token_when_the_leader_stops_on_its_first(model_dir: Path, stop: str) -> None:
+    """A leader that ends on its first token (max_tokens 1, or a stop token) ended the samples
+    waiting to fork with it, before they took their own token of that step: they ended with
+    no token at all. Every sample forks first now and keeps its token."""
+    prompt = random_prompts(1, [7], seed=3)[0]
+    first = _llm(model_dir).generate([prompt], greedy(1))[0].outputs[0].token_ids
+    if stop == "length":
+        params = greedy(1, n=3, prompt_logprobs=0)
+    else:
+        params = SamplingParams(n=3, temperature=0.0, max_tokens=8, stop_token_ids=(first[0],),
+                                prompt_logprobs=0)
+    r = _llm(model_dir).generate([prompt], params)[0]
+    assert [c.token_ids for c in r.outputs] == [first] * 3
+    want = FinishReason.LENGTH if stop == "length" else FinishReason.STOP
+    assert [c.finish_reason for c in r.outputs] == [want] * 3
+    assert r.prompt_logprobs is not None and len(r.prompt_logprobs) == len(prompt) - 1
+    assert r.usage.completion_tokens == 3

@@ -76,12 +76,15 @@ class StepApplier:
             samples += out.samples
         for ch, out in verifies:
             self._verify(ch, out)
+        for req, _ in samples:
+            if req.fork_leader is not None:
+                # The family's first token: every sample forks before any token is taken, so
+                # a leader that stops on its first token no longer takes its samples along.
+                self._fork(req)
         for req, s in samples:
             self._take(req, s)
 
     def _take(self, req: Request, s: Sampled | str) -> None:
-        if req.fork_leader is not None:
-            self._fork(req)
         if req.status is not RequestStatus.RUNNING:
             return
         if isinstance(s, str):  # its grammar can't advance: end it now, never hang
