@@ -399,3 +399,24 @@ def test_sleep_frees_the_scales_too_and_wake_reads_the_new_ones(model_dir: Path,
     kv.restore_memory()
     assert kv.nbytes == nbytes and all((s == 0).all() for s in kv.k_scale + kv.v_scale)
     assert _signature(llm.generate([prompts[5]], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) == alone[5]
+
+
+@needs_native
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_c_writer_meets_every_kind_of_row_as_the_reference(d: int) -> None:
+    """The v rows go into the cache unrotated: feed the C writer the rows of every kind
+    (zero, tiny, subnormal, ties at .5, NaN, infinity, wide-ranging) and compare bits."""
+    from stopline.model.kernels.layer_ops import rope_store
+
+    rows = _rows(40, d, seed=d + 1)
+    hq, hk = 1, 1
+    qkv = torch.zeros(40, (hq + 2 * hk) * d)
+    qkv[:, 2 * d:] = rows
+    vc = torch.zeros(1, 64, d, dtype=torch.int8)
+    vs = torch.zeros(1, 64)
+    at = torch.arange(40) + 3
+    rope_store(qkv, torch.zeros(40, dtype=torch.int64), torch.ones(1, d), torch.zeros(1, d), at,
+               torch.zeros_like(vc), vc, hq, torch.zeros_like(vs), vs)
+    want_q, want_s = quantize_rows(rows)
+    assert torch.equal(vc[0, at], want_q)
+    assert torch.equal(vs[0, at].nan_to_num(-1.0), want_s.nan_to_num(-1.0))
