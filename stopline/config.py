@@ -77,7 +77,10 @@ ATTENTION_BACKENDS = tuple(b.value for b in AttentionBackend)
 @dataclass
 class EngineConfig:
     block_size: int = 16
-    num_blocks: int | None = None  # explicit pool size; otherwise from kv_cache_memory_gb
+    num_blocks: int | None = None  # explicit pool size (the global layers'); otherwise from kv_cache_memory_gb
+    # A sliding-window layer group's pool, when there is a global one too (None: what its
+    # window needs for max_num_seqs requests, kv_cache.window_blocks; docs/sliding-window.md).
+    window_pool_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # per-step token budget
@@ -168,6 +171,8 @@ class EngineConfig:
                              f"({self.max_loras})")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"EngineConfig.num_blocks must be >= 1, got {self.num_blocks}")
+        if self.window_pool_blocks is not None and self.window_pool_blocks < 1:
+            raise ValueError(f"EngineConfig.window_pool_blocks must be >= 1, got {self.window_pool_blocks}")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"EngineConfig.linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, "
                              f"got {self.linear_backend!r}")

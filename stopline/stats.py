@@ -68,6 +68,9 @@ class StopStats:
     recomputed_tokens: int = 0
     swapped_blocks: int = 0
     window_freed_blocks: int = 0  # blocks a sliding window passed, given back while their request ran
+    # The P/D split's KV blocks, ("sent" by a prefill role or "received" by a decode role, KV
+    # layer group) -> blocks: a windowed group ships only the blocks its window still reads.
+    transfer_blocks: Counter = field(default_factory=Counter)
     tokens_after_abort: int = 0  # computed by a step in flight when the abort was accepted
     abort_to_quiet_steps: Histogram = field(default_factory=lambda: Histogram(STEP_BOUNDS))
     abort_to_reclaim_steps: Histogram = field(default_factory=lambda: Histogram(STEP_BOUNDS))

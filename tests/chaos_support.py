@@ -203,6 +203,7 @@ class StormResult:
     stopped: set = field(default_factory=set)
     held_out: set = field(default_factory=set)
     versions: set = field(default_factory=set)
+    snapshots: list = field(default_factory=list)  # run_async_storm: each process's, at the end
 
 
 def run_storm(loaded, work: list[Job], config: EngineConfig, seed: int,
@@ -546,8 +547,10 @@ def run_async_storm(model_dir: str, work: list[Job], config: EngineConfig, seed:
             audits = await engine.utility("audit")
             assert all(a is None for a in (audits if isinstance(audits, list) else [audits]))
             snaps = await engine.utility("snapshot")
-            for snap in snaps if isinstance(snaps, list) else [snaps]:
+            res.snapshots = snaps if isinstance(snaps, list) else [snaps]
+            for snap in res.snapshots:
                 assert snap.kv_blocks_used == 0 and snap.running == snap.waiting == 0, snap
+                assert all(used == 0 for _, _, used, _ in snap.kv_groups), snap.kv_groups  # every layer group
                 assert not any(v[0] for v in snap.loras.values()), f"adapter references when idle: {snap.loras}"
         finally:
             if stopping is not None:

@@ -116,10 +116,11 @@ class HandDriven:
     step and completes it with the given sampled tokens (by request), as the core would."""
 
     def __init__(self, num_blocks: int = 16, block_size: int = 4, swap: bool = False,
-                 window: int = 0, more: Sequence[int] = (), **config: object) -> None:
+                 window: int = 0, more: Sequence[int] = (), local_blocks: int | None = None,
+                 **config: object) -> None:
         """window: the layers' sliding window (KVManager's): blocks it passed go back as
         steps complete, as the core's apply does. more: the windows of further layer
-        groups (one layer each, a pool of num_blocks each: `pools`)."""
+        groups (one layer each, a pool of local_blocks each, num_blocks if None: `pools`)."""
         cfg = dict(block_size=block_size, num_blocks=num_blocks, max_num_seqs=8,
                    max_num_batched_tokens=64, target_step_ms=None, debug=True,
                    admission_lookahead=0, preemption_mode="swap" if swap else "recompute")
@@ -127,10 +128,12 @@ class HandDriven:
         self.config = EngineConfig(**cfg)
         self.pool = BlockPool(num_blocks, block_size)
         self.stats = StopStats()
-        self.pools = [self.pool] + [BlockPool(num_blocks, block_size) for _ in more]
+        sizes = [num_blocks] + [local_blocks or num_blocks for _ in more]
+        self.pools = [self.pool] + [BlockPool(n, block_size) for n in sizes[1:]]
         layer_group = list(range(len(self.pools))) if more else None
-        self.cache = KVCache(len(self.pools), num_blocks, block_size, 1, 2, layer_group=layer_group) if swap else None
-        self.swap = SwapSpace(num_blocks * len(self.pools)) if swap else None
+        self.cache = (KVCache(len(self.pools), num_blocks, block_size, 1, 2, layer_group=layer_group,
+                              group_blocks=sizes) if swap else None)
+        self.swap = SwapSpace(sum(sizes)) if swap else None
         self.kv = KVManager(self.pool, self.cache, self.swap, self.stats, window=window,
                             more=list(zip(self.pools[1:], more, strict=True)))
         self.queues = Queues()

@@ -263,3 +263,39 @@ def test_snapshot_shape(server, browser):
     s = wait_idle(server)
     assert s["pool"]["used"] == 0 and s["last_aborts"][0]["id"] == rid
     assert s["last_aborts"][0]["source"] == "disconnect"
+
+
+def test_the_pool_lists_every_layer_group(browser: Browser, tmp_path_factory: pytest.TempPathFactory):
+    """A model of two KV layer groups (the tests' tiny Gemma 3: global layers, local ones of
+    window 16): the pool view lists each group's used, cached and free blocks, as the
+    snapshot has them, not group 0's alone."""
+    from tests.tiny_families import make_family_dir
+
+    gemma = make_family_dir(tmp_path_factory.mktemp("console_gemma"), "gemma3")
+    srv = ServerProcess("--model", str(gemma), "--served-model-name", "gemma", "--num-blocks", "128",
+                        "--block-size", "4", api_key=KEY)
+    try:
+        srv.wait_ready()
+        ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+        page = ctx.new_page()
+        errors: list[str] = []
+        open_console(page, srv, errors, ask_key=True)
+        page.wait_for_selector("#pool-group-1")
+        assert page.inner_text("#pool-group-0") == "group 0 (global): used 0 · cached 0 · free 128 of 128"
+        assert page.inner_text("#pool-group-1").startswith("group 1 (window 16): used 0")
+        assert "2 layer groups" in page.text_content("#pool-title")
+        r = httpx.post(srv.base + "/v1/completions", headers=srv.headers, timeout=30,
+                       json={"model": "gemma", "prompt": list(range(5, 65)), "max_tokens": 4})
+        assert r.status_code == 200
+        # The finished prompt stays cached in both groups, each group's count drawn as its own.
+        page.wait_for_function("""() => { const g = window.stopline.snapshot.pool.groups;
+            return g[0].cached > 0 && g[1].cached > 0; }""", timeout=5000)
+        g = page.evaluate("window.stopline.snapshot.pool.groups")
+        for i, name in ((0, "global"), (1, "window 16")):
+            assert page.inner_text(f"#pool-group-{i}") == (
+                f"group {i} ({name}): used 0 · cached {g[i]['cached']} · free {g[i]['free']} of 128")
+        page.screenshot(path=ARTIFACTS / "groups.png")
+        assert errors == []
+        ctx.close()
+    finally:
+        srv.stop()

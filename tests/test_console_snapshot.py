@@ -82,3 +82,28 @@ def test_bounds_cut_the_lists_not_the_counts(core: EngineCore, monkeypatch: pyte
     assert not s.pool_map and len(s.live) == 1 and s.running == 2
     while core.has_unfinished():
         core.step()
+
+
+def test_every_layer_groups_pool(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A model of two KV layer groups (tiny Gemma 3: global layers, local ones of window 16):
+    the snapshot lists each group's pool, as its ledger has it, not group 0's alone; past the
+    window the local group holds fewer blocks than the global one."""
+    from tests.tiny_families import make_family_dir
+
+    gemma = make_family_dir(tmp_path_factory.mktemp("snap_gemma"), "gemma3")
+    core = EngineCore(str(gemma), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8),
+                      progress=False)
+    core.add_request("long", random_prompts(1, [40], seed=3)[0], SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(8):
+        core.step()
+    s = take_snapshot(core)
+    kv = core.kv_manager
+    assert s.kv_groups == [[w, p.num_blocks, p.num_used, p.num_cached]
+                           for w, p in zip(kv.windows, kv.pools, strict=True)]
+    assert [g[0] for g in s.kv_groups] == [0, 16] and [g[1] for g in s.kv_groups] == [64, 64]
+    assert 0 < s.kv_groups[1][2] < s.kv_groups[0][2] == s.kv_blocks_used  # the window slid
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=Snapshot) == s
+    while core.has_unfinished():
+        core.step()
+    s = take_snapshot(core)
+    assert [g[2] for g in s.kv_groups] == [0, 0] and s.kv_groups[1][3] > 0

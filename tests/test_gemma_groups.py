@@ -1,7 +1,8 @@
 """Per-layer-group KV on a tiny Gemma 3 (two local layers of window 16, one global layer;
 blocks of 4), past its window (issue 43, item 4): the local group's pool use is bounded by
 the window while the global group's grows with the context, greedy output stays HF's, alone
-equals 24 at once, and cancels mid-prefill, n > 1, swap and recompute leave the audit clean.
+equals 24 at once, and cancels mid-prefill, n > 1, swap and recompute leave the audit clean
+(the split of this model: tests/test_disagg_groups.py).
 The figures are in docs/sliding-window.md."""
 
 from __future__ import annotations
@@ -11,13 +12,8 @@ import time
 import pytest
 
 from stopline import LLM
-from stopline.disagg.decode_core import DecodeCore
-from stopline.disagg.messages import RoleSpec
-from stopline.disagg.prefill_core import PrefillCore
 from stopline.model.kernels.paged_attention import supports as native_attention
-from stopline.model.loaders.loader import load_model
 from stopline.request import AbortSource, FinishReason
-from tests.disagg_support import config
 from tests.engine_support import drive, greedy, hf_greedy, load_hf, random_prompts
 from tests.tiny_families import make_family_dir
 
@@ -67,6 +63,36 @@ def test_local_pool_bounded_by_the_window_global_by_the_context(gemma, prompts, 
     assert peak[1] <= 16 // BS + 2 < context  # the window's 16 keys, and the block the next opens
     assert e.lifecycle.stats.window_freed_blocks >= context - peak[1]
     assert kv.num_used == 0
+
+
+@pytest.mark.parametrize("backend,async_scheduling", [(b, a) for b in BACKENDS for a in (False, True)])
+def test_a_local_pool_sized_by_the_window(gemma, prompts, oracle, backend, async_scheduling):
+    """num_blocks is the global group's; the local pool is what the window needs for three
+    requests (22 blocks of 4: fewer than one long prompt's 50). Long prompts, chunked
+    prefill over the small pool, 80 tokens each past the window: HF's greedy tokens, the same
+    as an engine with equal pools, the audit clean after every step (both pools)."""
+    long = random_prompts(2, [200, 120], seed=5)
+    ref = hf_greedy(load_hf(gemma), long, MAX_NEW).tokens
+    work = [*prompts, *long]
+    want = [*oracle, *ref]
+    kw = dict(attention_backend=backend, num_blocks=160, max_num_seqs=3, max_num_batched_tokens=8,
+              async_scheduling=async_scheduling, preemption_mode="swap")
+    e = engine(gemma, **kw).engine
+    assert [p.num_blocks for p in e.pools] == [160, 22] and e.kv.nulls == [160, 22]
+    peak = [0, 0]
+
+    def watch(eng, step):
+        for i, pool in enumerate(eng.pools):
+            peak[i] = max(peak[i], pool.num_used)
+
+    res = drive(e, [(f"r{i}", p, greedy(MAX_NEW)) for i, p in enumerate(work)], after_step=watch)
+    assert [res[f"r{i}", 0].token_ids for i in range(len(work))] == want
+    assert peak[1] <= 22 < -(-len(long[0]) // BS) and peak[0] > 22
+    assert e.lifecycle.stats.window_freed_blocks > 100
+    equal = engine(gemma, **kw, window_pool_blocks=160).engine
+    assert [p.num_blocks for p in equal.pools] == [160, 160]
+    res_eq = drive(equal, [(f"r{i}", p, greedy(MAX_NEW)) for i, p in enumerate(work)])
+    assert [res_eq[f"r{i}", 0].token_ids for i in range(len(work))] == want
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -121,16 +147,3 @@ def test_a_prefix_hit_past_the_window(gemma, prompts, oracle):
     assert again["b", 0].token_ids == first["a", 0].token_ids
     assert again["b", 0].usage.cached_tokens >= len(long) - 2 * BS
     assert e.lifecycle.stats.window_freed_blocks > 0
-
-
-def test_the_split_refuses_a_model_of_several_groups(gemma):
-    """The P/D split ships one table's live blocks: a model of two layer groups is refused
-    when a role binds, with an error naming why, and the manager refuses an import."""
-    loaded = load_model(str(gemma), progress=False)
-    for role, cls in (("prefill", PrefillCore), ("decode", DecodeCore)):
-        with pytest.raises(ValueError, match="the prefill/decode split takes models of one KV layer group"):
-            cls(loaded, config(), spec=RoleSpec(role, "ipc:///nonexistent/kv", "ipc:///nonexistent/ack", 3.0),
-                progress=False)
-    e = engine(gemma).engine
-    with pytest.raises(ValueError, match="one KV layer group"):
-        e.kv_manager.import_prefix(list(range(3, 11)), 2, lambda blocks: None)

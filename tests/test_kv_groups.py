@@ -101,7 +101,11 @@ def test_no_block_of_either_group_is_freed_twice():
 def test_a_request_fits_only_if_every_group_has_room():
     stats = StopStats()
     kv = KVManager(BlockPool(16, BS), None, None, stats, more=[(BlockPool(6, BS), W)])
-    assert kv.fits(20) and not kv.fits(24)  # 7 blocks: the global pool has them, the local not
+    # The local group needs only what its window reads (a query's 8 keys and one in flight:
+    # 3 blocks at most), the global one every block; a family shares its whole prompt.
+    assert kv.fits(20) and kv.fits(24) and kv.fits(60) and not kv.fits(64)
+    assert kv.fits(16, forks=1) and not kv.fits(20, forks=1)  # 6 + 1 blocks: the local pool has 6
+    assert not KVManager(BlockPool(16, BS), None, None, stats, more=[(BlockPool(2, BS), W)]).fits(20)
     req = Request("a", list(range(3, 23)), SamplingParams(max_tokens=4), incarnation="a")
     kv.pools[1].allocate(2)  # someone holds two of the local pool's six
     assert kv.num_available == 4
@@ -115,12 +119,12 @@ def test_cancel_mid_prefill_frees_both_groups_behind_the_fence():
     for _ in range(4):
         h.complete(h.plan())
         h.audit()
-    # Admitted with the prompt's 8 blocks in each group; 16 tokens in, the local group slid
-    # past two.
-    assert used(h) == (8, 6) and h.kv.seq(req).more[0].dropped == 2
-    plan = h.plan()
+    # Admitted with the prompt's 8 blocks in the global group, the first chunk's in the local
+    # one, which grows chunk by chunk; 16 tokens in, it slid past two and holds blocks 2, 3.
+    assert used(h) == (8, 2) and h.kv.seq(req).more[0].dropped == 2
+    plan = h.plan()  # the fifth chunk opens block 4
     h.lifecycle.abort(req, AbortSource.CANCEL)
-    assert used(h) == (8, 6) and {d.group for d in h.kv.deferred} == {0, 1}
+    assert used(h) == (8, 3) and {d.group for d in h.kv.deferred} == {0, 1}
     h.audit()
     h.complete(plan)
     h.audit()

@@ -506,25 +506,36 @@ def test_storm_on_a_sliding_window_model(windowed, mode, async_scheduling):
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
+def hybrid_dir(tmp_path_factory):
+    return make_family_dir(tmp_path_factory.mktemp("chaos_hybrid"), "gemma3")
+
+
+@pytest.fixture(scope="module")
+def hybrid(hybrid_dir):
     """A model of two KV layer groups (tiny Gemma 3: two local layers of window 16, one
     global layer): the local group's blocks go back as the window slides, the global's stay."""
-    d = make_family_dir(tmp_path_factory.mktemp("chaos_hybrid"), "gemma3")
-    return load_model(str(d), progress=False)
+    return load_model(str(hybrid_dir), progress=False)
 
 
-@pytest.mark.parametrize("mode,async_scheduling,attention",
-                         [("swap", True, "auto"), ("recompute", False, "auto"), ("auto", True, "auto"),
-                          ("swap", True, "torch")])
-def test_storm_on_a_model_with_local_and_global_layers(hybrid, mode, async_scheduling, attention):
+@pytest.mark.parametrize("mode,async_scheduling,attention,local",
+                         [("swap", True, "auto", None), ("recompute", False, "auto", None),
+                          ("auto", True, "auto", None), ("swap", True, "torch", None),
+                          ("swap", True, "auto", 16), ("recompute", False, "auto", 16),
+                          ("auto", True, "torch", 16)])
+def test_storm_on_a_model_with_local_and_global_layers(hybrid, mode, async_scheduling, attention, local):
     """The sliding-window storm on per-group block tables: cancels (mid-prefill too), n > 1
     families, swap and recompute preemption, async scheduling; the audit checks both pools
-    and every request's tables after every step (debug poisons freed blocks of either)."""
+    and every request's tables after every step (debug poisons freed blocks of either).
+    local: a local pool of that many blocks beside the global 40 (sized by the window: its
+    table grows chunk by chunk, and preemption makes room in whichever pool is short)."""
     work = make_workload(seed=23, count=160, vocab=hybrid.config.vocab_size)
     ref = run_reference(hybrid, work, attention=attention)  # each attention has its own bits
-    res = run_storm(hybrid, work, storm_config(mode, async_scheduling, attention=attention), seed=9)
+    config = dataclasses.replace(storm_config(mode, async_scheduling, attention=attention),
+                                 window_pool_blocks=local)
+    res = run_storm(hybrid, work, config, seed=9)
     stats = res.engine.lifecycle.stats
     kv = res.engine.kv_manager
+    assert [p.num_blocks for p in kv.pools] == [40, local or 40]
     assert attention != "torch" or res.engine.runner.rows is not None  # decode rows of both groups
     assert kv.windows == [0, 16] and stats.window_freed_blocks > 50, stats.window_freed_blocks
     assert sum(stats.preemptions.values()) > 10, stats.preemptions
@@ -534,3 +545,24 @@ def test_storm_on_a_model_with_local_and_global_layers(hybrid, mode, async_sched
     assert check_storm(work, ref, res) > 30
     assert stats.finished.get("error", 0) == 0
     assert kv.num_used == 0
+
+
+def test_async_storm_through_the_split_on_local_and_global_layers(hybrid_dir, hybrid):
+    """The split storm on the tiny Gemma 3: each prompt's KV crosses as one transfer of both
+    groups' live blocks (the local group's only those its window still reads) while cancels
+    land before, during and after it and decode preempts; outputs equal the reference, and
+    both roles' audits (every step, debug) and every group's pool come back clean."""
+    from stopline.disagg.frontend import disagg_engine
+
+    work = make_workload(seed=31, count=100, vocab=hybrid.config.vocab_size)
+    work = [j for j in work if not (j.race or j.resubmit)]
+    ref = run_reference(hybrid, work)
+    config = dataclasses.replace(storm_config("auto", True), num_blocks=60)
+    res = run_async_storm(str(hybrid_dir), work, config, seed=41, max_delay=0.1, slow=0.25,
+                          max_buffered=2, make=lambda d, c, progress, **kw: disagg_engine(d, c, progress=progress, **kw))
+    assert check_storm(work, ref, res) > 5
+    moved = {(d, g): n for snap in res.snapshots for d, g, n in snap.transfer_blocks}
+    assert 0 < moved["received", 1] < moved["received", 0], moved  # the window's blocks only
+    assert moved["sent", 1] < moved["sent", 0]
+    assert sum(sum(snap.preemptions.values()) for snap in res.snapshots) > 0
+    assert all(len(snap.kv_groups) == 2 for snap in res.snapshots)

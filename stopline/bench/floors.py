@@ -323,7 +323,7 @@ def teacher_forced(engine, ids: list[int]) -> torch.Tensor:
     if model.attention is not AttentionBackend.NATIVE:
         raise RuntimeError("teacher forcing here needs the native paged attention")
     n, bs = len(ids), kv.block_size
-    if (n + bs - 1) // bs > kv.num_blocks:
+    if (n + bs - 1) // bs > min(kv.group_blocks):  # every layer writes blocks 0 .. of its group
         raise ValueError(f"a text of {n} tokens does not fit the KV pool")
     tables = list(range((n + bs - 1) // bs))
     inp = StepInputs(token_ids=torch.tensor(ids), positions=torch.arange(n), write_slots=torch.arange(n),

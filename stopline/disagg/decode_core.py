@@ -33,7 +33,7 @@ from stopline.disagg.epochs import BlockEpochs
 from stopline.disagg.link import Link
 from stopline.disagg.messages import Ack, Progress, RoleSpec
 from stopline.disagg.transfers import Side, Transfers
-from stopline.disagg.wire import TransferHeader, write
+from stopline.disagg.wire import TransferHeader, write_groups
 from stopline.engine.core import EngineCore, ModelSource
 from stopline.engine.role import Role
 from stopline.lifecycle import Holder
@@ -60,12 +60,13 @@ class DecodeRole(Role):
         self.transfer_log: list[tuple[int, float]] = []
 
     def bind(self, core: EngineCore) -> list[Holder]:
-        core.kv_manager.one_group("the prefill/decode split")
         if not core.kv_manager.prefix_caching:
             raise ValueError("the decode role needs prefix caching: received KV enters it")
         self.core = core
         spec = self.spec
-        self.epochs = BlockEpochs(core.pool)
+        # Each KV layer group numbers its blocks in its own pool: each has its epochs.
+        self.group_epochs = [BlockEpochs(p) for p in core.kv_manager.pools]
+        self.epochs = self.group_epochs[0]
         self.receiving = Transfers(Side.RECV, spec.reclaim_s)
         self.link = Link(spec.kv_addr, spec.ack_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push,
                          wake=lambda: core.wake())
@@ -131,24 +132,35 @@ class DecodeRole(Role):
             self.link.send(Ack(inc, "no request of this incarnation is waiting for KV "
                                     "(aborted, expired or unknown)"))
             return
+        kv = core.kv_manager
         n = split_blocks(req.prompt_len, core.pool.block_size)
         try:
-            if not 0 <= head.first <= n or len(head.refs) != n - head.first:
-                raise ValueError(f"{len(head.refs)} blocks sent from block {head.first}, {n} expected")
+            if list(head.windows) != kv.windows:  # the sender's model is grouped otherwise
+                raise ValueError(f"the KV came in {len(head.windows)} layer groups of windows "
+                                 f"{head.windows}; this model's are {kv.windows}")
+            for g, (first, count) in enumerate(zip(head.firsts, head.counts, strict=True)):
+                if not 0 <= first <= n or count != n - first:
+                    raise ValueError(f"{count} blocks sent from block {first}"
+                                     + (f" in layer group {g}" if g else "") + f", {n} expected")
             sent = None if head.lora is None else (head.lora, head.lora_load)
             held = core.adapters.held.get(req)
             if sent != held:  # KV of another adapter, or of an earlier load of this one
                 raise ValueError(f"the KV was computed under {_adapter(sent)}, the request here holds "
                                  f"{_adapter(held)}")
-            got = core.kv_manager.import_prefix(
+            got = kv.import_prefix(
                 req.prompt_token_ids, n,
-                lambda blocks: write(core.kv, self.epochs, self.epochs.refs(blocks), head, data),
-                first=head.first, salt=core.kv_manager.salt(req))  # found under its adapter only
+                lambda blocks: write_groups(core.kv, self.group_epochs,
+                                            [ep.refs(b) for ep, b in zip(self.group_epochs, blocks, strict=True)],
+                                            head, data),
+                firsts=head.firsts, salt=kv.salt(req))  # found under its adapter only
         except Exception as exc:  # StaleBlock, BadTransfer, a shape mismatch: never decode it
             core.lifecycle.fail(req, FinishReason.ERROR, f"KV transfer failed: {exc}")
             self.link.send(Ack(inc, f"KV transfer failed: {exc}"))
             return
-        self.imported_blocks += got
+        self.imported_blocks += sum(got)
+        received = core.lifecycle.stats.transfer_blocks
+        for g, c in enumerate(got):
+            received["received", g] += c
         if head.sent_at:
             nbytes = sum(t.numel() * t.element_size() for t in data)
             self.transfer_log = [*self.transfer_log[-999:], (nbytes, time.monotonic() - head.sent_at)]

@@ -26,12 +26,11 @@ from stopline.disagg.epochs import BlockEpochs
 from stopline.disagg.link import Link
 from stopline.disagg.messages import Ack, RoleSpec
 from stopline.disagg.transfers import Side, Transfers
-from stopline.disagg.wire import pack
+from stopline.disagg.wire import pack_groups
 from stopline.engine.core import EngineCore, ModelSource
 from stopline.engine.families import hold
 from stopline.engine.role import Role
 from stopline.kv.block_pool import LedgerError
-from stopline.kv.manager import HOLE
 from stopline.lifecycle import Holder
 from stopline.request import FinishReason, Request
 
@@ -66,9 +65,10 @@ class PrefillRole(Role):
         self.spec = spec
 
     def bind(self, core: EngineCore) -> list[Holder]:
-        core.kv_manager.one_group("the prefill/decode split")
         self.core = core
-        self.epochs = BlockEpochs(core.pool)
+        # Each KV layer group numbers its blocks in its own pool: each has its epochs.
+        self.group_epochs = [BlockEpochs(p) for p in core.kv_manager.pools]
+        self.epochs = self.group_epochs[0]
         self.sending = Transfers(Side.SEND, self.spec.reclaim_s)
         spec = self.spec
         self.link = Link(spec.ack_addr, spec.kv_addr, bind_pull=spec.bind_pull, bind_push=spec.bind_push,
@@ -115,14 +115,19 @@ class PrefillRole(Role):
         self.link.close()
 
     def prefilled(self, req: Request) -> bool:
-        n = len(req.prompt_token_ids) // self.core.pool.block_size
-        table = self.core.kv_manager.table(req)[:n]
-        first = sum(1 for b in table if b == HOLE)  # a sliding window's passed blocks: not sent
-        refs = self.epochs.refs(list(table[first:]))
+        kv = self.core.kv_manager
+        # Each layer group's blocks its window still reads (all, without a window): the
+        # blocks a window passed are not sent (KVManager.export_prefix).
+        parts = kv.export_prefix(req, len(req.prompt_token_ids) // self.core.pool.block_size)
+        refs = [ep.refs(blocks) for ep, (_, blocks) in zip(self.group_epochs, parts, strict=True)]
         # The adapter load it ran under travels with the KV: decode takes it only under the same.
-        frames = pack(req.incarnation, self.core.kv, self.epochs, refs, first,
-                      self.core.adapters.held.get(req))
-        self.sending.start(req, refs)
+        frames = pack_groups(req.incarnation, self.core.kv, self.group_epochs,
+                             [(w, first, r) for w, (first, _), r in zip(kv.windows, parts, refs, strict=True)],
+                             self.core.adapters.held.get(req))
+        self.sending.start(req, [r for rs in refs for r in rs])
+        sent = self.core.lifecycle.stats.transfer_blocks
+        for g, r in enumerate(refs):
+            sent["sent", g] += len(r)
         hold(req)  # holds its blocks, takes no step
         self.link.send_kv(req.incarnation, frames)
         return True

@@ -86,7 +86,8 @@ class EngineCore:
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
         # One block pool per layer group (Gemma 3: its global and its local layers).
         layer_group, windows = layer_groups(mc.layer_windows)
-        self.pools, self.kv, swap = make_cache(cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, layer_group)
+        self.pools, self.kv, swap = make_cache(cfg, mc.num_layers, mc.num_kv_heads, mc.head_dim, layer_group,
+                                               windows)
         self.pool = self.pools[0]
         self.model: LlamaModel | None = None
         if runner is None and worker is None:
@@ -176,9 +177,9 @@ class EngineCore:
                                self.max_model_len, self.config.max_num_seqs)
         if params.lora is not None and not self.adapters.serves(params.lora):
             raise UnknownAdapter(f"model: {params.lora!r} is neither the base model nor a loaded adapter")
-        if not self.kv_manager.fits(len(prompt), params.n - 1):
-            need = self.kv_manager.admit_need(len(prompt), params.n - 1)
-            raise InvalidRequest(f"prompt: needs {need} KV blocks; the pool has {self.pool.num_blocks}")
+        short = self.kv_manager.short(len(prompt), params.n - 1)
+        if short is not None:
+            raise InvalidRequest(f"prompt: needs {short[0]} KV blocks; the pool has {short[1]}")
         inc = incarnation if incarnation is not None else f"{request_id}#{next(_incarnations)}"
         family = new_family(request_id, prompt, params, time.monotonic() if arrival is None else arrival,
                             inc, params.seed if params.seed is not None else self._rng.getrandbits(63))

@@ -48,6 +48,11 @@ class Snapshot(msgspec.Struct, frozen=True):
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_blocks_cached: int = 0
+    # Every KV layer group's pool (docs/sliding-window.md), group 0 first: [window (0: every
+    # block kept), total, used, cached]; the kv_blocks_* fields above are group 0's.
+    kv_groups: list[list[int]] = msgspec.field(default_factory=list)
+    # The P/D split's KV blocks by (direction "sent" | "received", layer group) (StopStats).
+    transfer_blocks: list[tuple[str, int, int]] = msgspec.field(default_factory=list)
     finished: dict[str, int] = msgspec.field(default_factory=dict)  # finish reason -> count
     aborts: list[tuple[str, str, int]] = msgspec.field(default_factory=list)  # (source, state, n)
     preemptions: dict[str, int] = msgspec.field(default_factory=dict)  # mode -> count
@@ -119,6 +124,9 @@ def take_snapshot(core: EngineCore) -> Snapshot:
         kv_blocks_total=pool.num_blocks,
         kv_blocks_used=pool.num_used,
         kv_blocks_cached=pool.num_cached,
+        kv_groups=[[w, p.num_blocks, p.num_used, p.num_cached]
+                   for w, p in zip(core.kv_manager.windows, core.kv_manager.pools, strict=True)],
+        transfer_blocks=[(d, g, n) for (d, g), n in sorted(stats.transfer_blocks.items())],
         finished=dict(stats.finished),
         aborts=[(src, state, n) for (src, state), n in stats.aborts.items()],
         preemptions=dict(stats.preemptions),

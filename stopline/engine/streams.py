@@ -168,9 +168,12 @@ class RequestStream:
             # so it is never reported complete. An abnormal end (a sample's error that made the
             # server end the rest of its request, a deadline) stands as the engine reported it.
             reason = FinishReason.ABORT
+        # An end that stands (the request finished in full before the cancel reached the
+        # engine, nothing withheld) keeps the prompt's scores it carries: they are part of it.
+        kept = out.prompt_logprobs if reason is out.finish_reason and reason in _COMPLETE else None
         return RequestOutput(
             out.request_id, out.index, out.incarnation, finished=True, finish_reason=reason,
-            weight_version=out.weight_version,
+            weight_version=out.weight_version, prompt_logprobs=kept,
             stop_detail=out.stop_detail if reason is out.finish_reason else self.cancelled.value,
             usage=dataclasses.replace(engine_usage, completion_tokens=got, undelivered_tokens=withheld),
         )

@@ -65,19 +65,22 @@ class RowPlan:
 class DecodeRows:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  tile: int, max_rows: int, max_bytes: int, *, verify: bool = False,
-                 device: str = "cpu", null_block: int = -1,
+                 device: str = "cpu", null_block: int | Sequence[int] = -1,
                  layer_group: Sequence[int] | None = None) -> None:
         """tile: attention's key tile (the width is a whole number of them and of blocks);
         max_rows: the most sequences decoding at once; max_bytes: the most memory the
         buffers may take, beyond which a step gathers; layer_group: each layer's KV group
-        (kv_cache.layer_groups; None: one), whose blocks its rows copy."""
+        (kv_cache.layer_groups; None: one), whose blocks its rows copy; null_block: each
+        group's zero block (KVCache.nulls), or one for every group."""
         self.num_layers, self.hk, self.d = num_layers, num_kv_heads, head_dim
         self.bs = block_size
         self.unit = math.lcm(tile, block_size)
         self.max_rows = max(max_rows, 2)
         self.max_bytes = max_bytes
         self.verify = verify
-        self.null_block = null_block  # a table's leading entries a sliding window passed point here
+        # A table's leading entries a sliding window passed point at its group's zero block
+        # (one per group: the groups' pools may differ in size).
+        self.nulls = [null_block] if isinstance(null_block, int) else list(null_block)
         self.layer_group = list(layer_group) if layer_group else [0] * num_layers
         self.device = device
         self.k: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
@@ -187,14 +190,15 @@ class DecodeRows:
         at = {k: i for i, k in reversed(list(enumerate(keys)))} if more else {}
         more_src = [[b for key in joiners for b in g[at[key]][:-(-seqs[key][0] // self.bs)]] for g in more]
 
-        def checks(table_of: Callable[[int], Sequence[int]]) -> list[tuple[int, int, torch.Tensor, int]]:
+        def checks(table_of: Callable[[int], Sequence[int]], group: int = 0) -> list[tuple[int, int, torch.Tensor, int]]:
             if not self.verify:
                 return []
+            null = self.nulls[group] if group < len(self.nulls) else self.nulls[0]
             out = []
             for k, (n, _) in seqs.items():
                 t = table_of(k)
                 out.append((self.owner[k], n, torch.tensor(list(t[:-(-n // self.bs)]), device=dev),
-                            self.bs * next((i for i, b in enumerate(t) if b != self.null_block), len(t))))
+                            self.bs * next((i for i, b in enumerate(t) if b != null), len(t))))
             return out
 
         def idx(xs: list[int]) -> torch.Tensor:
@@ -211,7 +215,7 @@ class DecodeRows:
             widen=widen,
             check=checks(lambda k: seqs[k][1]),
             fill_more=[idx(src) for src in more_src] if more and joiners else None,
-            check_more=[checks(lambda k, g=g: g[at[k]]) for g in more] if more else None,
+            check_more=[checks(lambda k, g=g: g[at[k]], gi) for gi, g in enumerate(more, 1)] if more else None,
         )
 
     def _relayout(self, need_rows: int, width: int) -> None:

@@ -32,20 +32,26 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 layer_group: Sequence[int] | None = None) -> None:
+                 layer_group: Sequence[int] | None = None, group_blocks: Sequence[int] = ()) -> None:
         """layer_group: each layer's group (`layer_groups`); None: one group. Every group
-        numbers its blocks 0 .. num_blocks - 1 in its own pool, in its own layers' tensors."""
+        numbers its blocks 0 .. its pool's size - 1 in its own pool, in its own layers'
+        tensors. group_blocks: each group's pool size (num_blocks, group 0's, for every
+        group if empty); its layers' tensors hold one more block, its zero block (`nulls`)."""
         self.num_blocks = num_blocks
         self.layer_group = list(layer_group) if layer_group else [0] * num_layers
         self.groups = [[li for li, g in enumerate(self.layer_group) if g == gi]
                        for gi in range(max(self.layer_group, default=0) + 1)]
+        self.group_blocks = list(group_blocks) or [num_blocks] * len(self.groups)
+        if len(self.group_blocks) != len(self.groups) or self.group_blocks[0] != num_blocks:
+            raise ValueError(f"group_blocks {self.group_blocks}: one per layer group, group 0's num_blocks")
         self.block_size = block_size
         self.null_block = num_blocks
         if dtype not in (torch.float32, torch.int8):
             raise ValueError(f"a KV cache holds float32 or int8, not {dtype}")
         self.quantized = dtype == torch.int8
-        shape = (num_kv_heads, (num_blocks + 1) * block_size, head_dim)
-        self._layout = (num_layers, shape, dtype, device)
+        self.nulls = list(self.group_blocks)  # each group's zero block, past its pool's blocks
+        shapes = [(num_kv_heads, (self.group_blocks[g] + 1) * block_size, head_dim) for g in self.layer_group]
+        self._layout = (shapes, dtype, device)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.k_scale: list[torch.Tensor] = []  # int8 only: [num_kv_heads, slots] a layer
@@ -74,13 +80,13 @@ class KVCache:
     def restore_memory(self) -> None:
         if self.k:
             return
-        layers, shape, dtype, device = self._layout
+        shapes, dtype, device = self._layout
         self.generation += 1
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         if self.quantized:
-            self.k_scale = [torch.zeros(shape[:2], device=device) for _ in range(layers)]
-            self.v_scale = [torch.zeros(shape[:2], device=device) for _ in range(layers)]
+            self.k_scale = [torch.zeros(shape[:2], device=device) for shape in shapes]
+            self.v_scale = [torch.zeros(shape[:2], device=device) for shape in shapes]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -121,6 +127,10 @@ class KVCache:
             return self.k + self.v + self.k_scale + self.v_scale
         layers = self.groups[group]
         return [t[li] for t in (self.k, self.v, self.k_scale, self.v_scale) if t for li in layers]
+
+    def dtypes(self, group: int | None = None) -> list[torch.dtype]:
+        """The dtype of each tensor read_blocks gives for the group, in its order."""
+        return [t.dtype for t in self._tensors(group)]
 
     def zero(self, blocks: Sequence[int], group: int | None = None) -> None:
         self._fill(blocks, 0.0, group)
@@ -232,26 +242,64 @@ def layer_groups(layer_windows: Sequence[int]) -> tuple[list[int], list[int]]:
     return [at[w] for w in layer_windows], windows
 
 
+def window_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The blocks a group of sliding window `window` needs for max_num_seqs requests at once
+    (docs/sliding-window.md, the budget): each holds the blocks its window reads for its next
+    query and for one in flight (async scheduling: w + 1 positions, at most
+    (w + bs - 1) // bs + 1 blocks) and one more for a chunk's boundary; and the chunks of the
+    step being planned and of the one in flight add at most max_num_batched_tokens positions
+    each."""
+    per_seq = (window + block_size - 1) // block_size + 2
+    return max_num_seqs * per_seq + 2 * -(-max_num_batched_tokens // block_size)
+
+
+def split_blocks(cfg: EngineConfig, layers: Sequence[int], windows: Sequence[int], per_layer: int) -> list[int]:
+    """Each layer group's pool size. layers: each group's layer count; windows: its window;
+    per_layer: bytes of one block of one layer. A windowed group gets what its window needs
+    (`window_blocks`, or cfg.window_pool_blocks), at most the global group's count; the
+    groups without a window (the first) get the rest of the budget: cfg.num_blocks blocks
+    (the global group's), or what is left of kv_cache_memory_gb. A model without a global
+    group, or of one group, has num_blocks in every group (the budget split by layer
+    counts), as has every group when the windows' share would exceed that."""
+    budget = int(cfg.kv_cache_memory_gb * 2**30)
+    if len(layers) == 1 or all(windows):
+        return [cfg.num_blocks or max(1, budget // (per_layer * sum(layers)))] * len(layers)
+    want = [(cfg.window_pool_blocks or window_blocks(w, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens))
+            if w else 0 for w in windows]
+    if cfg.num_blocks:
+        n = cfg.num_blocks
+    else:
+        global_layers = sum(n for n, w in zip(layers, windows, strict=True) if not w)
+        rest = budget - sum(f * n * per_layer for f, n in zip(want, layers, strict=True))
+        n = rest // (per_layer * global_layers)
+        if n < max(want):  # too little for the windows' share: equal counts, as one group
+            n = max(1, budget // (per_layer * sum(layers)))
+    return [min(f, n) if w else n for f, w in zip(want, windows, strict=True)]
+
+
 def make_cache(cfg: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-               layer_group: Sequence[int] | None = None
+               layer_group: Sequence[int] | None = None, windows: Sequence[int] = ()
                ) -> tuple[list[BlockPool], KVCache, SwapSpace | None]:
-    """A block pool per layer group (`layer_groups`), the K/V tensors and host swap space
-    (none when preemption only recomputes), sized by cfg: num_blocks, or as many as
-    kv_cache_memory_gb holds. The budget is split between the groups by their layer counts:
-    every group has num_blocks blocks of its own, each holding its layers' K/V."""
+    """A block pool per layer group (`layer_groups`, windows: each group's), the K/V tensors
+    and host swap space (none when preemption only recomputes), sized by cfg and
+    `split_blocks`: a windowed group's pool by its window, the global group's by num_blocks
+    or by what kv_cache_memory_gb holds besides. int8 (cfg.kv_cache_dtype): a block's bytes
+    as int8 quants and scales."""
     dtype = torch.int8 if cfg.kv_cache_dtype == KVCacheDtype.INT8 else torch.float32
-    per_block = KVCache.bytes_per_block(num_layers, cfg.block_size, num_kv_heads, head_dim, dtype)
-    num_blocks = cfg.num_blocks or max(1, int(cfg.kv_cache_memory_gb * 2**30) // per_block)
-    kv = KVCache(num_layers, num_blocks, cfg.block_size, num_kv_heads, head_dim, dtype, device=cfg.device,
-                 layer_group=layer_group)
+    per_layer = KVCache.bytes_per_block(1, cfg.block_size, num_kv_heads, head_dim, dtype)
+    groups = max(layer_group, default=0) + 1 if layer_group else 1
+    layers = [sum(1 for g in layer_group if g == gi) for gi in range(groups)] if layer_group else [num_layers]
+    sizes = split_blocks(cfg, layers, list(windows) or [0] * groups, per_layer)
+    kv = KVCache(num_layers, sizes[0], cfg.block_size, num_kv_heads, head_dim, dtype, device=cfg.device,
+                 layer_group=layer_group, group_blocks=sizes)
     pools = []
-    for g in range(len(kv.groups)):
-        pool = BlockPool(num_blocks, cfg.block_size)
+    for g, n in enumerate(sizes):
+        pool = BlockPool(n, cfg.block_size)
         if cfg.debug:  # a freed block reads as NaN: a stale read fails loudly
             pool.on_garbage = kv.poison if len(kv.groups) == 1 else functools.partial(kv.poison, group=g)
         pools.append(pool)
     swap = None
     if cfg.preemption_mode is not PreemptionMode.RECOMPUTE:
         # A swapped request stores the live blocks of every group.
-        swap = SwapSpace(cfg.swap_space_blocks or num_blocks * len(pools))
+        swap = SwapSpace(cfg.swap_space_blocks or sum(sizes))
     return pools, kv, swap

@@ -16,12 +16,17 @@ for whether a request can ever fit the pool (`fits`) lives here only.
 Sliding windows and layer groups (docs/sliding-window.md). The layers are grouped by window
 (`kv_cache.layer_groups`): one group for most models, two for Gemma 3 (its global layers,
 then its local ones). Each group has its own block pool and K/V tensors, and a request one
-block table per group, all covering the same positions; group 0's table is `table(req)`.
+block table per group, all starting at position 0; group 0's table is `table(req)`.
 Under a group's window, `slide` gives back the blocks its layers have slid past while the
 request runs, behind the fence; their table entries become HOLE. Holes are always a table's
 leading entries (`dropped` of them): the ledger, swap, forks, the prefix cache and the P/D
-split see live blocks only, and a prefix hit needs only the blocks each group's window reads.
-A request fits only if every group's pool has room.
+split (`export_prefix` / `import_prefix`, group by group) see live blocks only, and a prefix
+hit needs only the blocks each group's window reads.
+A windowed group's table beside a global group grows chunk by chunk: to compute [start, end)
+it needs the blocks from the first one the window of `start` reads to the block of end - 1,
+so its pool may be far smaller than the global group's (kv_cache.make_cache sizes it). Every count
+(admission, growth, the never-fits rule, swap-in, the shortage that preemption covers) is
+each group's own. A request fits only if every group's pool has room.
 
 The manager is the last holder of the one release (lifecycle.py): by the time it frees a
 request's blocks and swap slots, everything else of the request is gone.
@@ -172,10 +177,11 @@ class KVManager:
         s = self.seq(req)
         return not (req.output_token_ids and s.computed - s.inflight == req.num_tokens - 1)
 
-    def freeable(self, req: Request) -> int:
-        """Blocks that would return to group 0's pool if req let go (shared ones would not)."""
-        rc = self.pool.refcount
-        return sum(1 for b in self.seq(req).live() if rc[b] == 1)
+    def freeable(self, req: Request, group: int = 0) -> int:
+        """Blocks that would return to a group's pool if req let go (shared ones would not)."""
+        rc = self.pools[group].refcount
+        tabs = self.seq(req).groups()
+        return sum(1 for b in tabs[group].live() if rc[b] == 1) if group < len(tabs) else 0
 
     # ---- the step's counts ----------------------------------------------------------------
     def advance(self, req: Request, n: int) -> None:
@@ -227,6 +233,22 @@ class KVManager:
     # ---- counts -------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
+
+    def span(self, positions: int) -> int:
+        """The most blocks that many consecutive positions can touch."""
+        return (positions + self.block_size - 2) // self.block_size + 1 if positions > 0 else 0
+
+    def _chunked(self, g: int) -> bool:
+        """Group g's table grows chunk by chunk: it has a window, beside a global group 0
+        (whose pool, of num_blocks, is the one admission keeps its headroom in). A model of
+        windowed groups only (Mistral) keeps whole tables: its pools are num_blocks each
+        (kv_cache.split_blocks)."""
+        return bool(self.windows[g]) and not self.windows[0]
+
+    def covered(self, req: Request) -> int:
+        """Tokens from the start that every group's table covers (a windowed group's
+        only as far as the chunks allocated so far)."""
+        return min(len(t.block_ids) for t in self.seq(req).groups()) * self.block_size
 
     @property
     def num_available(self) -> int:
@@ -285,11 +307,15 @@ class KVManager:
             extend_hashes(hashes, req.all_token_ids, self.block_size, n_blocks, self.salt(req))
         return hashes[:n_blocks]
 
-    def admit(self, req: Request, reserve: int) -> bool:
+    def admit(self, req: Request, reserve: int, chunk: int | None = None) -> bool:
         """Blocks for every token req has (its prompt, or for a preempted request everything
         it must recompute), prefix hits first, and for a family leader its waiting samples'
         tables too (the shared full prompt blocks plus an own copy of the partial last one).
-        All or nothing: False, with nothing taken, unless that plus `reserve` blocks fit.
+        chunk: the most tokens its first step computes. A windowed group takes blocks for that
+        chunk only (fewer if its pool lacks them, one token's at the least; `covered` says how
+        far), and grows as the chunks come; a family takes the whole prompt in every group
+        (its samples share it until they fork). All or nothing: False, with nothing taken,
+        unless that fits, plus `reserve` blocks in group 0's pool.
         A first admission counts its prefix hits as req's cached tokens."""
         bs = self.block_size
         samples = req.forks_pending
@@ -303,14 +329,22 @@ class KVManager:
         n_hit = len(hits[0])
         live_hits = [[b for b in h if b != HOLE] for h in hits]
         partial = 1 if req.prompt_len % bs else 0
-        for pool, live in zip(self.pools, live_hits, strict=True):
+        ends = []  # each group's table length after admission
+        for g, (pool, live) in enumerate(zip(self.pools, live_hits, strict=True)):
             hits_free = sum(1 for b in live if pool.refcount[b] == 0)
-            if not pool.can_allocate(total - n_hit + hits_free + len(samples) * partial + reserve):
+            room = pool.num_available - hits_free - len(samples) * partial - (reserve if g == 0 else 0)
+            end = total
+            if chunk is not None and not samples and self._chunked(g):
+                end = min(total, self.blocks_for(n_hit * bs + chunk), n_hit + room)
+                if end <= n_hit:  # not even one token's block
+                    return False
+            if end - n_hit > room:
                 return False
+            ends.append(end)
         s = self._seq(req)
-        for t, pool, h, live in zip(s.groups(), self.pools, hits, live_hits, strict=True):
+        for t, pool, h, live, end in zip(s.groups(), self.pools, hits, live_hits, ends, strict=True):
             pool.touch(live)
-            t.block_ids = h + pool.allocate(total - n_hit)
+            t.block_ids = h + pool.allocate(end - n_hit)
             t.dropped = n_hit - len(live)
         s.computed = n_hit * bs
         s.hashed = n_hit
@@ -324,69 +358,137 @@ class KVManager:
                 mt.dropped = min(t.dropped, len(shared))
         return True
 
+    def export_prefix(self, req: Request, n_blocks: int) -> list[tuple[int, list[int]]]:
+        """What a prefill engine ships of req's first n_blocks blocks (stopline/disagg): for
+        each layer group, (first, blocks first .. n_blocks - 1), first being the leading
+        blocks no query at n_blocks * block_size or later reads under the group's window
+        (0 for a group without one), or the holes if more. Those are the blocks a prefix hit
+        of n_blocks needs in that group (`_lookup`)."""
+        out = []
+        for t, w in zip(self.seq(req).groups(), self.windows, strict=True):
+            first = max(t.dropped, self._dead(n_blocks * self.block_size, w))
+            out.append((first, list(t.block_ids[first:n_blocks])))
+        return out
+
     def import_prefix(self, token_ids: Sequence[int], n_blocks: int,
-                      write: Callable[[list[int]], None], first: int = 0, salt: Hashable = None) -> int:
+                      write: Callable[[list[list[int]]], None], firsts: Sequence[int] = (),
+                      salt: Hashable = None) -> list[int]:
         """Blocks computed elsewhere (a prefill engine, stopline/disagg) enter the prefix
-        cache: allocate n_blocks, `write` fills them, register their chained hashes, drop the
-        reference (cached, refcount 0). The request is admitted at the same step boundary and
-        finds them as prefix hits. Returns the blocks imported: 0 when the pool has no room
-        (the request then computes its prompt here). If `write` raises, the blocks go back
-        to the free pool unhashed and the error propagates. first: the leading blocks a
-        sliding window passed, not shipped (blocks first .. n_blocks - 1 come). salt: the
-        request's (self.salt(req), its adapter's load), so the blocks are found only under it."""
+        cache: in each layer group allocate blocks firsts[g] .. n_blocks - 1, `write` fills
+        them (each group's new blocks, in group order), register their chained hashes, drop
+        the reference (cached, refcount 0). The request is admitted at the same step boundary
+        and finds them as prefix hits (each group's window blocks: `export_prefix`). Returns
+        the blocks imported per group: all 0 when some group's pool has no room (the request
+        then computes its prompt here). If `write` raises, the blocks go back to the free
+        pools unhashed and the error propagates. firsts: each group's leading blocks a sliding
+        window passed, not shipped (() : none); a group's first past what its window reads is
+        refused (ValueError), as that import could never be a hit. salt: the request's
+        (self.salt(req), its adapter's load), so the blocks are found only under it."""
         if not self.prefix_caching:
             raise ValueError("importing a prefix needs prefix caching")
-        self.one_group("importing a prefix")
-        if n_blocks - first <= 0 or not self.pool.can_allocate(n_blocks - first):
-            return 0
-        hashes = extend_hashes([], token_ids, self.block_size, n_blocks, salt)[first:]
-        blocks = self.pool.allocate(n_blocks - first)
+        firsts = list(firsts) or [0] * len(self.pools)
+        if len(firsts) != len(self.pools):
+            raise ValueError(f"blocks of {len(firsts)} KV layer groups for a model of {len(self.pools)}")
+        for g, (f, w) in enumerate(zip(firsts, self.windows, strict=True)):
+            need = self._dead(n_blocks * self.block_size, w)
+            if not 0 <= f <= need:
+                raise ValueError(f"layer group {g} (window {w}) sent from block {f}: its window "
+                                 f"reads blocks {need} .. {n_blocks - 1}")
+        counts = [n_blocks - f for f in firsts]
+        if not any(counts) or not all(p.can_allocate(c) for p, c in zip(self.pools, counts, strict=True)):
+            return [0] * len(self.pools)
+        hashes = extend_hashes([], token_ids, self.block_size, n_blocks, salt)
+        blocks = [p.allocate(c) for p, c in zip(self.pools, counts, strict=True)]
         try:
             write(blocks)
         except BaseException:
-            self.pool.release(blocks, keep_cached=False)
+            for p, b in zip(self.pools, blocks, strict=True):
+                p.release(b, keep_cached=False)
             raise
-        for b, h in zip(blocks, hashes, strict=True):
-            self.pool.register(b, h)
-        self.pool.release(blocks)
-        return len(blocks)
+        for p, b, f in zip(self.pools, blocks, firsts, strict=True):
+            for blk, h in zip(b, hashes[f:], strict=True):
+                p.register(blk, h)
+            p.release(b)
+        return counts
 
-    def one_group(self, what: str) -> None:
-        """Refuse `what` (the prefill/decode split) on a model of several layer groups: it
-        ships and imports one table's blocks."""
-        if len(self.pools) > 1:
-            raise ValueError(f"{what} takes models of one KV layer group; this one has {len(self.pools)} "
-                             f"(layers of windows {self.windows}: docs/sliding-window.md)")
-
-    def admit_need(self, num_tokens: int, forks: int = 0) -> int:
+    def admit_need(self, num_tokens: int, forks: int = 0, group: int = 0) -> int:
         """Blocks a request of num_tokens tokens (and `forks` samples waiting to fork) takes
-        at the least to compute one more token: its table plus a partial block per sample."""
-        return self.blocks_for(num_tokens + 1) + forks
+        at the least in a group's pool to compute one more token: its table plus a partial
+        block per sample; under a window (no samples) the blocks the window of the next query
+        and of one in flight (async scheduling) read, at most."""
+        need = self.blocks_for(num_tokens + 1)
+        if self._chunked(group) and not forks:
+            need = min(need, self.span(self.windows[group] + 1))
+        return need + forks
+
+    def short(self, num_tokens: int, forks: int = 0) -> tuple[int, int] | None:
+        """The first group whose pool can never hold such a request: (blocks it needs, blocks
+        the pool has); None if every group's can (the one never-fits rule)."""
+        for g, pool in enumerate(self.pools):
+            need = self.admit_need(num_tokens, forks, g)
+            if need > pool.num_blocks:
+                return need, pool.num_blocks
+        return None
 
     def fits(self, num_tokens: int, forks: int = 0) -> bool:
         """Whether such a request could ever fit every group's pool (the one never-fits rule)."""
-        return self.admit_need(num_tokens, forks) <= min(p.num_blocks for p in self.pools)
+        return self.short(num_tokens, forks) is None
 
     def grow(self, req: Request, upto: int) -> bool:
-        """Make req's table cover `upto` tokens; False (nothing taken) if the pool can't."""
-        need = self.need(req, upto)
-        if need <= 0:
-            return True
+        """Make req's tables cover `upto` tokens (a windowed group's from the blocks it
+        holds: those before the window of the first position computed are already holes or
+        behind the fence); False (nothing taken) if a pool can't."""
         if len(self.pools) == 1:
+            need = self.need(req, upto)
+            if need <= 0:
+                return True
             if not self.pool.can_allocate(need):
                 return False
             self._seq(req).block_ids += self.pool.allocate(need)
             return True
-        if not all(p.can_allocate(need) for p in self.pools):
+        needs = self.needs(req, upto)
+        if not all(p.can_allocate(n) for p, n in zip(self.pools, needs, strict=True)):
             return False
-        for t, p in zip(self._seq(req).groups(), self.pools, strict=True):
-            t.block_ids += p.allocate(need)
+        for t, p, n in zip(self._seq(req).groups(), self.pools, needs, strict=True):
+            if n > 0:
+                t.block_ids += p.allocate(n)
         return True
 
+    def needs(self, req: Request, upto: int) -> list[int]:
+        """Blocks each group's table lacks to cover `upto` tokens. A table always covers the
+        tokens computed, so a windowed group's growth never opens holes: the positions it
+        passed are in its table already."""
+        end = self.blocks_for(upto)
+        return [max(0, end - len(t.block_ids)) for t in self.seq(req).groups()]
+
     def need(self, req: Request, upto: int) -> int:
-        """Blocks req's table lacks to cover `upto` tokens (in each group: the tables of all
-        groups have one length)."""
-        return self.blocks_for(upto) - len(self.seq(req).block_ids)
+        """Blocks req's table lacks to cover `upto` tokens, in the group that lacks most."""
+        if len(self.pools) == 1:
+            return self.blocks_for(upto) - len(self.seq(req).block_ids)
+        return max(self.needs(req, upto))
+
+    def can_grow(self, req: Request, upto: int, spare: int = 0) -> bool:
+        """Whether every group that must grow for `upto` can, with `spare` blocks left."""
+        return all(n <= 0 or p.num_available - n >= spare
+                   for p, n in zip(self.pools, self.needs(req, upto), strict=True))
+
+    def deficit(self, req: Request, upto: int) -> tuple[int, int]:
+        """The shortage that stops req's growth to `upto`, as (group, blocks): the group
+        whose pool lacks the most (preemption frees that group's blocks; the one rule for
+        global and windowed pools alike)."""
+        short = [(n - p.num_available, g) for g, (p, n) in enumerate(zip(self.pools, self.needs(req, upto), strict=True))]
+        blocks, group = max(short, key=lambda x: (x[0], -x[1]))
+        return group, blocks
+
+    def room(self, req: Request, start: int, n: int) -> int:
+        """The most of n tokens from `start` on that every windowed group could take blocks
+        for now (at least one: a shortage of one token's is grow's, which preempts). A chunk
+        shrinks rather than preempting others for a windowed pool."""
+        tabs = self.seq(req).groups()
+        for g, (t, pool) in enumerate(zip(tabs, self.pools, strict=True)):
+            if self._chunked(g):
+                n = min(n, max(1, (len(t.block_ids) + pool.num_available) * self.block_size - start))
+        return n
 
     def trim(self, req: Request) -> None:
         """Give back the blocks past req's computed tokens: those that only rejected drafts
@@ -438,15 +540,22 @@ class KVManager:
         return (self.swap is not None and self.cache is not None and not self.in_flight(req)
                 and self.swap.can_hold(sum(len(t.live()) for t in self.seq(req).groups())))
 
-    def swap_in(self, req: Request, available: int) -> bool:
+    def swap_in(self, req: Request, reserve: int) -> bool:
         """Bring a swapped request's blocks back if they (and room for what it computes next:
-        its last sampled token may open a block) fit in `available`."""
+        its last sampled token may open a block) fit, with `reserve` blocks left in group 0's
+        pool. A windowed group of several takes back its live blocks only (its table covers
+        what it covered; it grows as the chunks come)."""
         assert self.swap is not None and self.cache is not None  # only SWAPPED requests come here
         s = self._seq(req)
         counts = s.swapped or [len(s.swap_slots)]
         tabs = s.groups()
         totals = [max(n, self.blocks_for(req.num_tokens) - t.dropped) for n, t in zip(counts, tabs, strict=True)]
-        if max(totals) > available or not all(p.can_allocate(n) for p, n in zip(self.pools, totals, strict=True)):
+        # A windowed group: its live blocks and the one block its next token may open (a
+        # request swapped mid-prefill grows chunk by chunk again).
+        totals = [min(total, n + 1) if self._chunked(g) else total
+                  for g, (n, total) in enumerate(zip(counts, totals, strict=True))]
+        if not all(p.can_allocate(n + (reserve if g == 0 else 0))
+                   for g, (p, n) in enumerate(zip(self.pools, totals, strict=True))):
             return False
         data = self.swap.load(s.swap_slots)
         at = 0
@@ -469,7 +578,7 @@ class KVManager:
         if self.cache is None or self.swap is None or self.num_used:
             return None
         cache = self.cache
-        n = min(8, self.pool.num_blocks)
+        n = min(8, *(p.num_blocks for p in self.pools))  # blocks 0 .. n - 1 of every group
 
         def round_trip(blocks: list[int]) -> float:
             best = float("inf")
@@ -592,9 +701,16 @@ class KVManager:
                 if any(b == HOLE for b in t.live()) or any(b != HOLE for b in t.block_ids[:t.dropped]):
                     raise LedgerError(f"request {r.incarnation!r}: group {g}'s holes not exactly its "
                                       f"{t.dropped} leading entries")
-                if len(t.block_ids) != len(s.block_ids):
+                if not self._chunked(g):
+                    if len(t.block_ids) != len(s.block_ids):
+                        raise LedgerError(f"request {r.incarnation!r}: group {g}'s table covers "
+                                          f"{len(t.block_ids)} blocks, group 0's {len(s.block_ids)}")
+                elif t.block_ids and len(t.block_ids) < self.blocks_for(s.computed):
                     raise LedgerError(f"request {r.incarnation!r}: group {g}'s table covers "
-                                      f"{len(t.block_ids)} blocks, group 0's {len(s.block_ids)}")
+                                      f"{len(t.block_ids)} blocks, fewer than its {s.computed} tokens")
+                elif not self._chunked(0) and len(t.block_ids) > len(s.block_ids):
+                    raise LedgerError(f"request {r.incarnation!r}: group {g}'s table covers "
+                                      f"{len(t.block_ids)} blocks, more than group 0's {len(s.block_ids)}")
                 if t.dropped and not self.windows[g]:
                     raise LedgerError(f"request {r.incarnation!r}: group {g} has no window but holes")
         for g, pool in enumerate(self.pools):

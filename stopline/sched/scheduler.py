@@ -86,6 +86,7 @@ class Scheduler:
                 n = min(req.num_tokens - self.kv.computed(req), budget, prefill_left)
                 if n <= 0:
                     continue
+                n = self.kv.room(req, self.kv.computed(req), n)  # a windowed pool's room
             else:
                 n = 1
             if not self._grow(req, self.kv.computed(req) + n, scheduled):
@@ -109,19 +110,21 @@ class Scheduler:
                 continue
             if q.num_running + 1 + len(req.forks_pending) > self.config.max_num_seqs:
                 break
-            if not self.kv.fits(req.num_tokens, len(req.forks_pending)):
-                need = self.kv.admit_need(req.num_tokens, len(req.forks_pending))
+            short = self.kv.short(req.num_tokens, len(req.forks_pending))
+            if short is not None:
                 self.lifecycle.fail(req, FinishReason.ERROR,
-                                    f"request needs {need} KV blocks of "
-                                    f"{self.kv.block_size} tokens; the pool has {self.kv.pool.num_blocks}")
+                                    f"request needs {short[0]} KV blocks of "
+                                    f"{self.kv.block_size} tokens; the pool has {short[1]}")
                 continue
             if not self.resident(req):  # base rows and resident adapters' requests go on
                 i += 1
                 continue
-            if not self._admit(req, growth):
+            if not self._admit(req, growth, min(budget, prefill_left)):
                 break
             growth += self._growth(req) * (1 + len(req.forks_pending))
-            n = min(req.num_tokens - self.kv.computed(req), budget, prefill_left)
+            # A windowed group took blocks for this chunk only, maybe fewer (kv.admit).
+            n = min(req.num_tokens, self.kv.covered(req), self.kv.computed(req) + min(budget, prefill_left))
+            n -= self.kv.computed(req)
             self._add_chunk(plan, req, n)
             scheduled.add(req.internal_id)
             budget -= n
@@ -145,10 +148,9 @@ class Scheduler:
         if not drafts:
             return []
         upto = self.kv.computed(req) + 1 + len(drafts)
-        need = self.kv.need(req, upto)
-        # A block of room left per running request: the drafts' slots must not be the ones
-        # the others grow into this step.
-        if need > 0 and self.kv.num_available - need < len(self.queues.running):
+        # A block of room left per running request (in every group that grows): the drafts'
+        # slots must not be the ones the others grow into this step.
+        if not self.kv.can_grow(req, upto, spare=len(self.queues.running)):
             return []
         if not self.kv.grow(req, upto):
             return []
@@ -197,8 +199,8 @@ class Scheduler:
             cands = [r for r in q.running
                      if r is not req and r.internal_id not in scheduled
                      and r.fork_leader is None and not r.forks_pending]
-            deficit = self.kv.need(req, upto) - self.kv.num_available
-            victim = pick_victim(self.config.victim_policy, cands, deficit, self.kv)
+            group, deficit = self.kv.deficit(req, upto)  # the pool that lacks most
+            victim = pick_victim(self.config.victim_policy, cands, deficit, self.kv, group)
             if victim is None:
                 break
             self.lifecycle.preempt(victim)
@@ -213,25 +215,26 @@ class Scheduler:
             # Nothing but req holds blocks: nothing could ever make room for it.
             self.lifecycle.fail(
                 req, FinishReason.LENGTH if req.output_token_ids else FinishReason.ERROR,
-                f"the KV pool ({self.kv.pool.num_blocks} blocks of {self.kv.block_size}) "
-                f"cannot hold {upto} tokens",
+                f"the KV pool ({self.kv.pools[self.kv.deficit(req, upto)[0]].num_blocks} blocks of "
+                f"{self.kv.block_size}) cannot hold {upto} tokens",
             )
         return False
 
-    def _admit(self, req: Request, growth: int = 0) -> bool:
+    def _admit(self, req: Request, growth: int = 0, chunk: int | None = None) -> bool:
         """Give a waiting request its blocks for every token it has (prompt, or
         for a preempted one everything it must recompute: it is admitted only when the whole
-        re-prefill fits, so a resumption always makes progress). growth: blocks the running
-        requests need for their next tokens (see _growth), kept free along with its own.
+        re-prefill fits, so a resumption always makes progress); a windowed group's for its
+        first chunk (of at most `chunk` tokens). growth: blocks the running requests need for
+        their next tokens (see _growth), kept free along with its own in group 0's pool.
         False: not now."""
         q = self.queues
         lookahead = growth + self._growth(req) * (1 + len(req.forks_pending)) if q.running else 0
         if req.status is RequestStatus.SWAPPED:
-            if not self.kv.swap_in(req, self.kv.num_available - lookahead):
+            if not self.kv.swap_in(req, lookahead):
                 return False
         else:
             reserve = math.ceil(self.headroom * self.kv.pool.num_blocks) + lookahead if q.running else 0
-            if not self.kv.admit(req, reserve):
+            if not self.kv.admit(req, reserve, chunk):
                 return False
             if req.status is not RequestStatus.WAITING:
                 self.lifecycle.stats.recomputed_tokens += req.num_tokens - self.kv.computed(req)

@@ -9,13 +9,14 @@ from stopline.kv.manager import KVManager
 from stopline.request import Request
 
 
-def _cost(cands: list[Request], deficit: int, kv: KVManager) -> Request:
-    # Among victims that alone cover the deficit, the one with the least work to redo;
-    # otherwise the one that frees the most blocks per token of work thrown away.
-    enough = [r for r in cands if kv.freeable(r) >= deficit]
+def _cost(cands: list[Request], deficit: int, kv: KVManager, group: int = 0) -> Request:
+    # Among victims that alone cover the deficit (in the pool that lacks), the one with the
+    # least work to redo; otherwise the one that frees the most blocks per token of work
+    # thrown away.
+    enough = [r for r in cands if kv.freeable(r, group) >= deficit]
     if enough:
         return min(enough, key=lambda r: (kv.computed(r), -r.arrival))
-    return max(cands, key=lambda r: (kv.freeable(r) / max(1, kv.computed(r)), r.arrival))
+    return max(cands, key=lambda r: (kv.freeable(r, group) / max(1, kv.computed(r)), r.arrival))
 
 
 _KEYS: dict[VictimPolicy, Callable[[Request, KVManager], tuple]] = {
@@ -28,12 +29,13 @@ _KEYS: dict[VictimPolicy, Callable[[Request, KVManager], tuple]] = {
 
 
 def pick_victim(policy: VictimPolicy, cands: list[Request], deficit: int,
-                kv: KVManager) -> Request | None:
+                kv: KVManager, group: int = 0) -> Request | None:
     """The request to preempt among `cands` (all running, none scheduled this step yet);
-    their tables and counts are read through the KV manager."""
+    their tables and counts are read through the KV manager. deficit: blocks lacking in
+    layer group `group`'s pool (KVManager.deficit)."""
     if not cands:
         return None
     if policy is VictimPolicy.COST:
-        return _cost(cands, deficit, kv)
+        return _cost(cands, deficit, kv, group)
     key = _KEYS[policy]
     return max(cands, key=lambda r: key(r, kv))

@@ -59,7 +59,11 @@ def console_snapshot(state: ServerState) -> dict[str, Any]:
         "pool": {"total": s.kv_blocks_total, "used": s.kv_blocks_used, "cached": s.kv_blocks_cached,
                  "free": s.kv_blocks_total - s.kv_blocks_used - s.kv_blocks_cached,
                  "block_size": s.block_size, "complete_map": s.pool_map,
-                 "cached_ids": s.cached_block_ids},
+                 "cached_ids": s.cached_block_ids,
+                 # Every KV layer group's pool (the map above is group 0's): Gemma 3's local
+                 # layers hold blocks for their window, its global ones for the context.
+                 "groups": [{"group": g, "window": w, "total": t, "used": u, "cached": c,
+                             "free": t - u - c} for g, (w, t, u, c) in enumerate(s.kv_groups)]},
         "counts": {"running": s.running, "waiting": s.waiting, "preempted": s.preempted},
         "live": [{"id": q.incarnation, "index": q.index, "state": q.state, "tokens": q.tokens,
                   "blocks": q.num_blocks, "block_ids": q.block_ids, "adapter": q.lora or "base"}

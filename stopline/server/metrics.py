@@ -244,6 +244,21 @@ class _EngineCollector(Collector):
                 disc.add_metric(key(r) + [reason], n)
         yield aborts
         yield pre
+        # Every KV layer group's pool (one for most models; Gemma 3's global and local layers:
+        # two), and the P/D split's blocks by group: a windowed group ships fewer.
+        groups = GaugeMetricFamily("stopline_kv_group_blocks", "KV blocks of each layer group's pool, "
+                                   "by state (used, cached, free).", labels=lab + ["group", "window", "state"])
+        moved = CounterMetricFamily("stopline_kv_transfer_blocks", "KV blocks the prefill/decode split "
+                                    "moved, by direction (sent by prefill, received by decode) and "
+                                    "layer group.", labels=lab + ["direction", "group"])
+        for r, s in snaps.items():
+            for g, (window, total, used, cached) in enumerate(s.kv_groups):
+                for state, n in (("used", used), ("cached", cached), ("free", total - used - cached)):
+                    groups.add_metric(key(r) + [str(g), str(window), state], n)
+            for direction, g, n in s.transfer_blocks:
+                moved.add_metric(key(r) + [direction, str(g)], n)
+        yield groups
+        yield moved
         counters = [
             ("stopline_recomputed_tokens", "Tokens computed again after a recompute preemption.",
              "recomputed_tokens"),

@@ -64,7 +64,7 @@ class ModelRunner:
             self.rows = DecodeRows(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.bs, KEY_TILE,
                                    max_rows=config.max_num_seqs, max_bytes=2 * pool_bytes,
                                    verify=config.debug, device=self.device,
-                                   null_block=kv.null_block, layer_group=kv.layer_group)
+                                   null_block=kv.nulls, layer_group=kv.layer_group)
         self._staged: RowPlan | None = None  # this step's decode rows, for every layer group
 
     @classmethod
@@ -86,10 +86,11 @@ class ModelRunner:
 
     def _table(self, ch: ScheduledChunk, nb: int, group: int = 0) -> list[int]:
         """ch's first nb table entries in a layer group; those a sliding window passed (HOLE,
-        given back) point at the zero block: the window masks them, and a given-back block
-        may be anyone's."""
+        given back) point at the group's zero block: the window masks them, and a given-back
+        block may be anyone's."""
         table = ch.group_tables[group - 1] if group else ch.block_ids
-        return [b if b >= 0 else self.kv.null_block for b in table[:nb]]
+        null = self.kv.nulls[group]
+        return [b if b >= 0 else null for b in table[:nb]]
 
     def _slots(self, chunks: list[ScheduledChunk], group: int) -> list[int]:
         """Where each row's K/V goes in a layer group's blocks."""
@@ -185,10 +186,12 @@ class ModelRunner:
         for ch in chunks:
             table_at += [len(tables)] * ch.num_tokens
             tables += self._table(ch, (ch.start + ch.num_tokens + self.bs - 1) // self.bs, group)
-        # The zero block (num_blocks: holes a sliding window left) is inside the tensors.
-        if tables and not 0 <= min(tables) <= max(tables) <= self.kv.num_blocks:
+        # The group's zero block (its pool's size: holes a sliding window left) is inside
+        # its layers' tensors, whose pools may differ in size.
+        top = self.kv.nulls[group]
+        if tables and not 0 <= min(tables) <= max(tables) <= top:
             # The kernel reads where the tables point: a bad entry would read out of bounds.
-            raise RuntimeError(f"a block table points outside the KV pool of {self.kv.num_blocks} blocks")
+            raise RuntimeError(f"a block table points outside the KV pool of {top} blocks")
         return self._inputs(r, prefills=[], decode=None,
                             paged=PagedRows.build([p + 1 for p in r.positions], table_at, tables))
 
@@ -211,7 +214,7 @@ class ModelRunner:
             else:
                 nb = (end + bs - 1) // bs
                 width = self._width(nb)
-                table = torch.tensor(self._table(ch, nb, group) + [self.kv.null_block] * (width - nb),
+                table = torch.tensor(self._table(ch, nb, group) + [self.kv.nulls[group]] * (width - nb),
                                      dtype=torch.long)
                 row_pos = torch.arange(ch.start, end)
                 masked = torch.arange(width * bs)[None, :] > row_pos[:, None]  # causal
@@ -229,7 +232,7 @@ class ModelRunner:
             table = masked = None
             if staged is None:  # the decodes gather their blocks: padded tables and masks
                 width = self._width(max(len(t) for t in dec_tables))
-                null = self.kv.null_block
+                null = self.kv.nulls[group]
                 table = torch.tensor([t + [null] * (width - len(t)) for t in dec_tables],
                                      dtype=torch.long).to(self.device)
                 lens = torch.tensor(dec_lens, dtype=torch.long)

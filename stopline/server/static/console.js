@@ -389,6 +389,30 @@ function drawPool(s) {
   item(FREE, `free ${p.free}`, "pool-free");
   if (mine) item(colorOf([...live.mine].pop()), `this tab ${mine}`, "pool-mine");
   if (!p.complete_map) item(HELD, "(too many to map per block: counts only)");
+  drawGroups(p);
+}
+
+// Every KV layer group's pool (Gemma 3: global layers, then local ones of a window): the map
+// above is group 0's; each group here as used / cached / free of its total.
+function drawGroups(p) {
+  const box = $("pool-groups");
+  box.innerHTML = "";
+  const groups = p.groups || [];
+  if (groups.length < 2) return;
+  $("pool-title").textContent += ` · ${groups.length} layer groups (the map: group 0)`;
+  for (const g of groups) {
+    const e = document.createElement("span");
+    e.id = `pool-group-${g.group}`;
+    const bar = document.createElement("i");
+    bar.className = "sw";
+    const pct = (n) => (100 * n) / Math.max(1, g.total);
+    const u = pct(g.used), c = u + pct(g.cached);
+    bar.style.width = "60px";
+    bar.style.background = `linear-gradient(90deg,${HELD} ${u}%,${CACHED} ${u}% ${c}%,${FREE} ${c}%)`;
+    e.append(bar, `group ${g.group} (${g.window ? `window ${g.window}` : "global"}): ` +
+      `used ${g.used} · cached ${g.cached} · free ${g.free} of ${g.total}`);
+    box.appendChild(e);
+  }
 }
 
 $("pool").addEventListener("mousemove", (ev) => {
