@@ -420,3 +420,33 @@ def test_c_writer_meets_every_kind_of_row_as_the_reference(d: int) -> None:
     want_q, want_s = quantize_rows(rows)
     assert torch.equal(vc[0, at], want_q)
     assert torch.equal(vs[0, at].nan_to_num(-1.0), want_s.nan_to_num(-1.0))
+
+
+def test_the_wire_ships_each_groups_quants_and_scales() -> None:
+    """A model of two layer groups with pools of their own sizes (Gemma 3's global and local
+    layers): each group's quants and scales arrive at its blocks, byte for byte."""
+    from stopline.disagg.epochs import BlockEpochs
+    from stopline.disagg.wire import pack_groups, unpack, write_groups
+    from stopline.kv.block_pool import BlockPool
+
+    def side() -> tuple[list[BlockPool], KVCache, list[BlockEpochs]]:
+        cache = KVCache(3, 8, 4, 2, 16, torch.int8, layer_group=[0, 1, 0], group_blocks=[8, 5])
+        pools = [BlockPool(8, 4), BlockPool(5, 4)]
+        for g, p in enumerate(pools):
+            p.on_allocate = lambda blocks, g=g: cache.zero(blocks, group=g)
+        return pools, cache, [BlockEpochs(p) for p in pools]
+
+    spools, src, seps = side()
+    rpools, dst, reps = side()
+    sent = [spools[0].allocate(3), spools[1].allocate(2)]
+    for li in range(3):
+        n = src.k[li].shape[1]
+        src.store(li, torch.arange(n), torch.randn(2, n, 16), torch.randn(2, n, 16))
+    rpools[1].allocate(1)
+    got = [rpools[0].allocate(3), rpools[1].allocate(2)]
+    head, data = unpack(pack_groups("r", src, seps, [(0, 0, seps[0].refs(sent[0])), (8, 1, seps[1].refs(sent[1]))]))
+    assert len(data) == 12 and head.dtypes == (["int8"] * 4 + ["float32"] * 4 + ["int8"] * 2 + ["float32"] * 2)
+    write_groups(dst, reps, [reps[0].refs(got[0]), reps[1].refs(got[1])], head, data)
+    for g in (0, 1):
+        for a, b in zip(src.read_blocks(sent[g], group=g), dst.read_blocks(got[g], group=g), strict=True):
+            assert torch.equal(a, b)
