@@ -253,7 +253,7 @@ def window_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batch
     return max_num_seqs * per_seq + 2 * -(-max_num_batched_tokens // block_size)
 
 
-def split_blocks(cfg: EngineConfig, layers: Sequence[int], windows: Sequence[int], per_layer: int) -> list[int]:
+def pool_sizes(cfg: EngineConfig, layers: Sequence[int], windows: Sequence[int], per_layer: int) -> list[int]:
     """Each layer group's pool size. layers: each group's layer count; windows: its window;
     per_layer: bytes of one block of one layer. A windowed group gets what its window needs
     (`window_blocks`, or cfg.window_pool_blocks), at most the global group's count; the
@@ -282,14 +282,14 @@ def make_cache(cfg: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: 
                ) -> tuple[list[BlockPool], KVCache, SwapSpace | None]:
     """A block pool per layer group (`layer_groups`, windows: each group's), the K/V tensors
     and host swap space (none when preemption only recomputes), sized by cfg and
-    `split_blocks`: a windowed group's pool by its window, the global group's by num_blocks
+    `pool_sizes`: a windowed group's pool by its window, the global group's by num_blocks
     or by what kv_cache_memory_gb holds besides. int8 (cfg.kv_cache_dtype): a block's bytes
     as int8 quants and scales."""
     dtype = torch.int8 if cfg.kv_cache_dtype == KVCacheDtype.INT8 else torch.float32
     per_layer = KVCache.bytes_per_block(1, cfg.block_size, num_kv_heads, head_dim, dtype)
     groups = max(layer_group, default=0) + 1 if layer_group else 1
     layers = [sum(1 for g in layer_group if g == gi) for gi in range(groups)] if layer_group else [num_layers]
-    sizes = split_blocks(cfg, layers, list(windows) or [0] * groups, per_layer)
+    sizes = pool_sizes(cfg, layers, list(windows) or [0] * groups, per_layer)
     kv = KVCache(num_layers, sizes[0], cfg.block_size, num_kv_heads, head_dim, dtype, device=cfg.device,
                  layer_group=layer_group, group_blocks=sizes)
     pools = []

@@ -242,7 +242,7 @@ class KVManager:
         """Group g's table grows chunk by chunk: it has a window, beside a global group 0
         (whose pool, of num_blocks, is the one admission keeps its headroom in). A model of
         windowed groups only (Mistral) keeps whole tables: its pools are num_blocks each
-        (kv_cache.split_blocks)."""
+        (kv_cache.pool_sizes)."""
         return bool(self.windows[g]) and not self.windows[0]
 
     def covered(self, req: Request) -> int:
