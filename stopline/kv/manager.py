@@ -561,7 +561,7 @@ class KVManager:
         at = 0
         for g, (t, pool, n, total) in enumerate(zip(tabs, self.pools, counts, totals, strict=True)):
             blocks = pool.allocate(total)
-            width = 2 * len(self.cache.groups[g])  # K and V of each of the group's layers
+            width = self.cache.kinds * len(self.cache.groups[g])  # K and V (and scales) of each layer
             self.cache.write_blocks(blocks[:n], data[at:at + width], group=g)
             at += width
             t.block_ids = [HOLE] * t.dropped + blocks  # the window's holes stay holes
