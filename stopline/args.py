@@ -8,6 +8,7 @@ import argparse
 
 from stopline.config import (
     ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
     LINEAR_BACKENDS,
     EngineConfig,
     Numerics,
@@ -73,6 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--numerics", default=EngineConfig.numerics.value, choices=[m.value for m in Numerics],
                    help="linear layers in float32 bits (exact) or bf16 inputs with fp32 sums on "
                         "AVX512-BF16 (fast); both batch-invariant (docs/numerics.md)")
+    g.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype.value, choices=KV_CACHE_DTYPES,
+                   help="what the KV cache holds: auto/float32, or int8 with a scale per kv head and "
+                        "token (about a quarter of the bytes; needs --numerics fast; docs/numerics.md)")
 
 
     g.add_argument("--audit-every", type=int, default=0, metavar="N",
@@ -92,6 +96,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         adapt_threads=args.adapt_threads,
         linear_backend=args.linear_backend,
         quant_max_rows=args.quant_max_rows, numerics=getattr(args, "numerics", Numerics.EXACT),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", EngineConfig.kv_cache_dtype.value),
         speculative=args.speculative, speculative_tokens=args.speculative_tokens,
         audit_every=getattr(args, "audit_every", 0),
         max_loras=getattr(args, "max_loras", EngineConfig.max_loras),

@@ -61,6 +61,15 @@ class Numerics(Choice):
     FAST = "fast"  # bf16 inputs, fp32 sums (AVX512-BF16); exact where the CPU lacks it
 
 
+class KVCacheDtype(Choice):
+    """What the KV cache holds (docs/numerics.md "The int8 KV cache")."""
+
+    AUTO = "auto"  # float32, the model's compute dtype
+    FLOAT32 = "float32"
+    INT8 = "int8"  # int8 quants and a float32 scale per (kv head, token); fast numerics only
+
+
+KV_CACHE_DTYPES = tuple(d.value for d in KVCacheDtype)
 LINEAR_BACKENDS = tuple(b.value for b in LinearBackend)
 ATTENTION_BACKENDS = tuple(b.value for b in AttentionBackend)
 
@@ -126,6 +135,9 @@ class EngineConfig:
     quant_max_rows: int = 512
     # "exact" or "fast" (docs/numerics.md; the default is chosen there by measurement).
     numerics: Numerics = Numerics.EXACT
+    # "int8": K and V as int8 with a scale per (kv head, token): about a quarter of the bytes
+    # (more blocks for kv_cache_memory_gb), rounded, so fast numerics only.
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     # Seconds a request may wait for its grammar to compile (compiles are shared and cached;
     # one that runs past this is stopped and its grammar refused from then on).
     grammar_deadline: float = 5.0
@@ -177,6 +189,13 @@ class EngineConfig:
         if self.numerics not in tuple(m.value for m in Numerics):
             raise ValueError(f"EngineConfig.numerics must be one of exact, fast, got {self.numerics!r}")
         self.numerics = Numerics(self.numerics)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = KVCacheDtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype is KVCacheDtype.INT8 and self.numerics is not Numerics.FAST:
+            raise ValueError("--kv-cache-dtype int8 rounds the KV cache, so it needs --numerics fast "
+                             f"(EngineConfig.kv_cache_dtype int8 with numerics {self.numerics.value})")
         if not 0 <= self.admission_headroom < 1:
             raise ValueError("EngineConfig.admission_headroom must be in [0, 1)")
         if not self.grammar_deadline > 0:

@@ -163,13 +163,15 @@ def lora_workload(seed: int, count: int, vocab: int, names: list[str]) -> list[J
 
 
 def run_reference(loaded, work: list[Job], attention: str = "auto", numerics: str = "exact",
-                  adapters: dict[str, str] | None = None):
+                  adapters: dict[str, str] | None = None, kv_cache_dtype: str = "auto"):
     """Each job's output with no aborts, no deadlines and an ample pool (batch invariance
     makes this the same as running it alone; test_solo_matches_reference checks that on a
-    sample). attention, numerics: as the storm's (each gives a position other bits)."""
+    sample). attention, numerics, kv_cache_dtype: as the storm's (each gives a position other
+    bits)."""
     eng = EngineCore(loaded, EngineConfig(num_blocks=4096, block_size=4, max_num_seqs=256,
                                           max_num_batched_tokens=4096, attention_backend=attention,
-                                          speculative="off", numerics=numerics))
+                                          speculative="off", numerics=numerics,
+                                          kv_cache_dtype=kv_cache_dtype))
     for name, path in (adapters or {}).items():
         assert eng.residency.load_lora(name, path)["status"] == 200
     ref = defaultdict(lambda: defaultdict(list))

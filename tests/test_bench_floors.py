@@ -23,7 +23,8 @@ def test_floors_on_tiny_model(tmp_path: Path, tmp_path_factory: pytest.TempPathF
     rc = main(["bench", "floors", "--model", str(model), "--streams", "1", "4", "--buffer-mib", "64",
                "--reps", "2", "--warm", "2", "--steps", "4", "--num-blocks", "256", "--out", str(out),
                "--prefill-tokens", "40", "--prefill-reps", "1", "--llama-bench", str(tmp_path / "none"),
-               "--texts", str(texts)] + (["--accuracy"] if fast else ["--modes", "exact"]))
+               "--texts", str(texts)]
+              + (["--accuracy", "--modes", "exact", "fast", "fast-int8"] if fast else ["--modes", "exact"]))
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["read_bandwidth_gbs"] > 0 and all(v > 0 for v in r["gemm_gflops_32_rows"].values())
@@ -42,6 +43,10 @@ def test_floors_on_tiny_model(tmp_path: Path, tmp_path_factory: pytest.TempPathF
     if fast:
         a = r["accuracy"]
         assert a["tokens"] > 10 and 0 <= a["top1_agreement"] <= 1 and a["ppl_ratio"] > 0
+        for key in ("accuracy_int8", "accuracy_int8_vs_fast"):  # fast on an int8 KV cache
+            assert r[key]["tokens"] == a["tokens"] and 0 <= r[key]["top1_agreement"] <= 1
+        by = {(s["streams"], s["mode"]): s["kv_bytes"] for s in r["steps"]}
+        assert by[4, "fast-int8"] < 0.5 * by[4, "fast"]  # a token's K/V as int8 plus a scale a row
     li = r["linears_in_step"]
     assert set(li) == set(r["numerics"]) and all(v["streams"] == 4 for v in li.values())
     # An HF model's exact linears run on the GEMM library, outside the fused decoder; the fast

@@ -214,3 +214,27 @@ def test_decode_waiting_for_kv_sleeps_and_the_link_wakes_it(loaded):
         loop.stop()
         thread.join(5)
         pr.close()
+
+
+def test_the_link_may_wake_a_core_still_being_built(loaded, monkeypatch):
+    """The link's receiver thread starts when the role binds, in the middle of the core's
+    construction; a message already waiting (a restarted role's peer was sending all along)
+    wakes the core at once. That wake raised AttributeError on the half-built core, which
+    killed the receiver thread: the restarted decode role never received a block again.
+    Here every link wakes its core the moment it is made."""
+    from stopline.disagg import link as link_mod
+
+    made = link_mod.Link.__init__
+
+    def waking(self, *args, **kw):
+        made(self, *args, **kw)
+        self._wake()  # as the receiver thread does after each message
+
+    monkeypatch.setattr(link_mod.Link, "__init__", waking)
+    pair = make_pair(loaded)
+    try:
+        pair.add("r", _prompt(20), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        pair.settle()
+        assert len(pair.out[("r", 0)].token_ids) == 3
+    finally:
+        pair.close()

@@ -12,7 +12,7 @@ import torch
 
 from stopline.config import EngineConfig
 from stopline.kv.block_pool import LedgerError
-from stopline.kv.kv_cache import KVCache, make_cache, split_blocks, window_blocks
+from stopline.kv.kv_cache import KVCache, make_cache, pool_sizes, window_blocks
 from stopline.kv.manager import HOLE
 from stopline.request import AbortSource, FinishReason, Request, RequestStatus
 from tests.scripted import HandDriven
@@ -227,16 +227,16 @@ def test_the_budget_gives_the_global_group_what_the_window_does_not_need():
     assert need == 4 * (19 // 4 + 2) + 2 * 4 == 32
     # One global layer, two local ones: 3000 layer-blocks of bytes. Equal counts held 1000
     # of each; now the local pool has the 32 its window needs, the global one the rest.
-    assert split_blocks(cfg, [1, 2], [0, 16], per_layer) == [3000 - 2 * 32, 32]
-    assert split_blocks(cfg, [1], [0], per_layer) == [3000]
-    assert split_blocks(cfg, [2, 1], [8, 16], per_layer) == [1000, 1000]  # no global group
+    assert pool_sizes(cfg, [1, 2], [0, 16], per_layer) == [3000 - 2 * 32, 32]
+    assert pool_sizes(cfg, [1], [0], per_layer) == [3000]
+    assert pool_sizes(cfg, [2, 1], [8, 16], per_layer) == [1000, 1000]  # no global group
     # num_blocks is the global group's; the local one takes at most as many.
     for n, local_n in ((200, 32), (20, 20)):
         sized = EngineConfig(block_size=4, num_blocks=n, max_num_seqs=4, max_num_batched_tokens=16)
-        assert split_blocks(sized, [1, 2], [0, 16], per_layer) == [n, local_n]
+        assert pool_sizes(sized, [1, 2], [0, 16], per_layer) == [n, local_n]
     tight = EngineConfig(block_size=4, kv_cache_memory_gb=3 * 20 * per_layer / 2**30, max_num_seqs=4,
                          max_num_batched_tokens=16)
-    assert split_blocks(tight, [1, 2], [0, 16], per_layer) == [20, 20]  # the window's share can't fit
+    assert pool_sizes(tight, [1, 2], [0, 16], per_layer) == [20, 20]  # the window's share can't fit
 
 
 def test_each_group_has_its_own_tensors_and_zero_block():

@@ -192,7 +192,7 @@ def test_a_block_table_outside_the_pool_fails_the_step_not_the_process(tiny, mon
     the step's requests with an error instead of reading out of bounds."""
     eng = EngineCore(tiny, EngineConfig(num_blocks=64, block_size=4))
     eng.add_request("a", list(range(5, 30)), SamplingParams(temperature=0.0, max_tokens=4))
-    monkeypatch.setattr(eng.kv, "num_blocks", 2)  # the request's blocks now lie "outside"
+    monkeypatch.setattr(eng.kv, "nulls", [2])  # the pool's bound: its blocks now lie "outside"
     outs = eng.step()
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("a", True, "error")]
     assert "outside the KV pool" in outs[0].stop_detail

@@ -335,10 +335,13 @@ def test_storm_mixing_the_quantized_kernel_and_the_library(tiny_dir, tmp_path_fa
     assert check_storm(work, ref, res) > 50
 
 
-def test_storm_in_fast_numerics(tiny_dir, tmp_path_factory, stopline_cache_dir):
+@pytest.mark.parametrize("kv, attention", [("auto", "auto"), ("int8", "auto"), ("int8", "torch")])
+def test_storm_in_fast_numerics(tiny_dir, tmp_path_factory, stopline_cache_dir, kv, attention):
     """The storm in the fast numerics mode, on the Q4_1 model (the int8 kernel where the CPU
     has VNNI, else bf16), with async scheduling, swap-or-recompute preemption and speculation:
-    every output equals the fast reference run to the logprob."""
+    every output equals the fast reference run to the logprob. kv int8: the same on an int8
+    KV cache (its blocks swapped out and in, copied for forks, poisoned when freed), read by
+    the C attention or by torch's (gathered and in DecodeRows, dequantized)."""
     from stopline.model.kernels.bf16_linear import BF16Weight
     from stopline.model.kernels.int8_linear import Int8Weight, int8_ready
     from stopline.model.kernels.native import has_bf16, try_kernels
@@ -350,12 +353,15 @@ def test_storm_in_fast_numerics(tiny_dir, tmp_path_factory, stopline_cache_dir):
     work = make_workload(seed=19, count=200, vocab=q4.config.vocab_size)
     for job in work:
         job.params = dataclasses.replace(job.params, logprobs=0)
-    ref = run_reference(q4, work, numerics="fast")
-    config = dataclasses.replace(storm_config("auto", True, speculative="on"), numerics="fast")
+    ref = run_reference(q4, work, attention=attention, numerics="fast", kv_cache_dtype=kv)
+    config = dataclasses.replace(storm_config("auto", True, attention=attention, speculative="on"),
+                                 numerics="fast", kv_cache_dtype=kv)
     res = run_storm(q4, work, config, seed=12)
+    assert res.engine.kv.quantized == (kv == "int8")
     assert isinstance(res.engine.model.layers[0]["gate_up"].fast, Int8Weight if int8_ready() else BF16Weight)
     stats = res.engine.lifecycle.stats
     assert sum(stats.preemptions.values()) > 5 and stats.spec_verify_steps > 0, stats
+    assert kv != "int8" or stats.swapped_blocks > 0, "no int8 block was swapped"
     assert check_storm(work, ref, res) > 30
     assert stats.finished.get("error", 0) == 0
 

@@ -40,9 +40,13 @@ import torch
 
 from stopline.bench import machine
 from stopline.config import AttentionBackend
+from stopline.kv.kv_cache import KVCache
 from stopline.request import AbortSource
 
 HELDOUT = Path(__file__).resolve().parent / "data" / "heldout.txt"  # ships in the package
+# The engines --modes names: a numerics mode, or fast on an int8 KV cache.
+MODES = {"exact": {"numerics": "exact"}, "fast": {"numerics": "fast"},
+         "fast-int8": {"numerics": "fast", "kv_cache_dtype": "int8"}}
 
 
 def bandwidth(mib: int, reps: int) -> float:
@@ -149,7 +153,8 @@ def best_rate(rates: dict[str, float], kind: str) -> float:
 def step_floor(engine, rows: int, mean_ctx: float, bw: float, rates: dict[str, float]) -> dict[str, float]:
     model, kv = engine.runner.model, engine.kv
     c = model.config
-    kv_bytes = rows * mean_ctx * c.num_layers * 2 * c.num_kv_heads * c.head_dim * kv.k[0].element_size()
+    per_token = KVCache.bytes_per_block(c.num_layers, 1, c.num_kv_heads, c.head_dim, kv.k[0].dtype)
+    kv_bytes = rows * mean_ctx * per_token
     wbytes = _weight_bytes(model, rows)
     fmas = rows * sum(k * n * count for k, n, count in linear_shapes(model))
     fmas += rows * mean_ctx * c.num_layers * c.num_heads * c.head_dim * 2  # q.k and p.v
@@ -352,8 +357,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     from stopline.args import add_engine_args
 
     p.add_argument("--streams", type=int, nargs="+", default=[1, 32])
-    p.add_argument("--modes", nargs="+", default=["exact", "fast"], choices=["exact", "fast"],
-                   help="numerics modes whose step times are measured (one engine each)")
+    p.add_argument("--modes", nargs="+", default=["exact", "fast"], choices=list(MODES),
+                   help="numerics modes whose step times are measured (one engine each); fast-int8: "
+                        "fast on an int8 KV cache")
     p.add_argument("--buffer-mib", type=int, default=1024, help="bandwidth probe buffer (well above L3)")
     p.add_argument("--reps", type=int, default=10, help="best of this many for the probes")
     p.add_argument("--warm", type=int, default=20, help="decode steps before timing")
@@ -392,7 +398,7 @@ def run(args: argparse.Namespace) -> dict:
                          f"{args.steps}, {args.turn}, {args.settle}")
     base = engine_config(args)
     # Speculation off: a timed step is one token per stream, as the floors and tg128 count.
-    engines = {m: LLM(args.model, config=replace(base, numerics=m, enable_prefix_caching=False,
+    engines = {m: LLM(args.model, config=replace(base, **MODES[m], enable_prefix_caching=False,
                                                  speculative="off"),
                       progress=False).engine for m in args.modes}
     bw = bandwidth(args.buffer_mib, args.reps)
@@ -429,10 +435,13 @@ def run(args: argparse.Namespace) -> dict:
             if "error" not in ik:
                 result["vs_ik_llama_bench"] = vs_peer(result, ik)
     if args.accuracy:
-        if set(engines) != {"exact", "fast"}:
+        if not {"exact", "fast"} <= set(engines):
             raise SystemExit("--accuracy needs --modes exact fast")
         texts = [t.strip() for t in Path(args.texts).read_text().split("\n\n") if t.strip()]
         result["accuracy"] = accuracy(engines["exact"], engines["fast"], texts)
+        if "fast-int8" in engines:  # against the oracle, and against fast (the cache's own share)
+            result["accuracy_int8"] = accuracy(engines["exact"], engines["fast-int8"], texts)
+            result["accuracy_int8_vs_fast"] = accuracy(engines["fast"], engines["fast-int8"], texts)
     if args.served:
         engines.clear()  # the served engines get the machine to themselves
         gc.collect()
@@ -513,10 +522,10 @@ def summary(r: dict) -> str:
     g = r["gemm_gflops_32_rows"] | r["gemm_gflops_512_rows"]
     lines = [f"read bandwidth {r['read_bandwidth_gbs']:.1f} GB/s ({r['threads']} threads); GEMM at 32 rows "
              f"(@512: at 512): " + ", ".join(f"{k} {v:.0f}" for k, v in g.items()) + " GFLOPS",
-             f"{'streams':>7} {'mode':>5} {'p50 ms':>8} {'min ms':>8} {'MiB read':>9} {'bw floor':>9} "
+             f"{'streams':>7} {'mode':>9} {'p50 ms':>8} {'min ms':>8} {'MiB read':>9} {'bw floor':>9} "
              f"{'fma floor':>9} {'x floor':>7}"]
     for s in r["steps"]:
-        lines.append(f"{s['streams']:>7} {s['mode']:>5} {s['p50_ms']:>8.2f} {s['min_ms']:>8.2f} "
+        lines.append(f"{s['streams']:>7} {s['mode']:>9} {s['p50_ms']:>8.2f} {s['min_ms']:>8.2f} "
                      f"{(s['weight_bytes'] + s['kv_bytes']) / 2**20:>9.1f} {s['bandwidth_floor_ms']:>9.2f} "
                      f"{s['fma_floor_ms']:>9.2f} {s['x_floor']:>7.2f}")
     for kind in ("bf16", "int8"):
@@ -538,7 +547,8 @@ def summary(r: dict) -> str:
     if {"exact", "fast"} <= modes:
         for n in sorted({s["streams"] for s in r["steps"]}):
             t = {s["mode"]: s["p50_ms"] for s in r["steps"] if s["streams"] == n}
-            lines.append(f"{n} streams: fast / exact step time {t['fast'] / t['exact']:.2f}")
+            lines.append(f"{n} streams: fast / exact step time {t['fast'] / t['exact']:.2f}"
+                         + (f", fast-int8 / fast {t['fast-int8'] / t['fast']:.2f}" if "fast-int8" in t else ""))
     for p in r.get("prefill", []):
         lines.append(f"prefill {p['mode']}: {p['tok_s']:.0f} tok/s over a {p['tokens']}-token prompt")
     for key, build in (("llama_bench", "llama.cpp"), ("ik_llama_bench", "ik_llama.cpp")):
@@ -557,9 +567,12 @@ def summary(r: dict) -> str:
                 if "prefill_tok_s" in v:
                     parts.append(f"prefill {v['prefill_tok_s']:.0f} tok/s = {v['prefill_x_pp512']:.2f}x pp512")
                 lines.append(f"  {v['mode']}: " + ", ".join(parts))
-    if "accuracy" in r:
-        a = r["accuracy"]
-        lines.append(f"fast vs exact, teacher forced over {a['tokens']} tokens of {a['texts']} texts: "
+    for key, label, base in (("accuracy", "fast", "exact"), ("accuracy_int8", "fast-int8", "exact"),
+                             ("accuracy_int8_vs_fast", "fast-int8", "fast")):
+        if key not in r:
+            continue
+        a = r[key]
+        lines.append(f"{label} vs {base}, teacher forced over {a['tokens']} tokens of {a['texts']} texts: "
                      f"top-1 agreement {a['top1_agreement'] * 100:.2f}%, perplexity {a['ppl_fast']:.3f} "
                      f"vs {a['ppl_exact']:.3f} (ratio {a['ppl_ratio']:.4f})")
     if "served" in r:

@@ -2,7 +2,9 @@
 and kind, so block bytes go to ZMQ without a copy through the encoder. A model whose layers
 form several KV groups (docs/sliding-window.md) ships each group's blocks in the one
 transfer: the header names each group's window, first block index and block count, and the
-frames are group 0's layers (K, then V), then group 1's, and so on.
+frames are group 0's layers (K, then V), then group 1's, and so on. An int8 cache
+(`--kv-cache-dtype int8`) ships each group's K and V quants, then their scales, the header
+naming each frame's dtype; a receiver whose cache holds another dtype refuses the transfer.
 
 The sender checks its refs' epochs before reading and the receiver checks its own before
 writing: a block freed and reused on either side makes the transfer fail loudly, never
@@ -37,6 +39,9 @@ class TransferHeader(msgspec.Struct, frozen=True):
     # the receiver takes it only for a request holding that very load.
     lora: str | None = None
     lora_load: int = 0
+    # Each frame's dtype where they differ (an int8 cache: quants, then float32 scales);
+    # empty: every frame is `dtype`.
+    dtypes: list[str] = []
 
 
 class BadTransfer(ValueError):
@@ -64,11 +69,13 @@ def pack_groups(request_id: str, cache: KVCache, epochs: Sequence[BlockEpochs],
     for ep, (_, _, refs) in zip(epochs, parts, strict=True):
         ep.check(refs)  # a stale ref fails before any byte is read
     data = [t for g, (_, _, refs) in enumerate(parts) for t in cache.read_blocks([r.block for r in refs], group=g)]
+    names = [str(t.dtype).removeprefix("torch.") for t in data]
     head = TransferHeader(request_id, [r for _, _, refs in parts for r in refs],
-                          str(data[0].dtype).removeprefix("torch."), [list(t.shape) for t in data],
+                          names[0], [list(t.shape) for t in data],
                           windows=[w for w, _, _ in parts], firsts=[f for _, f, _ in parts],
                           counts=[len(refs) for _, _, refs in parts], sent_at=t0,
-                          lora=lora[0] if lora else None, lora_load=lora[1] if lora else 0)
+                          lora=lora[0] if lora else None, lora_load=lora[1] if lora else 0,
+                          dtypes=names if len(set(names)) > 1 else [])
     return [_ENC.encode(head)] + [memoryview(t.contiguous().numpy()).cast("B") for t in data]
 
 
@@ -79,16 +86,19 @@ def unpack(frames: Sequence[bytes | memoryview]) -> tuple[TransferHeader, list[t
         head = _DEC.decode(frames[0])
     except msgspec.DecodeError as e:
         raise BadTransfer(f"bad transfer header: {e}") from e
-    dtype = getattr(torch, head.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise BadTransfer(f"unknown dtype {head.dtype!r}")
+    names = head.dtypes or [head.dtype] * len(head.shapes)
+    dtypes = [getattr(torch, n, None) for n in names]
+    for n, dtype in zip(names, dtypes, strict=True):
+        if not isinstance(dtype, torch.dtype):
+            raise BadTransfer(f"unknown dtype {n!r}")
     if not (len(head.windows) == len(head.firsts) == len(head.counts) >= 1) or sum(head.counts) != len(head.refs):
         raise BadTransfer(f"header names {len(head.refs)} blocks in groups {head.counts} "
                           f"from {head.firsts} of windows {head.windows}")
-    if len(frames) - 1 != len(head.shapes):
-        raise BadTransfer(f"header names {len(head.shapes)} tensors, got {len(frames) - 1} frames")
+    if len(frames) - 1 != len(head.shapes) or len(dtypes) != len(head.shapes):
+        raise BadTransfer(f"header names {len(head.shapes)} tensors and {len(dtypes)} dtypes, "
+                          f"got {len(frames) - 1} frames")
     out = []
-    for f, shape in zip(frames[1:], head.shapes, strict=True):
+    for f, shape, dtype in zip(frames[1:], head.shapes, dtypes, strict=True):
         t = torch.frombuffer(bytearray(f), dtype=dtype)
         if t.numel() != _numel(shape):
             raise BadTransfer(f"frame of {t.numel()} values for shape {shape}")
@@ -113,13 +123,19 @@ def write_groups(cache: KVCache, epochs: Sequence[BlockEpochs], dst: Sequence[Se
     for g, (d, n) in enumerate(zip(dst, head.counts, strict=True)):
         if len(d) != n:
             raise BadTransfer(f"{n} blocks sent for {len(d)} reserved" + (f" in layer group {g}" if g else ""))
-    if len(data) != len(cache.k) + len(cache.v):
-        raise BadTransfer(f"{len(data)} tensors for a cache of {len(cache.k)} layers")
+    want = cache.kinds * len(cache.k)
+    if len(data) != want:
+        raise BadTransfer(f"{len(data)} tensors for a cache of {len(cache.k)} layers ({want} tensors)")
+    widths = [cache.kinds * len(layers) for layers in cache.groups]  # K and V (and scales) of each layer
+    mine = [dtype for g in range(len(dst)) for dtype in cache.dtypes(g)]
+    for t, dtype in zip(data, mine, strict=True):
+        if t.dtype != dtype:  # a float32 sender and an int8 receiver, or the reverse
+            raise BadTransfer(f"KV blocks of {t.dtype} for a cache of {dtype} (both sides need the "
+                              f"same --kv-cache-dtype)")
     for ep, d in zip(epochs, dst, strict=True):
         ep.check(d)
     at = 0
-    for g, d in enumerate(dst):
-        width = 2 * len(cache.groups[g])  # K and V of each of the group's layers
+    for g, (d, width) in enumerate(zip(dst, widths, strict=True)):
         cache.write_blocks([r.block for r in d], data[at:at + width], group=g)
         at += width
 

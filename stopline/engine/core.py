@@ -77,6 +77,9 @@ class EngineCore:
         step's outcome). The model then only gives its config and tokenizer. role: the
         plug-in for one side of a prefill/decode split (engine/role.py); default: one engine."""
         self.config = cfg = config or EngineConfig()
+        # Wakes the loop that steps this core (core_loop.py sets it). A split's link thread
+        # calls it from the moment the role binds, before any loop exists: a no-op till then.
+        self.wake: Callable[[], None] = lambda: None
         # Denormal activations make CPU matmuls several times slower; they carry no signal.
         torch.set_flush_denormal(True)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, progress=progress)
@@ -158,9 +161,6 @@ class EngineCore:
         # A core that takes a prompt's KV from another process (a split's decode role) names
         # the incarnations here the moment it takes them: their sender is no longer needed.
         self.taken_sink: Callable[[list[str]], None] | None = None
-        # Wakes the loop that waits on an idle core (CoreLoop sets it): another thread of the
-        # core (a split's link) calls it when it has something for the next step.
-        self.wake: Callable[[], None] = lambda: None
         # What it holds resident: sleep and wake, weight updates, LoRA loads, the halt (residency.py).
         self.residency = Residency(self, model)
 

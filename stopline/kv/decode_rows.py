@@ -298,13 +298,15 @@ class DecodeRows:
         return n
 
     def update(self, layer: int, kc: torch.Tensor, vc: torch.Tensor, k_new: torch.Tensor,
-               v_new: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
+               v_new: torch.Tensor, plan: RowPlan, ks: torch.Tensor | None = None,
+               vs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """After the step's K/V went into the cache (kc, vc: [hk, slots, d]): copy the joiners'
-        blocks into their rows, write every decode's new token (k_new, v_new: [B, hk, d]),
-        and return this layer's used rows [used, hk, width, d]."""
+        blocks into their rows, write every decode's new token (k_new, v_new: [B, hk, d], as
+        the cache reads them back), and return this layer's used rows [used, hk, width, d].
+        ks, vs: an int8 cache's row scales [hk, slots]: the rows hold its values dequantized."""
         hk, d, bs = self.hk, self.d, self.bs
         w = plan.width
-        for buf, cache, new in ((self.k[layer], kc, k_new), (self.v[layer], vc, v_new)):
+        for buf, cache, sc, new in ((self.k[layer], kc, ks, k_new), (self.v[layer], vc, vs, v_new)):
             if plan.widen is not None:
                 start, end, top = plan.widen
                 buf[:top, :, start:end].zero_()
@@ -315,22 +317,25 @@ class DecodeRows:
                     src = plan.fill_more[group - 1]
                 # Cleared first: a row's last owner may have left NaN past this one's length.
                 buf[:, :, :w].index_fill_(0, plan.joined, 0.0)
-                data = gather_blocks(cache.view(hk, -1, bs, d), src).transpose(0, 1)  # [n, hk, bs, d]
+                data = gather_blocks(cache.view(hk, -1, bs, d), src,
+                                     None if sc is None else sc.view(hk, -1, bs)).transpose(0, 1)  # [n, hk, bs, d]
                 buf.view(self.num_rows, hk, -1, bs, d).transpose(1, 2).index_put_((rows, blocks), data)
             buf.transpose(1, 2).index_put_((plan.rows, plan.positions), new)
         group = self.layer_group[layer]
         check = plan.check_more[group - 1] if group and plan.check_more is not None else plan.check
         if check:
-            self._verify(layer, kc, vc, check)
+            self._verify(layer, kc, vc, check, ks, vs)
         return self.k[layer][:plan.used, :, :w], self.v[layer][:plan.used, :, :w]
 
     def _verify(self, layer: int, kc: torch.Tensor, vc: torch.Tensor,
-                check: list[tuple[int, int, torch.Tensor, int]]) -> None:
+                check: list[tuple[int, int, torch.Tensor, int]], ks: torch.Tensor | None = None,
+                vs: torch.Tensor | None = None) -> None:
         hk, d, bs = self.hk, self.d, self.bs
         for row, n, blocks, lo in check:
             # Positions before lo: blocks a sliding window passed (given back, never read).
-            for name, buf, cache in (("K", self.k[layer], kc), ("V", self.v[layer], vc)):
-                want = gather_blocks(cache.view(hk, -1, bs, d), blocks).view(hk, -1, d)[:, lo:n]
+            for name, buf, cache, sc in (("K", self.k[layer], kc, ks), ("V", self.v[layer], vc, vs)):
+                want = gather_blocks(cache.view(hk, -1, bs, d), blocks,
+                                     None if sc is None else sc.view(hk, -1, bs)).view(hk, -1, d)[:, lo:n]
                 if torch.equal(buf[row, :, lo:n], want):
                     continue
                 if not torch.isfinite(want).all():

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from stopline.config import EngineConfig, PreemptionMode
+from stopline.config import EngineConfig, KVCacheDtype, PreemptionMode
 from stopline.kv.block_pool import BlockPool
 
 
@@ -21,6 +21,13 @@ class KVCache:
     NaN or inf: the extra block at the end (`null_block`) is never handed out and stays zero
     (padded reads point there), and a block is zeroed when it is handed out, so the unwritten
     tail of a sequence's last block is zero rather than stale or poisoned (debug NaN) data.
+
+    dtype int8 (`--kv-cache-dtype int8`, fast numerics only; docs/numerics.md): k and v hold
+    int8 quants and `k_scale`, `v_scale` ([num_kv_heads, slots] float32) a scale per (kv head,
+    slot), each row quantized on its own when written (`quantize_rows`) and never rescaled,
+    so a request's earlier keys do not change with what is written after them. A row reads
+    back as `q * scale` (`dequantize`). Every copy (read_blocks, write_blocks, copy_block)
+    moves quants and scales together: K, V, then K scales, V scales.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -39,34 +46,71 @@ class KVCache:
             raise ValueError(f"group_blocks {self.group_blocks}: one per layer group, group 0's num_blocks")
         self.block_size = block_size
         self.null_block = num_blocks
+        if dtype not in (torch.float32, torch.int8):
+            raise ValueError(f"a KV cache holds float32 or int8, not {dtype}")
+        self.quantized = dtype == torch.int8
         self.nulls = list(self.group_blocks)  # each group's zero block, past its pool's blocks
         shapes = [(num_kv_heads, (self.group_blocks[g] + 1) * block_size, head_dim) for g in self.layer_group]
         self._layout = (shapes, dtype, device)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.k_scale: list[torch.Tensor] = []  # int8 only: [num_kv_heads, slots] a layer
+        self.v_scale: list[torch.Tensor] = []
+        # Counts the allocations of the tensors: whatever holds their addresses (the fused
+        # decoder's layer table) checks it, since new tensors may reuse some old addresses.
+        self.generation = 0
+        self.restore_memory()
+
+    @property
+    def kinds(self) -> int:
+        """Tensors a layer has: K and V, and their scales in an int8 cache."""
+        return 4 if self.quantized else 2
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_scale + self.v_scale)
 
     def free_memory(self) -> int:
         """Drop the tensors (the engine sleeps: no block is owned or cached). Returns the
         bytes dropped; `restore_memory` allocates them again, zeroed."""
         freed = self.nbytes
-        self.k, self.v = [], []
+        self.k, self.v, self.k_scale, self.v_scale = [], [], [], []
         return freed
 
     def restore_memory(self) -> None:
         if self.k:
             return
         shapes, dtype, device = self._layout
+        self.generation += 1
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        if self.quantized:
+            self.k_scale = [torch.zeros(shape[:2], device=device) for shape in shapes]
+            self.v_scale = [torch.zeros(shape[:2], device=device) for shape in shapes]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype = torch.float32) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+        """int8: head_dim quants and a float32 scale a row (68 bytes at head_dim 64, against
+        256 as float32)."""
+        row = head_dim + 4 if dtype == torch.int8 else head_dim * dtype.itemsize
+        return 2 * num_layers * block_size * num_kv_heads * row
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """An int8 cache's K and V row scales of one layer; (None, None) for float32."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one layer's k, v ([num_kv_heads, n, head_dim] float32) at `slots`; int8:
+        quantized, a scale per (kv head, row). (The C glue writes through rope_store.)"""
+        if not self.quantized:
+            self.k[layer].index_copy_(1, slots, k)
+            self.v[layer].index_copy_(1, slots, v)
+            return
+        for t, sc, x in ((self.k[layer], self.k_scale[layer], k), (self.v[layer], self.v_scale[layer], v)):
+            q, d = quantize_rows(x)
+            t.index_copy_(1, slots, q)
+            sc.index_copy_(1, slots, d)
 
     def _slots(self, blocks: Sequence[int]) -> torch.Tensor:
         b = torch.as_tensor(list(blocks), dtype=torch.long, device=self.k[0].device)
@@ -77,11 +121,16 @@ class KVCache:
         return t[:, b * self.block_size:(b + 1) * self.block_size]
 
     def _tensors(self, group: int | None) -> list[torch.Tensor]:
-        """K then V of every layer, or of one group's layers (block ids are per group)."""
+        """K then V of every layer, or of one group's layers (block ids are per group); an
+        int8 cache's K then V scales after them."""
         if group is None or len(self.groups) == 1:
-            return self.k + self.v
+            return self.k + self.v + self.k_scale + self.v_scale
         layers = self.groups[group]
-        return [self.k[li] for li in layers] + [self.v[li] for li in layers]
+        return [t[li] for t in (self.k, self.v, self.k_scale, self.v_scale) if t for li in layers]
+
+    def dtypes(self, group: int | None = None) -> list[torch.dtype]:
+        """The dtype of each tensor read_blocks gives for the group, in its order."""
+        return [t.dtype for t in self._tensors(group)]
 
     def zero(self, blocks: Sequence[int], group: int | None = None) -> None:
         self._fill(blocks, 0.0, group)
@@ -93,7 +142,8 @@ class KVCache:
     def _fill(self, blocks: Sequence[int], value: float, group: int | None) -> None:
         slots = self._slots(blocks)
         for t in self._tensors(group):
-            t.index_fill_(1, slots, value)
+            # int8 quants take 0; their scales the value (NaN scales read back as NaN).
+            t.index_fill_(1, slots, value if t.is_floating_point() else 0)
 
     def copy_block(self, src: int, dst: int, group: int | None = None) -> None:
         for t in self._tensors(group):
@@ -101,7 +151,7 @@ class KVCache:
 
     def read_blocks(self, blocks: Sequence[int], group: int | None = None) -> list[torch.Tensor]:
         """Copies of the blocks' K and V, one tensor per layer (of the group) and kind (never
-        views)."""
+        views); int8: the K and V quants, then the K and V scales."""
         slots = self._slots(blocks)
         return [t.index_select(1, slots) for t in self._tensors(group)]
 
@@ -109,13 +159,36 @@ class KVCache:
                      group: int | None = None) -> None:
         slots = self._slots(blocks)
         for t, d in zip(self._tensors(group), data, strict=True):
+            if d.dtype != t.dtype:
+                raise ValueError(f"KV blocks of {d.dtype} for a cache of {t.dtype}")
             t.index_copy_(1, slots, d.to(t.device))
 
 
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] float32 -> (int8 quants [..., d], float32 scales [...]), a scale per row:
+    scale = max|x| / 127, q = round(clamp(x * (1 / scale), -127, 127)), nearest even. A row of
+    zeros gets scale 0; a row with a NaN or an infinity scale NaN (and quants 0), so it reads
+    back as NaN. The arithmetic of the C writer (layer_ops.c `quant_row`), bit for bit."""
+    scale = x.abs().amax(dim=-1) / 127 + (x - x).sum(dim=-1)  # (x - x): 0, or NaN for NaN/inf
+    ok = scale > 0
+    inv = torch.where(ok, scale.reciprocal(), 0.0)
+    q = (x * inv.unsqueeze(-1)).clamp_(-127, 127).round_()
+    return torch.where(ok.unsqueeze(-1), q, 0.0).to(torch.int8), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The values an int8 cache's rows read back as: q [..., d] times its row's scale [...],
+    one rounding each (the C attention's load)."""
+    return q.float() * scale.unsqueeze(-1)
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """cache [hk, num_blocks, bs, d] -> [hk, len(blocks), bs, d]. index_select along dim 1
     is slow for many blocks (measured: 0.9 ms for 512 blocks against 0.36 ms one head at a
-    time along dim 0), while one call is cheaper for a few."""
+    time along dim 0), while one call is cheaper for a few. scale: an int8 cache's row scales
+    [hk, num_blocks, bs]; the blocks then come back dequantized, float32."""
+    if scale is not None:
+        return dequantize(gather_blocks(cache, blocks), gather_blocks(scale, blocks))
     if blocks.numel() <= 64:
         return cache.index_select(1, blocks)
     out = cache.new_empty(cache.shape[0], blocks.numel(), *cache.shape[2:])
@@ -180,7 +253,7 @@ def window_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batch
     return max_num_seqs * per_seq + 2 * -(-max_num_batched_tokens // block_size)
 
 
-def split_blocks(cfg: EngineConfig, layers: Sequence[int], windows: Sequence[int], per_layer: int) -> list[int]:
+def pool_sizes(cfg: EngineConfig, layers: Sequence[int], windows: Sequence[int], per_layer: int) -> list[int]:
     """Each layer group's pool size. layers: each group's layer count; windows: its window;
     per_layer: bytes of one block of one layer. A windowed group gets what its window needs
     (`window_blocks`, or cfg.window_pool_blocks), at most the global group's count; the
@@ -209,13 +282,15 @@ def make_cache(cfg: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: 
                ) -> tuple[list[BlockPool], KVCache, SwapSpace | None]:
     """A block pool per layer group (`layer_groups`, windows: each group's), the K/V tensors
     and host swap space (none when preemption only recomputes), sized by cfg and
-    `split_blocks`: a windowed group's pool by its window, the global group's by num_blocks
-    or by what kv_cache_memory_gb holds besides."""
-    per_layer = KVCache.bytes_per_block(1, cfg.block_size, num_kv_heads, head_dim)
+    `pool_sizes`: a windowed group's pool by its window, the global group's by num_blocks
+    or by what kv_cache_memory_gb holds besides. int8 (cfg.kv_cache_dtype): a block's bytes
+    as int8 quants and scales."""
+    dtype = torch.int8 if cfg.kv_cache_dtype == KVCacheDtype.INT8 else torch.float32
+    per_layer = KVCache.bytes_per_block(1, cfg.block_size, num_kv_heads, head_dim, dtype)
     groups = max(layer_group, default=0) + 1 if layer_group else 1
     layers = [sum(1 for g in layer_group if g == gi) for gi in range(groups)] if layer_group else [num_layers]
-    sizes = split_blocks(cfg, layers, list(windows) or [0] * groups, per_layer)
-    kv = KVCache(num_layers, sizes[0], cfg.block_size, num_kv_heads, head_dim, device=cfg.device,
+    sizes = pool_sizes(cfg, layers, list(windows) or [0] * groups, per_layer)
+    kv = KVCache(num_layers, sizes[0], cfg.block_size, num_kv_heads, head_dim, dtype, device=cfg.device,
                  layer_group=layer_group, group_blocks=sizes)
     pools = []
     for g, n in enumerate(sizes):

@@ -242,7 +242,7 @@ class KVManager:
         """Group g's table grows chunk by chunk: it has a window, beside a global group 0
         (whose pool, of num_blocks, is the one admission keeps its headroom in). A model of
         windowed groups only (Mistral) keeps whole tables: its pools are num_blocks each
-        (kv_cache.split_blocks)."""
+        (kv_cache.pool_sizes)."""
         return bool(self.windows[g]) and not self.windows[0]
 
     def covered(self, req: Request) -> int:
@@ -561,7 +561,7 @@ class KVManager:
         at = 0
         for g, (t, pool, n, total) in enumerate(zip(tabs, self.pools, counts, totals, strict=True)):
             blocks = pool.allocate(total)
-            width = 2 * len(self.cache.groups[g])  # K and V of each of the group's layers
+            width = self.cache.kinds * len(self.cache.groups[g])  # K and V (and scales) of each layer
             self.cache.write_blocks(blocks[:n], data[at:at + width], group=g)
             at += width
             t.block_ids = [HOLE] * t.dropped + blocks  # the window's holes stay holes

@@ -57,7 +57,9 @@ class Layer(ctypes.Structure):
                 ("bf", _P * 4), ("q4", _P * 4), ("q4_max", ctypes.c_int32 * 4), ("amx", ctypes.c_int32 * 4),
                 # LoRA slots of each linear (model/lora.py LinearSlots); null: no resident
                 # adapter touches it
-                ("lora_at", _P * 4), ("lora_bt", _P * 4), ("lora_parts", _P * 4), ("lora_r", ctypes.c_int32 * 4)]
+                ("lora_at", _P * 4), ("lora_bt", _P * 4), ("lora_parts", _P * 4), ("lora_r", ctypes.c_int32 * 4),
+                # an int8 KV cache's row scales (kv_cache.py); null: a float32 cache
+                ("k_scale", _P), ("v_scale", _P)]
 
 
 class Step(ctypes.Structure):
@@ -100,10 +102,12 @@ class DecoderLoop:
         return all(lin.quant is not None and lin.quant.fmt in _FMT and lin.kc() is not None for lin in lins)
 
     def _table(self, kv: KVCache) -> ctypes.Array:
-        # Keyed by the tensors' address too: a cache that slept and woke up (engine-stops.md)
-        # holds new tensors under the same object; and by the LoRA slots' buffers, which grow.
+        # Keyed by the tensors' allocation too: a cache that slept and woke up (engine-stops.md)
+        # holds new tensors under the same object (some perhaps at their old addresses, others
+        # not: keying on one address read freed scales of an int8 cache); and by the LoRA
+        # slots' buffers, which grow.
         slots = self.model.lora_slots
-        key = (id(kv), kv.k[0].data_ptr(), id(slots), slots.version if slots is not None else 0)
+        key = (id(kv), kv.generation, id(slots), slots.version if slots is not None else 0)
         table = self._tables.get(key)
         if table is None:
             table = (Layer * len(self.model.layers))()
@@ -127,6 +131,8 @@ class DecoderLoop:
                         t.lora_parts[j], t.lora_r[j] = ls.parts.data_ptr(), ls.r
                 t.ln1, t.ln2 = layer["ln1"].data_ptr(), layer["ln2"].data_ptr()
                 t.k_cache, t.v_cache = kv.k[li].data_ptr(), kv.v[li].data_ptr()
+                if kv.quantized:
+                    t.k_scale, t.v_scale = kv.k_scale[li].data_ptr(), kv.v_scale[li].data_ptr()
             self._tables, self._kv = {key: table}, kv  # one cache at a time
         return table
 

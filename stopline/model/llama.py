@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from stopline.config import AttentionBackend, Numerics
 from stopline.kv.decode_rows import DecodeRows, RowPlan
-from stopline.kv.kv_cache import KVCache, gather_blocks
+from stopline.kv.kv_cache import KVCache, dequantize, gather_blocks, quantize_rows
 from stopline.model.attention import attend, attend_rows
 from stopline.model.attention import probe as attention_probe
 from stopline.model.batch_invariant import InvariantLinear, rms_norm
@@ -255,9 +255,10 @@ class LlamaModel:
             self._check(interrupt, li)
             h = rms_norm(x, layer["ln1"], eps) if res is None else add_rms_norm(x, res, layer["ln1"], eps)
             lin = self._linear(layer, li, inp.lora)
+            ks, vs = kv.scales(li)
             q = rope_store(lin("qkv", h), inp.positions, self.cos, self.sin, inp.write_slots,
-                           kv.k[li], kv.v[li], c.num_heads)
-            o = paged_attention(q, kv.k[li], kv.v[li], paged, kv.block_size, self.scale)
+                           kv.k[li], kv.v[li], c.num_heads, ks, vs)
+            o = paged_attention(q, kv.k[li], kv.v[li], paged, kv.block_size, self.scale, 0, ks, vs)
             h = add_rms_norm(x, lin("o", o), layer["ln2"], eps)
             res = lin("down", silu_mul(lin("gate_up", h)))
         return x if res is None else x.add_(res)
@@ -296,8 +297,7 @@ class LlamaModel:
             q, k = qk[:, :hq], qk[:, hq:]
             v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
             gi = groups[lg[li]]  # this layer's group's slots and tables
-            kv.k[li].index_copy_(1, gi.write_slots, k.transpose(0, 1))
-            kv.v[li].index_copy_(1, gi.write_slots, v.transpose(0, 1))
+            kv.store(li, gi.write_slots, k.transpose(0, 1), v.transpose(0, 1))
             o = lin("o", self._attention(li, q, k, v, windowed.get((lg[li], c.window(li)), gi), kv, decode_rows))
             if "attn_out_norm" in layer:
                 o = rms_norm(o, layer["attn_out_norm"], c.rms_norm_eps)
@@ -341,29 +341,36 @@ class LlamaModel:
         [N, kv_heads, d] are already in the cache."""
         if inp.paged is not None:  # the C attention under the torch glue (c_glue off, or not Llama)
             return paged_attention(q, kv.k[li], kv.v[li], inp.paged, kv.block_size, self.scale,
-                                   self.config.window(li))
+                                   self.config.window(li), *kv.scales(li))
         dec = inp.decode
         rows_kv = None
+        ks, vs = kv.scales(li)
         if dec is not None and dec.staged is not None and decode_rows is not None:
             kd, vd = (k, v) if dec.all_rows else (k.index_select(0, dec.rows), v.index_select(0, dec.rows))
-            rows_kv = decode_rows.update(li, kv.k[li], kv.v[li], kd, vd, dec.staged)
-        return self._torch_attention(q, inp, kv.k[li], kv.v[li], kv.block_size, rows_kv)
+            if kv.quantized:  # the rows hold what the cache reads back
+                kd, vd = dequantize(*quantize_rows(kd)), dequantize(*quantize_rows(vd))
+            rows_kv = decode_rows.update(li, kv.k[li], kv.v[li], kd, vd, dec.staged, ks, vs)
+        return self._torch_attention(q, inp, kv.k[li], kv.v[li], kv.block_size, rows_kv, ks, vs)
 
     def _torch_attention(self, q: torch.Tensor, inp: StepInputs, kc: torch.Tensor, vc: torch.Tensor,
-                         bs: int, rows_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                         bs: int, rows_kv: tuple[torch.Tensor, torch.Tensor] | None,
+                         ks: torch.Tensor | None = None, vs: torch.Tensor | None = None) -> torch.Tensor:
         """kc, vc: one layer's cache, [hk, slots, d]; rows_kv: the decodes' K/V rows
         [used rows, hk, width, d] (views into wider buffers) when DecodeRows holds them. Gathered blocks keep heads first, so the
-        keys enter the score GEMM as a transposed view, without a copy."""
+        keys enter the score GEMM as a transposed view, without a copy. ks, vs: an int8
+        cache's row scales [hk, slots]: the gathered blocks come back dequantized."""
         n = q.shape[0]
         hk, g, d = self.config.num_kv_heads, self.group, self.config.head_dim
         kb = kc.view(hk, -1, bs, d)
         vb = vc.view(hk, -1, bs, d)
+        kbs = None if ks is None else ks.view(hk, -1, bs)
+        vbs = None if vs is None else vs.view(hk, -1, bs)
         out = q.new_empty(n, hk * g * d)
         for p in inp.prefills:
             rows, nb = p.row_end - p.row_start, p.blocks.shape[0]
             qs = q[p.row_start:p.row_end].view(rows, hk, g, d).permute(1, 0, 2, 3).reshape(hk, rows * g, d)
-            keys = gather_blocks(kb, p.blocks).view(hk, nb * bs, d)
-            vals = gather_blocks(vb, p.blocks).view(hk, nb * bs, d)
+            keys = gather_blocks(kb, p.blocks, kbs).view(hk, nb * bs, d)
+            vals = gather_blocks(vb, p.blocks, vbs).view(hk, nb * bs, d)
             masked = p.masked[:, None, :].expand(rows, g, nb * bs).reshape(rows * g, nb * bs)
             o = attend(qs, keys.transpose(1, 2), vals, masked, self.scale)  # [hk, rows * g, d]
             out[p.row_start:p.row_end] = o.view(hk, rows, g, d).permute(1, 0, 2, 3).reshape(rows, -1)
@@ -383,8 +390,8 @@ class LlamaModel:
             elif dec.blocks is not None and dec.masked is not None:
                 nb = dec.blocks.shape[1]
                 flat = dec.blocks.reshape(-1)
-                keys = gather_blocks(kb, flat).view(hk, b, nb * bs, d)
-                vals = gather_blocks(vb, flat).view(hk, b, nb * bs, d)
+                keys = gather_blocks(kb, flat, kbs).view(hk, b, nb * bs, d)
+                vals = gather_blocks(vb, flat, vbs).view(hk, b, nb * bs, d)
                 masked = dec.masked.transpose(0, 1)  # [1, b, 1, ctx]
                 o = attend(qs, keys.transpose(2, 3), vals, masked, self.scale)  # [hk, b, g, d]
             else:

@@ -10,7 +10,11 @@ every row count, by construction, on every CPU that runs the kernel. `reference`
 arithmetic in plain torch, bit for bit.
 
 A step of few rows reads ~5 bits a weight and does little more than read them, which is why
-this mode's one-stream step sits near its bandwidth floor (docs/benchmarks.md).
+this mode's one-stream step sits near its bandwidth floor (docs/benchmarks.md). More than 18
+rows of Q4_1 and Q4_K weights split each panel's nibbles once, Q8_0's start their sums at
+-128 s (csrc/int8_rows.c); with
+STOPLINE_INT8_AMX=1, 64 rows and more form their group sums on AMX-INT8 tiles where the OS
+grants them (csrc/amx_i8_gemm.c). The same integers and the same float chain: the same bits.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stopline.model.kernels.native import _cpu_flags, kernels
+from stopline.model.kernels.native import NativeUnavailable, _cpu_flags, kernels
 from stopline.model.kernels.quant_linear import (
     BLOCK_BYTES,
     GROUP,
@@ -37,6 +41,10 @@ from stopline.model.kernels.quant_linear import (
 
 # STOPLINE_INT8=0 keeps block weights on the bf16 kernels in fast mode (as float weights are).
 INT8_SWITCH = "STOPLINE_INT8"
+# STOPLINE_INT8_AMX=1 sends 64 rows and more of Q4 weights to AMX-INT8 tiles where the OS
+# grants them (off by default: no faster than the split panels where measured; the bits are
+# the same either way).
+AMX_SWITCH = "STOPLINE_INT8_AMX"
 
 
 def has_vnni() -> bool:
@@ -47,6 +55,40 @@ def int8_ready() -> bool:
     """Whether fast mode's block weights take this kernel: the CPU has AVX512-VNNI and
     STOPLINE_INT8 is not 0 (the C kernels being built is the caller's check)."""
     return os.environ.get(INT8_SWITCH, "1") != "0" and has_vnni()
+
+
+def amx_granted() -> bool:
+    """The CPU has AMX-INT8 and the OS grants this process the tile state."""
+    return {"amx_tile", "amx_int8"} <= _cpu_flags() and kernels().stopline_amx_init() == 0
+
+
+def use_amx(on: int | None = None) -> int:
+    """Switch the kernel's many-row path (64 rows and up) onto AMX-INT8 tiles
+    (csrc/amx_i8_gemm.c), and say how far: 0 off, 1 for Q4_1 and Q4_K weights, 2 for every
+    format (Q8_0 and Q6_K measured slower on tiles: docs/benchmarks.md; for benchmarks and
+    tests). None: 1 where STOPLINE_INT8_AMX is 1 and amx_granted(), else 0 (the default: on
+    the one host measured, a VM on an Intel Xeon, the tiles were no faster than the split
+    panels). Every setting gives the same bits, so it may change at any time."""
+    if on is None:
+        on = int(os.environ.get(AMX_SWITCH, "0") == "1" and amx_granted())
+    kernels().stopline_i8_amx(on)
+    return on
+
+
+def use_split(on: bool) -> None:
+    """Whether more than 18 rows take csrc/int8_rows.c (the default): a Q4_1 or Q4_K panel's
+    nibbles split once a call rather than once a chunk of 6 rows, Q8_0's group sums started at
+    -128 s rather than offset after. Off: the panels of int8_gemm.c. The same bits either way;
+    for benchmarks and tests."""
+    kernels().stopline_i8_split(int(on))
+
+
+@functools.cache
+def _amx_default() -> int:
+    try:
+        return use_amx()
+    except NativeUnavailable:  # no kernels: nothing to switch (the caller says why, once)
+        return 0
 
 
 def pack(fmt: str, raw: np.ndarray, in_features: int) -> torch.Tensor:
@@ -94,6 +136,8 @@ class Int8Weight:
     @classmethod
     def from_raw(cls, fmt: str, raw: np.ndarray | torch.Tensor, in_features: int) -> Int8Weight:
         arr = raw.numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+        if has_vnni():
+            _amx_default()  # once a process, before the first call (the fused decoder's too)
         return cls(arr.shape[0], in_features, fmt, pack(fmt, arr, in_features))
 
     def bytes_read(self, rows: int) -> int:

@@ -28,10 +28,13 @@ def add_rms_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float
 
 
 def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               slots: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, heads: int) -> torch.Tensor:
+               slots: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, heads: int,
+               ks: torch.Tensor | None = None, vs: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate q and k of qkv ([N, (heads + 2 * kv_heads) * d]) at their positions, write k and
     v into one layer's cache (kc, vc: [kv_heads, slots, d]) at `slots`, and return q
-    [N, heads, d]. positions, slots: int64; cos, sin: the model's [max_position, d] tables."""
+    [N, heads, d]. positions, slots: int64; cos, sin: the model's [max_position, d] tables.
+    ks, vs: an int8 cache's row scales [kv_heads, slots] (kc, vc int8): each k and v row is
+    quantized as kv_cache.quantize_rows does, bit for bit."""
     hk, nslots, d = kc.shape
     n = qkv.shape[0]
     if qkv.shape[1] != (heads + 2 * hk) * d or positions.dtype != torch.int64 or slots.dtype != torch.int64:
@@ -39,6 +42,15 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
                          f"positions {positions.dtype}, slots {slots.dtype}")
     qkv = qkv.contiguous()
     q = qkv.new_empty(n, heads, d)
+    if ks is not None:
+        if (kc.dtype, vc.dtype) != (torch.int8, torch.int8) or vs is None or d % 16 or d > 128 \
+                or ks.shape != (hk, nslots) or vs.shape != ks.shape:
+            raise ValueError(f"rope_store into an int8 cache: K/V int8 [Hk, slots, d], d a multiple of 16 "
+                             f"up to 128, scales [Hk, slots]; got {kc.dtype} {tuple(kc.shape)}")
+        kernels().stopline_rope_store_q8(qkv.data_ptr(), n, heads, hk, d, positions.data_ptr(), cos.data_ptr(),
+                                         sin.data_ptr(), slots.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                                         ks.data_ptr(), vs.data_ptr(), nslots, q.data_ptr())
+        return q
     kernels().stopline_rope_store(qkv.data_ptr(), n, heads, hk, d, positions.data_ptr(), cos.data_ptr(),
                                   sin.data_ptr(), slots.data_ptr(), kc.data_ptr(), vc.data_ptr(), nslots,
                                   q.data_ptr())

@@ -148,6 +148,9 @@ def _load() -> ctypes.CDLL:
     lib.stopline_rope_store.argtypes = [ptr, c_int, c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr,
                                         c_long, ptr]
     lib.stopline_rope_store.restype = None
+    lib.stopline_rope_store_q8.argtypes = [ptr, c_int, c_int, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr,
+                                           ptr, ptr, c_long, ptr]
+    lib.stopline_rope_store_q8.restype = None
     lib.stopline_silu_mul.argtypes = [ptr, c_int, c_int, ptr]
     lib.stopline_silu_mul.restype = None
     lib.stopline_row_argmax.argtypes = [ptr, c_long, ptr, c_int, c_int, ptr]
@@ -161,6 +164,10 @@ def _load() -> ctypes.CDLL:
     lib.stopline_paged_attention.restype = c_int
     lib.stopline_paged_attention_window.argtypes = [*lib.stopline_paged_attention.argtypes, c_int]
     lib.stopline_paged_attention_window.restype = c_int
+    lib.stopline_paged_attention_q8.argtypes = [ptr, c_long, ptr, ptr, ptr, ptr, ptr, c_int, c_int, c_int,
+                                                c_int, c_long, c_int, ptr, ptr, ptr, c_int, ctypes.c_float,
+                                                c_int]
+    lib.stopline_paged_attention_q8.restype = c_int
     lib.stopline_decoder_layers.argtypes = [ptr, c_int, ptr, ptr, ptr]
     lib.stopline_decoder_layers.restype = c_int
     lib.stopline_bf16_gemm.argtypes = [ptr, ptr, ptr, c_int, c_int, c_int]
@@ -176,6 +183,10 @@ def _load() -> ctypes.CDLL:
                lib.stopline_q6_k_i8_gemm):
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, c_int, c_int, c_int]
         fn.restype = None
+    lib.stopline_i8_amx.argtypes = [c_int]
+    lib.stopline_i8_amx.restype = None
+    lib.stopline_i8_split.argtypes = [c_int]
+    lib.stopline_i8_split.restype = None
     lib.stopline_lora_rows.argtypes = [ptr, c_long, ptr, c_long, c_int, ptr, ptr, ptr, ptr, ptr,
                                        c_int, c_int, c_int]
     lib.stopline_lora_rows.restype = None

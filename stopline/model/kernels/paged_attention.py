@@ -71,13 +71,22 @@ def pick(backend: AttentionBackend | str, head_dim: int, device: str | torch.dev
 
 
 def paged_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: PagedRows,
-                    block_size: int, scale: float, window: int = 0) -> torch.Tensor:
+                    block_size: int, scale: float, window: int = 0,
+                    ks: torch.Tensor | None = None, vs: torch.Tensor | None = None) -> torch.Tensor:
     """q: [N, num_heads, d] (rows may be strided, heads and d contiguous); kc, vc: one layer's
     cache [kv_heads, slots, d]; window: a sliding window's keys (each row reads its last
-    `window`), 0 for all. Returns [N, num_heads * d]."""
+    `window`), 0 for all; ks, vs: an int8 cache's row scales [kv_heads, slots] (kc, vc then
+    int8), None for a float32 cache. Returns [N, num_heads * d]."""
     n, heads, d = q.shape
     hk, slots, dk = kc.shape
-    if (q.dtype, kc.dtype, vc.dtype) != (torch.float32,) * 3 or d != dk or vc.shape != kc.shape:
+    cache = (torch.int8, torch.float32) if ks is not None else (torch.float32, None)
+    if (kc.dtype, None if ks is None else ks.dtype) != cache or vc.dtype != kc.dtype \
+            or (ks is not None and (vs is None or vs.dtype != ks.dtype or ks.shape != (hk, slots)
+                                    or vs.shape != ks.shape or not (ks.is_contiguous() and vs.is_contiguous()))):
+        raise ValueError(f"paged attention takes a float32 cache, or an int8 one with contiguous float32 "
+                         f"scales [Hk, slots]; got {kc.dtype}, {vc.dtype}, scales "
+                         f"{None if ks is None else (ks.dtype, tuple(ks.shape))}")
+    if q.dtype != torch.float32 or d != dk or vc.shape != kc.shape:
         raise ValueError(f"paged attention takes float32 q [N, H, d] and K/V [Hk, slots, d]; got "
                          f"{q.dtype} {tuple(q.shape)}, {kc.dtype} {tuple(kc.shape)}, {vc.dtype} {tuple(vc.shape)}")
     if d not in HEAD_DIMS or heads % hk or rows.nkeys.shape[0] != n:
@@ -86,6 +95,14 @@ def paged_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: P
     if q.stride(2) != 1 or q.stride(1) != d or not (kc.is_contiguous() and vc.is_contiguous()):
         raise ValueError("paged attention needs each row's heads contiguous and a contiguous cache")
     out = torch.empty(n, heads * d)
+    if ks is not None:
+        rc = kernels().stopline_paged_attention_q8(
+            q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), ks.data_ptr(), vs.data_ptr(),
+            out.data_ptr(), n, heads, hk, d, slots, block_size, rows.nkeys.data_ptr(),
+            rows.table_at.data_ptr(), rows.tables.data_ptr(), rows.max_keys, scale, window)
+        if rc != 0:
+            raise MemoryError("paged attention could not allocate its scratch memory")
+        return out
     rc = kernels().stopline_paged_attention_window(
         q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), out.data_ptr(), n, heads, hk, d,
         slots, block_size, rows.nkeys.data_ptr(), rows.table_at.data_ptr(), rows.tables.data_ptr(),

@@ -31,6 +31,14 @@ int stopline_paged_attention(const float* q, long ldq, const float* kc, const fl
                              int rows, int heads, int kv_heads, int d, long slots, int bs,
                              const int32_t* nkeys, const int32_t* table_at, const int32_t* tables,
                              int max_keys, float scale);
+void stopline_rope_store_q8(const float* qkv, int n, int hq, int hk, int d, const int64_t* pos,
+                            const float* cos, const float* sin, const int64_t* slots, int8_t* kc,
+                            int8_t* vc, float* ks, float* vs, long nslots, float* q_out);
+int stopline_paged_attention_q8(const float* q, long ldq, const int8_t* kc, const int8_t* vc,
+                                const float* ks, const float* vs, float* out, int rows, int heads,
+                                int kv_heads, int d, long slots, int bs, const int32_t* nkeys,
+                                const int32_t* table_at, const int32_t* tables, int max_keys,
+                                float scale, int window);
 void stopline_silu_mul(const float* gu, int n, int inter, float* out);
 void stopline_bf16_gemm(const uint16_t* x, const uint16_t* w, float* y, int M, int K, int N);
 void stopline_q4_1_bf16_gemm(const uint16_t* x, const uint8_t* w, float* y, int M, int K, int N);
@@ -69,6 +77,9 @@ typedef struct {
     const float* lora_bt[4];
     const int32_t* lora_parts[4];
     int32_t lora_r[4];
+    /* An int8 cache (k_cache, v_cache then hold int8 quants): its rows' scales; null: float32. */
+    float* k_scale;
+    float* v_scale;
 } Layer;
 
 /* What one step's layers share: sizes, the rows' positions and keys, scratch rows. */
@@ -201,13 +212,25 @@ int stopline_decoder_layers(const Layer* layers, int n_layers, const Step* s, fl
         SECTION(P_NORM, t);
         gemm(l, QKV, s, s->h, s->qkv, n, s->hidden, qkv_width);
         SECTION(P_QKV, t);
-        stopline_rope_store(s->qkv, n, s->heads, s->kv_heads, s->d, s->positions, s->cos, s->sin,
-                            s->write_slots, l->k_cache, l->v_cache, s->slots, s->q);
-        SECTION(P_ROPE, t);
-        if (stopline_paged_attention(s->q, hd, l->k_cache, l->v_cache, s->attn, n, s->heads,
-                                     s->kv_heads, s->d, s->slots, s->bs, s->nkeys, s->table_at,
-                                     s->tables, s->max_keys, s->scale))
-            return 2;
+        int failed;
+        if (l->k_scale) { /* the int8 cache: the same calls' int8 forms, as the Python loop makes */
+            stopline_rope_store_q8(s->qkv, n, s->heads, s->kv_heads, s->d, s->positions, s->cos, s->sin,
+                                   s->write_slots, (int8_t*)l->k_cache, (int8_t*)l->v_cache, l->k_scale,
+                                   l->v_scale, s->slots, s->q);
+            SECTION(P_ROPE, t);
+            failed = stopline_paged_attention_q8(s->q, hd, (const int8_t*)l->k_cache,
+                                                 (const int8_t*)l->v_cache, l->k_scale, l->v_scale,
+                                                 s->attn, n, s->heads, s->kv_heads, s->d, s->slots, s->bs,
+                                                 s->nkeys, s->table_at, s->tables, s->max_keys, s->scale, 0);
+        } else {
+            stopline_rope_store(s->qkv, n, s->heads, s->kv_heads, s->d, s->positions, s->cos, s->sin,
+                                s->write_slots, l->k_cache, l->v_cache, s->slots, s->q);
+            SECTION(P_ROPE, t);
+            failed = stopline_paged_attention(s->q, hd, l->k_cache, l->v_cache, s->attn, n, s->heads,
+                                              s->kv_heads, s->d, s->slots, s->bs, s->nkeys, s->table_at,
+                                              s->tables, s->max_keys, s->scale);
+        }
+        if (failed) return 2;
         SECTION(P_ATTN, t);
         gemm(l, O, s, s->attn, s->o, n, hd, s->hidden);
         SECTION(P_O, t);

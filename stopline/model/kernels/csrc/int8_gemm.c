@@ -228,12 +228,49 @@ static const PanelFn q6k_few_panels[MR + 1] = {0, stopline_q6_k_i8_few_1, stopli
                                                stopline_q6_k_i8_few_3, q6k_panel_4, q6k_panel_5,
                                                q6k_panel_6};
 
+/* The many-row path on AMX-INT8 tiles (amx_i8_gemm.c): the same bits, the group sums formed by
+ * tile products. Used for the first M / 16 * 16 rows once M reaches AMX_ROWS and the Python
+ * side has switched it on (the OS granted the tile state): 1 for the Q4 formats, 2 for all
+ * (Q8_0's on tiles measured slower); the rest of the rows go through the panels. Below
+ * AMX_ROWS the panels were as fast or faster (32 rows: 0.7-1.0x). */
+extern int stopline_i8_amx_on;
+int stopline_amx_i8_rows(int fmt, long rec_bytes, const int8_t* xq, const float* xd, const float* xds,
+                          const int32_t* xs, const uint8_t* w, float* y, int M16, int K, int N,
+                          int sums_a_group);
+#define AMX_ROWS 64
+/* More than 3 chunks of Q4_1 or Q4_K rows: the panel's nibbles split once, by its first chunk,
+ * not per chunk (int8_rows.c; the same bits). One thread: 1.08x "before" at 32 rows, 1.08-1.10x
+ * at 128-512; two: 0.99-1.11x at 32, 1.08-1.10x at 128-512 (docs/benchmarks.md). */
+#define SPLIT_ROWS_MIN (3 * MR + 1)
+/* Q8_0 at as many rows: the sums started at -128 s, one subtraction less a group (int8_rows.c):
+ * the head alone 1.00-1.09x the panels at 32 and 512 rows, one run of six 0.79x. */
+void stopline_i8_q8_rows(const int8_t* xq, const float* xd, const int32_t* xs, const uint8_t* w, float* y,
+                         int M, int K, int N);
+extern int stopline_i8_split_on;
+int stopline_i8_q4_rows(int f32, long rec_bytes, const int8_t* xq, const float* xd, const float* xds,
+                         const uint8_t* w, float* y, int M, int K, int N);
+
 /* Each thread takes whole panels (guided, as quant_gemm.c, for neighbours); a panel runs its
  * rows in chunks of at most MR, as even as possible. The chunking changes which registers hold
  * a row's sums, never their order. */
-static void gemm(const PanelFn* panels, long rec_bytes, const int8_t* xq, const float* xd,
+static void gemm(const PanelFn* panels, int fmt, long rec_bytes, const int8_t* xq, const float* xd,
                  const float* xds, const int32_t* xs, const uint8_t* w, float* y, int M, int K, int N,
                  int sums_a_group) {
+    if (stopline_i8_amx_on && M >= AMX_ROWS && (fmt == F_Q4_1 || fmt == F_Q4_K || stopline_i8_amx_on > 1)) {
+        int m16 = M / 16 * 16;
+        long o = (long)m16 * (K / GROUP);
+        if (stopline_amx_i8_rows(fmt, rec_bytes, xq, xd, xds, xs, w, y, m16, K, N, sums_a_group) == 0) {
+            xq += (long)m16 * K, xd += o, xds += o, xs += o * sums_a_group, y += (long)m16 * N, M -= m16;
+            if (!M) return;
+        }
+    }
+    if (stopline_i8_split_on && M >= SPLIT_ROWS_MIN && (fmt == F_Q4_1 || fmt == F_Q4_K) &&
+        stopline_i8_q4_rows(fmt == F_Q4_K, rec_bytes, xq, xd, xds, w, y, M, K, N) == 0)
+        return;
+    if (stopline_i8_split_on && M >= SPLIT_ROWS_MIN && fmt == F_Q8_0) {
+        stopline_i8_q8_rows(xq, xd, xs, w, y, M, K, N);
+        return;
+    }
     long panel_bytes = (long)(K / GROUP) * rec_bytes;
     int groups = K / GROUP, chunks = (M + MR - 1) / MR;
 #pragma omp parallel for schedule(guided)
@@ -252,21 +289,21 @@ static void gemm(const PanelFn* panels, long rec_bytes, const int8_t* xq, const 
  * multiples of 32. */
 void stopline_q4_1_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
                            const uint8_t* w, float* y, int M, int K, int N) {
-    gemm(q4_few_panels, Q4_REC, q, d, ds, s, w, y, M, K, N, 1);
+    gemm(q4_few_panels, F_Q4_1, Q4_REC, q, d, ds, s, w, y, M, K, N, 1);
 }
 
 void stopline_q8_0_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
                            const uint8_t* w, float* y, int M, int K, int N) {
-    gemm(q8_few_panels, Q8_REC, q, d, ds, s, w, y, M, K, N, 1);
+    gemm(q8_few_panels, F_Q8_0, Q8_REC, q, d, ds, s, w, y, M, K, N, 1);
 }
 
 void stopline_q4_k_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
                            const uint8_t* w, float* y, int M, int K, int N) {
-    gemm(q4k_few_panels, Q4K_REC, q, d, ds, s, w, y, M, K, N, 1);
+    gemm(q4k_few_panels, F_Q4_K, Q4K_REC, q, d, ds, s, w, y, M, K, N, 1);
 }
 
 /* s here: x's quant sums per 16 k (M x K/16), one per Q6_K scale. */
 void stopline_q6_k_i8_gemm(const int8_t* q, const float* d, const float* ds, const int32_t* s,
                            const uint8_t* w, float* y, int M, int K, int N) {
-    gemm(q6k_few_panels, Q6K_REC, q, d, ds, s, w, y, M, K, N, 2);
+    gemm(q6k_few_panels, F_Q6_K, Q6K_REC, q, d, ds, s, w, y, M, K, N, 2);
 }

@@ -22,6 +22,13 @@
  * q rows [N][ldq] with head e at e * d; out [N][num_heads * d]; row i reads nkeys[i] keys
  * through the block table starting at tables[table_at[i]].
  *
+ * An int8 cache (`--kv-cache-dtype int8`, fast numerics) holds each (kv head, slot) row as d
+ * int8 quants and one float32 scale ([kv_heads][slots], written with the row by
+ * layer_ops.c's stopline_rope_store_q8 and never changed after). The kernel reads a row as
+ * float(q) * scale, one rounding a value, and then runs the float arithmetic above unchanged:
+ * its result is, bit for bit, this kernel's over a float cache holding those products
+ * (tests/test_kv_int8.py), and a row's bits still depend only on its own keys.
+ *
  * A sliding window (a layer of Mistral or Gemma 3) keeps a row to its last `window` keys: the
  * row at position p = nkeys - 1 reads keys p - window + 1 .. p (transformers' mask), the same
  * loops over fewer keys, so the same batch invariance; keys before the window are never read.
@@ -69,14 +76,34 @@ static inline float max16(__m512 v) { return _mm512_reduce_max_ps(v); }
  * of a sequence lie in blocks scattered over the pool, one 4 KB page each at block size 16,
  * which the hardware prefetcher meets cold: without this the kernel waits on memory. */
 #define KEYS_AHEAD 16
-static inline __attribute__((always_inline)) void prefetch_row(const float* r, const int NV) {
+static inline __attribute__((always_inline)) void prefetch_row(const void* base, const float* sc, long slot,
+                                                               const int NV, const int Q8) {
+    if (Q8) { /* d bytes (one or two lines) and the scale */
+        const char* r = (const char*)base + slot * NV * 16;
+        UNROLL for (int c = 0; c < NV; c += 4) _mm_prefetch(r + 16 * c, _MM_HINT_T0);
+        _mm_prefetch((const char*)(sc + slot), _MM_HINT_T0);
+        return;
+    }
+    const float* r = (const float*)base + slot * NV * 16;
     UNROLL for (int c = 0; c < NV; c++) _mm_prefetch((const char*)(r + 16 * c), _MM_HINT_T0);
 }
 
+/* Floats 16c .. 16c+15 of the K or V row at `slot`: loaded, or for an int8 cache its quants
+ * times the row's scale (each value one product, rounded once: torch's q.float() * scale). */
+static inline __attribute__((always_inline)) __m512 load16(const void* base, const float* sc, long slot,
+                                                           int c, const int NV, const int Q8) {
+    if (Q8) {
+        __m128i q = _mm_loadu_si128((const __m128i*)((const int8_t*)base + slot * NV * 16 + 16 * c));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(sc[slot]));
+    }
+    return _mm512_loadu_ps((const float*)base + slot * NV * 16 + 16 * c);
+}
+
 /* One key's 16-lane partial products with a query head (already scaled). */
-static inline __attribute__((always_inline)) __m512 dot(const __m512* qv, const float* k, const int NV) {
-    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-    UNROLL for (int c = 1; c < NV; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc);
+static inline __attribute__((always_inline)) __m512 dot(const __m512* qv, const void* kc, const float* ks,
+                                                        long slot, const int NV, const int Q8) {
+    __m512 acc = _mm512_mul_ps(qv[0], load16(kc, ks, slot, 0, NV, Q8));
+    UNROLL for (int c = 1; c < NV; c++) acc = _mm512_fmadd_ps(qv[c], load16(kc, ks, slot, c, NV, Q8), acc);
     return acc;
 }
 
@@ -116,17 +143,16 @@ static inline float softmax_in_place(float* se, int n) {
  * them all and the EH * NV accumulators are independent chains (one head's NV alone leave
  * the FMA units waiting on latency). Each accumulator still sums j in order from zero. */
 static inline __attribute__((always_inline)) void weighted_values(
-    const float* vc, const int32_t* slot, const float* s, const float* l, float* out, int n, int d,
-    const int NV, const int EH) {
+    const void* vc, const float* vs, const int32_t* slot, const float* s, const float* l, float* out, int n,
+    int d, const int NV, const int EH, const int Q8) {
     __m512 acc[4][8]; /* fixed sizes (EH <= 4, NV <= 8): arrays sized by NV or EH are put on the
                          stack, and the chains then go through memory */
     UNROLL for (int e = 0; e < EH; e++)
         UNROLL for (int c = 0; c < NV; c++) acc[e][c] = _mm512_setzero_ps();
     for (int j = 0; j < n; j++) {
-        const float* vj = vc + (long)slot[j] * d;
-        if (j + KEYS_AHEAD < n) prefetch_row(vc + (long)slot[j + KEYS_AHEAD] * d, NV);
+        if (j + KEYS_AHEAD < n) prefetch_row(vc, vs, slot[j + KEYS_AHEAD], NV, Q8);
         __m512 vv[8];
-        UNROLL for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(vj + 16 * c);
+        UNROLL for (int c = 0; c < NV; c++) vv[c] = load16(vc, vs, slot[j], c, NV, Q8);
         UNROLL for (int e = 0; e < EH; e++) {
             __m512 p = _mm512_set1_ps(s[(long)e * n + j]);
             UNROLL for (int c = 0; c < NV; c++) acc[e][c] = _mm512_fmadd_ps(p, vv[c], acc[e][c]);
@@ -145,8 +171,9 @@ static inline __attribute__((always_inline)) void weighted_values(
  * instantiation so the accumulators stay in registers. Scratch: `slot` for n key slots, `s`
  * for g x n scores, `l` for g sums. */
 static inline __attribute__((always_inline)) void item(
-    const float* q, const float* kc, const float* vc, float* out, int32_t* slot, float* s, float* l,
-    int g, int n, int first, int bs, const int32_t* table, float scale, const int NV) {
+    const float* q, const void* kc, const void* vc, const float* ks, const float* vs, float* out,
+    int32_t* slot, float* s, float* l, int g, int n, int first, int bs, const int32_t* table, float scale,
+    const int NV, const int Q8) {
     const int d = NV * 16;
     if (first == 0) {
         for (int j = 0, b = 0; j < n; j += bs, b++) {
@@ -157,48 +184,81 @@ static inline __attribute__((always_inline)) void item(
         for (int k = first; k < n; k++) slot[k - first] = table[k / bs] * bs + k % bs;
         n -= first;
     }
-    for (int t = 0; t < KEYS_AHEAD && t < n; t++) prefetch_row(kc + (long)slot[t] * d, NV);
-    for (int e = 0; e < g; e++) {
-        __m512 qv[8];
-        UNROLL for (int c = 0; c < NV; c++)
-            qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + e * d + 16 * c), _mm512_set1_ps(scale));
-        float* se = s + (long)e * n;
+    for (int t = 0; t < KEYS_AHEAD && t < n; t++) prefetch_row(kc, ks, slot[t], NV, Q8);
+    if (Q8) {
+        /* Each run of 16 keys dequantized once into kt (L1) and scored there by every head of
+         * the group, rather than dequantized again for each head: the same products and sums
+         * as below over the same values, so the same bits (1.3x the float cache's time at 4
+         * rows of 256 keys before this). */
+        float kt[16 * 128];
         int j0 = 0;
-        for (; j0 + 16 <= n; j0 += 16) {
-            if (e == 0) /* the first head brings the keys in; the others find them in cache */
-                for (int t = j0 + KEYS_AHEAD; t < j0 + KEYS_AHEAD + 16 && t < n; t++)
-                    prefetch_row(kc + (long)slot[t] * d, NV);
-            if (e == g - 1 && j0 < KEYS_AHEAD) /* and the last the values the value pass starts with */
-                for (int t = j0; t < j0 + 16; t++) prefetch_row(vc + (long)slot[t] * d, NV);
-            __m512 v[16];
-            UNROLL for (int t = 0; t < 16; t++) /* the order sum16x16 gives back as 0..15 */
-                v[t] = dot(qv, kc + (long)slot[j0 + 4 * (t % 4) + t / 4] * d, NV);
-            _mm512_storeu_ps(se + j0, sum16x16(v));
+        for (; j0 < n; j0 += 16) {
+            int m = n - j0 < 16 ? n - j0 : 16;
+            for (int t = j0 + KEYS_AHEAD; t < j0 + KEYS_AHEAD + 16 && t < n; t++) prefetch_row(kc, ks, slot[t], NV, 1);
+            if (j0 < KEYS_AHEAD)
+                for (int t = j0; t < j0 + m; t++) prefetch_row(vc, vs, slot[t], NV, 1);
+            for (int t = 0; t < m; t++)
+                UNROLL for (int c = 0; c < NV; c++) _mm512_storeu_ps(kt + t * d + 16 * c, load16(kc, ks, slot[j0 + t], c, NV, 1));
+            for (int e = 0; e < g; e++) {
+                __m512 qv[8];
+                UNROLL for (int c = 0; c < NV; c++)
+                    qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + e * d + 16 * c), _mm512_set1_ps(scale));
+                float* se = s + (long)e * n;
+                if (m == 16) {
+                    __m512 v[16];
+                    UNROLL for (int t = 0; t < 16; t++)
+                        v[t] = dot(qv, kt, 0, 4 * (t % 4) + t / 4, NV, 0);
+                    _mm512_storeu_ps(se + j0, sum16x16(v));
+                } else {
+                    for (int t = 0; t < m; t++) se[j0 + t] = sum16(dot(qv, kt, 0, t, NV, 0));
+                }
+            }
         }
-        for (; j0 < n; j0++) se[j0] = sum16(dot(qv, kc + (long)slot[j0] * d, NV));
-        l[e] = softmax_in_place(se, n);
+        for (int e = 0; e < g; e++) l[e] = softmax_in_place(s + (long)e * n, n);
+    } else {
+        for (int e = 0; e < g; e++) {
+            __m512 qv[8];
+            UNROLL for (int c = 0; c < NV; c++)
+                qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + e * d + 16 * c), _mm512_set1_ps(scale));
+            float* se = s + (long)e * n;
+            int j0 = 0;
+            for (; j0 + 16 <= n; j0 += 16) {
+                if (e == 0) /* the first head brings the keys in; the others find them in cache */
+                    for (int t = j0 + KEYS_AHEAD; t < j0 + KEYS_AHEAD + 16 && t < n; t++)
+                        prefetch_row(kc, ks, slot[t], NV, Q8);
+                if (e == g - 1 && j0 < KEYS_AHEAD) /* and the last the values the value pass starts with */
+                    for (int t = j0; t < j0 + 16; t++) prefetch_row(vc, vs, slot[t], NV, Q8);
+                __m512 v[16];
+                UNROLL for (int t = 0; t < 16; t++) /* the order sum16x16 gives back as 0..15 */
+                    v[t] = dot(qv, kc, ks, slot[j0 + 4 * (t % 4) + t / 4], NV, Q8);
+                _mm512_storeu_ps(se + j0, sum16x16(v));
+            }
+            for (; j0 < n; j0++) se[j0] = sum16(dot(qv, kc, ks, slot[j0], NV, Q8));
+            l[e] = softmax_in_place(se, n);
+        }
     }
     for (int e0 = 0; e0 < g; e0 += MAX_EH(NV)) {
         const float* se = s + (long)e0 * n;
         float* oe = out + e0 * d;
         switch (g - e0 < MAX_EH(NV) ? g - e0 : MAX_EH(NV)) {
-        case 1: weighted_values(vc, slot, se, l + e0, oe, n, d, NV, 1); break;
-        case 2: weighted_values(vc, slot, se, l + e0, oe, n, d, NV, 2); break;
-        case 3: weighted_values(vc, slot, se, l + e0, oe, n, d, NV, 3); break;
-        default: weighted_values(vc, slot, se, l + e0, oe, n, d, NV, MAX_EH(NV)); break;
+        case 1: weighted_values(vc, vs, slot, se, l + e0, oe, n, d, NV, 1, Q8); break;
+        case 2: weighted_values(vc, vs, slot, se, l + e0, oe, n, d, NV, 2, Q8); break;
+        case 3: weighted_values(vc, vs, slot, se, l + e0, oe, n, d, NV, 3, Q8); break;
+        default: weighted_values(vc, vs, slot, se, l + e0, oe, n, d, NV, MAX_EH(NV), Q8); break;
         }
     }
 }
 
-/* Returns 0, or -1 when scratch memory could not be had (the caller raises). d is 16, 32, 64
- * or 128; window 0 for full attention. */
-int stopline_paged_attention_window(const float* q, long ldq, const float* kc, const float* vc,
-                                    float* out, int rows, int heads, int kv_heads, int d, long slots,
-                                    int bs, const int32_t* nkeys, const int32_t* table_at,
-                                    const int32_t* tables, int max_keys, float scale, int window) {
+/* Every row's items, on a float (Q8 0) or int8 (Q8 1) cache; ks, vs: the int8 rows' scales
+ * [kv_heads][slots]. Returns 0, or -1 when scratch memory could not be had. */
+static int run(const float* q, long ldq, const void* kc, const void* vc, const float* ks, const float* vs,
+               float* out, int rows, int heads, int kv_heads, int d, long slots, int bs,
+               const int32_t* nkeys, const int32_t* table_at, const int32_t* tables, int max_keys,
+               float scale, int window, const int Q8) {
     int g = heads / kv_heads;
     int items = rows * kv_heads;
     long keys = max_keys > 0 ? max_keys : 1;
+    long esz = Q8 ? 1 : (long)sizeof(float);
     int failed = 0;
 #pragma omp parallel
     {
@@ -215,21 +275,42 @@ int stopline_paged_attention_window(const float* q, long ldq, const float* kc, c
             if (!s) continue;
             int i = it / kv_heads, h = it % kv_heads;
             const float* qi = q + (long)i * ldq + (long)h * g * d;
-            const float* kh = kc + (long)h * slots * d;
-            const float* vh = vc + (long)h * slots * d;
+            const char* kh = (const char*)kc + (long)h * slots * d * esz;
+            const char* vh = (const char*)vc + (long)h * slots * d * esz;
+            const float* ksh = Q8 ? ks + (long)h * slots : 0;
+            const float* vsh = Q8 ? vs + (long)h * slots : 0;
             float* oi = out + (long)i * heads * d + (long)h * g * d;
             const int32_t* t = tables + table_at[i];
             int n = nkeys[i], first = window > 0 && n > window ? n - window : 0;
             switch (d) {
-            case 16: item(qi, kh, vh, oi, slot, s, l, g, n, first, bs, t, scale, 1); break;
-            case 32: item(qi, kh, vh, oi, slot, s, l, g, n, first, bs, t, scale, 2); break;
-            case 64: item(qi, kh, vh, oi, slot, s, l, g, n, first, bs, t, scale, 4); break;
-            default: item(qi, kh, vh, oi, slot, s, l, g, n, first, bs, t, scale, 8); break;
+            case 16: item(qi, kh, vh, ksh, vsh, oi, slot, s, l, g, n, first, bs, t, scale, 1, Q8); break;
+            case 32: item(qi, kh, vh, ksh, vsh, oi, slot, s, l, g, n, first, bs, t, scale, 2, Q8); break;
+            case 64: item(qi, kh, vh, ksh, vsh, oi, slot, s, l, g, n, first, bs, t, scale, 4, Q8); break;
+            default: item(qi, kh, vh, ksh, vsh, oi, slot, s, l, g, n, first, bs, t, scale, 8, Q8); break;
             }
         }
         free(s);
     }
     return failed ? -1 : 0;
+}
+
+/* d is 16, 32, 64 or 128; window 0 for full attention. */
+int stopline_paged_attention_window(const float* q, long ldq, const float* kc, const float* vc,
+                                    float* out, int rows, int heads, int kv_heads, int d, long slots,
+                                    int bs, const int32_t* nkeys, const int32_t* table_at,
+                                    const int32_t* tables, int max_keys, float scale, int window) {
+    return run(q, ldq, kc, vc, 0, 0, out, rows, heads, kv_heads, d, slots, bs, nkeys, table_at, tables,
+               max_keys, scale, window, 0);
+}
+
+/* The same over an int8 cache with its rows' scales. */
+int stopline_paged_attention_q8(const float* q, long ldq, const int8_t* kc, const int8_t* vc,
+                                const float* ks, const float* vs, float* out, int rows, int heads,
+                                int kv_heads, int d, long slots, int bs, const int32_t* nkeys,
+                                const int32_t* table_at, const int32_t* tables, int max_keys,
+                                float scale, int window) {
+    return run(q, ldq, kc, vc, ks, vs, out, rows, heads, kv_heads, d, slots, bs, nkeys, table_at, tables,
+               max_keys, scale, window, 1);
 }
 
 /* Full attention (the fused decoder's call). */

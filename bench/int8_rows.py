@@ -1,0 +1,168 @@
+"""The int8 kernel (csrc/int8_gemm.c) at many rows against torch._int_mm and against the
+kernel of another commit, interleaved in one process: GFLOPS over SmolLM2's linears.
+
+    python bench/int8_rows.py --against main --rows 1 32 128 512 --rounds 7
+
+Each arm's library is int8_gemm.c (with amx_i8_gemm.c and int8_rows.c where they exist), built with native.py's flags (the "before" from
+`git show REF:...`). Shapes: SmolLM2-135M's qkv, o, gate_up, down (Q4_1, 30 each) and the head
+(Q8_0, once), weighted by count as `stopline bench floors` weights them; x's quantization is
+in each call. A round times every arm once per shape (best of `--reps` calls); the figure is
+the median over rounds, with the min-max spread. Every arm's output is checked equal to the
+first's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import gguf
+import torch
+
+from stopline.model.kernels import native
+from stopline.model.kernels.int8_linear import Int8Weight
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "stopline/model/kernels/csrc"
+SHAPES = [(576, 960, 30, "q4_1"), (576, 576, 30, "q4_1"), (576, 3072, 30, "q4_1"), (1536, 576, 30, "q4_1"),
+          (576, 49152, 1, "q8_0")]
+
+
+def build(sources: dict[str, str], out: Path) -> ctypes.CDLL:
+    """One library of the given C sources (name -> text), built with native.py's flags."""
+    files = []
+    for name, text in sources.items():
+        f = out.parent / f"{out.stem}-{name}"
+        f.write_text(text)
+        files.append(str(f))
+    subprocess.run([native._compiler(), *native._FLAGS, f"-I{CSRC}", *files, "-o", str(out), "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.stopline_quantize_rows.argtypes = [p, i, i, p, p, p, p]
+    for fmt in ("q4_1", "q8_0"):
+        getattr(lib, f"stopline_{fmt}_i8_gemm").argtypes = [p, p, p, p, p, p, i, i, i]
+    return lib
+
+
+def sources(ref: str | None) -> dict[str, str]:
+    """int8_gemm.c and, where they exist, amx_i8_gemm.c and int8_rows.c, at a git ref (None: the work tree)."""
+    out = {}
+    for name in ("int8_gemm.c", "amx_i8_gemm.c", "int8_rows.c"):
+        if ref is None:
+            f = CSRC / name
+            if f.exists():
+                out[name] = f.read_text()
+            continue
+        got = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:stopline/model/kernels/csrc/{name}"],
+                             capture_output=True, text=True)
+        if got.returncode == 0:
+            out[name] = got.stdout
+    return out
+
+
+def amx_granted() -> bool:
+    """The OS grants this process AMX tile state (the kernels library asks for it)."""
+    from stopline.model.kernels.native import _cpu_flags, kernels
+    return "amx_int8" in _cpu_flags() and kernels().stopline_amx_init() == 0
+
+
+# (split, amx) of each arm of the work tree's library
+PATHS = {"after panels": (0, 0), "after split": (1, 0), "after amx": (1, 1)}
+
+
+def kernel_call(lib: ctypes.CDLL, w: Int8Weight, x: torch.Tensor, y: torch.Tensor,
+                paths: tuple[int, int] | None = None):
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    d, ds = torch.empty(m, k // 32), torch.empty(m, k // 32)
+    s = torch.empty(m, k // 32, dtype=torch.int32)
+    fn = getattr(lib, f"stopline_{w.fmt}_i8_gemm")
+    args = (q.data_ptr(), d.data_ptr(), ds.data_ptr(), s.data_ptr(), w.packed.data_ptr(), y.data_ptr(), m, k,
+            w.out_features)
+
+    def call(keep=(q, d, ds, s, y, w)) -> None:  # keep: the buffers live as long as the call
+        if paths is not None:
+            lib.stopline_i8_split(paths[0])
+            lib.stopline_i8_amx(paths[1])
+        lib.stopline_quantize_rows(x.data_ptr(), m, k, *args[:4])
+        fn(*args)
+    return call
+
+
+def best(fn, reps: int) -> float:
+    fn()
+    out = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out = min(out, time.perf_counter() - t)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--against", default="main", help="git ref whose int8_gemm.c is the 'before' arm")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32, 128, 512])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="int8rows-"))
+    arms = {"before": build(sources(args.against), tmp / "before.so")}
+    after = build(sources(None), tmp / "after.so")
+    if hasattr(after, "stopline_i8_amx"):  # the same library, its paths switched around its calls
+        arms["after panels"] = after
+        arms["after split"] = after
+        if amx_granted():
+            arms["after amx"] = after
+    else:
+        arms["after"] = after
+    gen = torch.Generator().manual_seed(0)
+    weights = []
+    for k, n, count, fmt in SHAPES:
+        w = torch.randn(n, k, generator=gen)
+        raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[fmt.upper()])
+        weights.append((Int8Weight.from_raw(fmt, raw, k), count))
+    print(f"threads {torch.get_num_threads()}, rounds {args.rounds}, against {args.against}", flush=True)
+    for rows in args.rows:
+        calls: dict[str, list] = {a: [] for a in arms}
+        if not args.no_torch:
+            calls["torch._int_mm"] = []
+        flops = 0.0
+        for w, count in weights:
+            k, n = w.in_features, w.out_features
+            x = torch.randn(rows, k, generator=gen)
+            ys = {}
+            for a, lib in arms.items():
+                ys[a] = torch.empty(rows, n)
+                calls[a].append((kernel_call(lib, w, x, ys[a], PATHS.get(a)), count))
+            if not args.no_torch:
+                xt = torch.randint(-127, 128, (rows, k), generator=gen, dtype=torch.int8)
+                wt = torch.randint(-127, 128, (k, n), generator=gen, dtype=torch.int8)
+                calls["torch._int_mm"].append((lambda xt=xt, wt=wt: torch._int_mm(xt, wt), count))
+            for a in arms:
+                calls[a][-1][0]()
+            ref = ys["before"]
+            for a in arms:
+                if not torch.equal(ys[a].view(torch.int32), ref.view(torch.int32)):
+                    raise SystemExit(f"{a} differs from before at {rows} rows, {k}x{n}")
+            flops += 2.0 * rows * k * n * count
+        rates: dict[str, list[float]] = {a: [] for a in calls}
+        for _ in range(args.rounds):
+            for a, todo in calls.items():
+                secs = sum(best(fn, args.reps) * count for fn, count in todo)
+                rates[a].append(flops / secs / 1e9)
+        line = ", ".join(f"{a} {statistics.median(r):.0f} ({min(r):.0f}-{max(r):.0f})" for a, r in rates.items())
+        print(f"{rows} rows GFLOPS: {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
