@@ -1,6 +1,7 @@
-"""Where a one-stream fast decode step's time goes, split by what measures it.
+"""Where a fast decode step's time goes (one stream unless --streams), split by what measures it.
 
     python bench/onerow_profile.py --steps 200
+    python bench/onerow_profile.py --streams 32 --temperature 0.8 --sections  # 32 sampled rows
     python bench/onerow_profile.py --threads 1 2 --steps 200   # threads alternated step by step
     python bench/onerow_profile.py --sections     # also the C loop's sections (a build with
                                                   # -DSTOPLINE_PROFILE, its own cached .so)
@@ -45,13 +46,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[0], help="0: the engine's policy")
     ap.add_argument("--sections", action="store_true")
     ap.add_argument("--prefetch", type=int, nargs="+", default=[-1], help="-1: the engine's choice")
+    ap.add_argument("--streams", type=int, default=1, help="requests decoding at once")
+    ap.add_argument("--temperature", type=float, default=0.0, help="above 0: sampled, each stream seeded")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "int8"))
     ap.add_argument("--ab", default=None, metavar="SO", help="another build of the kernels to alternate with")
     args = ap.parse_args()
     from stopline.model.kernels import native
     if args.sections:
         native._FLAGS.append("-DSTOPLINE_PROFILE")
     cfg = EngineConfig(numerics="fast", enable_prefix_caching=False, speculative="off",
-                       adapt_threads=args.threads == [0])
+                       adapt_threads=args.threads == [0], kv_cache_dtype=args.kv_cache_dtype)
     eng = LLM(None, config=cfg, progress=False).engine
     model = eng.runner.model if hasattr(eng, "runner") else eng.model
     dec = model.decoder
@@ -95,9 +99,10 @@ def main() -> None:
             finally:
                 acc["head"] += time.perf_counter() - t
     model.lm_head = Head()
-    ids = chat_prompts(eng.loaded, 1)[0]
-    eng.add_request("p", ids, SamplingParams(temperature=0.0, max_tokens=args.warm + args.steps * len(args.threads) * len(fns) * len(args.prefetch) + 8,
-                                             ignore_eos=True))
+    budget = args.warm + args.steps * len(args.threads) * len(fns) * len(args.prefetch) + 8
+    for i, ids in enumerate(chat_prompts(eng.loaded, args.streams)):
+        eng.add_request(f"p{i}", ids, SamplingParams(temperature=args.temperature, max_tokens=budget,
+                                                     seed=i if args.temperature else None, ignore_eos=True))
     for _ in range(args.warm):
         eng.step()
     combos = [(t, f, p) for t in args.threads for f in fns for p in args.prefetch]

@@ -75,7 +75,10 @@ def test_floors_serves_each_engine_last(tmp_path: Path, tmp_path_factory: pytest
     sv = r["served"]["engines"]["stopline"]
     assert set(sv["tok_s"]) == {"1", "2"} and all(t > 0 for t in sv["tok_s"].values()) and sv["errors"] == 0
     assert Path(r["served"]["results"]).is_file()
-    assert r["served_ratios"] == [{"engine": "stopline"}]  # no peer and no llama-bench to compare with
+    # no peer and no llama-bench to compare with
+    assert r["served_ratios"] == [{"engine": "stopline", "one_stream_tok_s": sv["tok_s"]["1"]}]
+    assert r["served"]["temperature"] == 0.8  # sampled by default, each request seeded
+    assert set(sv["itl_p50_ms"]) == {"1", "2"}
     assert "stopline: 1 streams" in capsys.readouterr().out
 
 
@@ -90,6 +93,7 @@ def test_served_ratios_against_tg128_and_the_best_peer() -> None:
                                 "hf": {"error": "setup_failed"}}}}
     exact, fast = floors.served_ratios(r)
     assert exact == {"engine": "stopline", "one_stream_tok_s": 250.0, "one_stream_x_tg128": 2.5,
+                     "one_stream_best_peer": "llamacpp", "one_stream_x_best_peer": 3.125,
                      "streams": 32, "tok_s": 600.0, "best_peer": "vllm", "x_best_peer": 3.0}
     assert fast["one_stream_x_tg128"] == 3.0 and fast["x_best_peer"] == 4.5
 

@@ -209,3 +209,60 @@ def test_an_engine_that_dies_on_a_signal_is_named_by_it(tmp_path: Path) -> None:
         eng.wait_ready()
     assert eng.death() is not None
     eng.stop()
+
+
+def test_sampled_throughput_seeds_every_request_and_greedy_sends_no_seed() -> None:
+    import asyncio
+    from dataclasses import replace
+
+    import httpx
+
+    from stopline.bench.client import BenchClient
+    from stopline.bench.workloads.config import tiny
+    from stopline.bench.workloads.context import Ctx
+
+    bodies: list[dict] = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        chunk = {"id": "c", "object": "text_completion", "created": 0, "model": "m",
+                 "choices": [{"index": 0, "text": "x", "finish_reason": "length", "logprobs": None}]}
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+
+    async def run(temperature: float, seed_base: int | None) -> None:
+        client = BenchClient("http://bench.test", httpx.AsyncClient(transport=httpx.MockTransport(reply)))
+        bar = type("Bar", (), {"update": lambda self, n: None})()
+        ctx = Ctx(spec=None, client=client, probe=None, cfg=replace(tiny(), temperature=temperature),
+                  bar=bar, relaunch=None)
+        outs = await ctx.closed_loop(["a", "b", "c"], 2, 4, temperature=temperature, seed_base=seed_base)
+        assert [(o.error, o.text, o.finish_reason) for o in outs] == [(None, "x", "length")] * 3
+
+    asyncio.run(run(0.8, 700))
+    assert sorted(b["seed"] for b in bodies) == [700, 701, 702]
+    assert {b["temperature"] for b in bodies} == {0.8}
+    bodies.clear()
+    asyncio.run(run(0.0, None))
+    assert all("seed" not in b and b["temperature"] == 0.0 for b in bodies) and len(bodies) == 3
+
+
+def test_a_stream_refused_or_ended_by_an_error_event_is_an_error_outcome() -> None:
+    import asyncio
+
+    import httpx
+
+    from stopline.bench.client import BenchClient, complete
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content)["prompt"] == "refused":
+            return httpx.Response(400, json={"error": {"message": "max_tokens too large"}})
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=b'data: {"error": {"message": "engine stopped"}}\n\n')
+
+    async def run() -> list:
+        client = BenchClient("http://bench.test", httpx.AsyncClient(transport=httpx.MockTransport(reply)))
+        return [await complete(client, "m", p, 4) for p in ("refused", "ends")]
+
+    refused, ended = asyncio.run(run())
+    assert "HTTP 400" in refused.error and "max_tokens too large" in refused.error
+    assert "engine stopped" in ended.error and ended.chunks == 0

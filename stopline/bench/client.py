@@ -1,14 +1,20 @@
 """One benchmark request over the OpenAI HTTP API, with client-side timing and closes.
 
-Every engine is driven the same way: `/v1/completions` through the official async `openai`
-client, greedy, EOS ignored unless asked (each engine accepts `ignore_eos` as an extra body
-field). A request can be closed by the client after some tokens or some seconds; closing
-drops the HTTP connection, which is what a user's disconnect looks like to a server.
+Every engine is driven the same way: `/v1/completions`, greedy unless a temperature is given,
+EOS ignored unless asked (each engine accepts `ignore_eos` as an extra body field). A request
+can be closed by the client after some tokens or some seconds; closing drops the HTTP
+connection, which is what a user's disconnect looks like to a server.
+
+Non-streamed requests go through the official async `openai` client. Streams are read from
+its httpx client line by line, as vLLM's serving benchmark reads them: the client runs on the
+cores the engine runs on, and the `openai` client's typed chunks cost ~0.3 ms of CPU each,
+which at 32 streams of a fast engine is a tenth of the machine (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -62,25 +68,40 @@ class Outcome:
         return d
 
 
-def make_client(base_url: str, timeout: float = 600.0) -> AsyncOpenAI:
+class BenchClient(AsyncOpenAI):
+    """The `openai` client, and the httpx client under it that streams are read from."""
+
+    def __init__(self, base_url: str, http: httpx.AsyncClient) -> None:
+        super().__init__(base_url=base_url.rstrip("/") + "/v1", api_key="bench", max_retries=0,
+                         http_client=http)
+        self.http = http
+
+
+class StreamError(Exception):
+    """An HTTP error status, or an error event in the stream, as the server sent it."""
+
+
+def make_client(base_url: str, timeout: float = 600.0) -> BenchClient:
     """One client per engine: no retries (a retry would hide a failure), no keep-alive cap."""
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
                              timeout=httpx.Timeout(timeout, connect=10.0))
-    return AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="bench", max_retries=0,
-                       http_client=http)
+    return BenchClient(base_url, http)
 
 
-async def complete(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int, *,
+async def complete(client: BenchClient, model: str, prompt: str, max_tokens: int, *,
                    stream: bool = True, ignore_eos: bool = True,
                    close_after_tokens: int | None = None,
-                   close_after_s: float | None = None) -> Outcome:
-    """Send one greedy completion and record what arrives.
+                   close_after_s: float | None = None, temperature: float = 0.0,
+                   seed: int | None = None) -> Outcome:
+    """Send one completion (greedy unless a temperature is given) and record what arrives.
 
     close_after_tokens: close the stream once that many text chunks arrived.
     close_after_s: drop the connection that many seconds after sending, wherever it is.
     """
     out = Outcome(sent=time.perf_counter())
-    body = {"ignore_eos": ignore_eos}
+    body: dict[str, Any] = {"ignore_eos": ignore_eos, "temperature": temperature}
+    if seed is not None:
+        body["seed"] = seed
     task = asyncio.ensure_future(_run(client, model, prompt, max_tokens, stream, body,
                                       close_after_tokens, out))
     try:
@@ -105,11 +126,11 @@ async def complete(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int
     return out
 
 
-async def _run(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int, stream: bool,
+async def _run(client: BenchClient, model: str, prompt: str, max_tokens: int, stream: bool,
                body: dict[str, Any], close_after_tokens: int | None, out: Outcome) -> None:
     if not stream:
         resp = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                               temperature=0.0, stream=False, extra_body=body)
+                                               stream=False, extra_body=body)
         out.first = out.end = time.perf_counter()
         choice = resp.choices[0]
         out.text, out.finish_reason = choice.text, choice.finish_reason
@@ -117,27 +138,36 @@ async def _run(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int, st
             out.completion_tokens = resp.usage.completion_tokens
             out.prompt_tokens = resp.usage.prompt_tokens
         return
-    s = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                        temperature=0.0, stream=True,
-                                        stream_options={"include_usage": True}, extra_body=body)
-    try:
-        async for chunk in s:
+    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+               "stream_options": {"include_usage": True}, **body}
+    url = f"{client.base_url}completions"
+    async with client.http.stream("POST", url, json=payload,
+                                  headers={"Authorization": f"Bearer {client.api_key}"}) as r:
+        if r.status_code >= 400:
+            raise StreamError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
             now = time.perf_counter()
-            if chunk.usage is not None:
-                out.completion_tokens = chunk.usage.completion_tokens
-                out.prompt_tokens = chunk.usage.prompt_tokens
-            for choice in chunk.choices:
-                if choice.text:
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise StreamError(f"error event: {json.dumps(chunk['error'])[:300]}")
+            if chunk.get("usage"):
+                out.completion_tokens = chunk["usage"].get("completion_tokens")
+                out.prompt_tokens = chunk["usage"].get("prompt_tokens")
+            for choice in chunk.get("choices") or ():
+                if choice.get("text"):
                     if out.first is None:
                         out.first = now
                     out.chunk_times.append(now)
-                    out.text += choice.text
+                    out.text += choice["text"]
                     out.chunks += 1
-                if choice.finish_reason:
-                    out.finish_reason = choice.finish_reason
+                if choice.get("finish_reason"):
+                    out.finish_reason = choice["finish_reason"]
             if close_after_tokens is not None and out.chunks >= close_after_tokens \
                     and out.finish_reason is None:
                 out.closed, out.closed_at = True, time.perf_counter()
                 break
-    finally:
-        await s.close()

@@ -383,6 +383,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="concurrent streams of the served throughput levels")
     p.add_argument("--served-tokens", type=int, default=256, help="output tokens of each served request")
     p.add_argument("--served-prompt-tokens", type=int, default=128, help="prompt tokens of each served request")
+    p.add_argument("--served-temperature", type=float, default=0.8,
+                   help="sampling temperature of the served requests, each seeded (0: greedy, where "
+                        "stopline's speculation pays on repetitive text and the peers' does not run)")
     p.add_argument("--out", default="bench-results/floors.json")
     add_engine_args(p)
 
@@ -463,10 +466,13 @@ def served(args: argparse.Namespace, names: list[str]) -> dict:
     if unknown:
         raise SystemExit(f"--served: unknown engine(s) {', '.join(unknown)}; known: {', '.join(ENGINES)}")
     cfg = replace(BenchConfig(), workloads=("throughput",), concurrencies=tuple(args.served_streams),
-                  output_tokens=args.served_tokens, prompt_tokens=args.served_prompt_tokens, waves=1)
+                  output_tokens=args.served_tokens, prompt_tokens=args.served_prompt_tokens, waves=1,
+                  temperature=args.served_temperature)
     path = run_bench(names, cfg, new_run_dir(Path(args.out).parent / "floors-served"), model=args.model,
-                     progress=False, command="stopline bench floors --served " + args.served)
-    out: dict = {"results": str(path), "tokens": args.served_tokens, "engines": {}}
+                     progress=False, command="stopline bench floors --served " + args.served
+                     + f" --served-temperature {args.served_temperature}")
+    out: dict = {"results": str(path), "tokens": args.served_tokens,
+                 "temperature": args.served_temperature, "engines": {}}
     for name, e in json.loads(path.read_text())["engines"].items():
         levels = e.get("workloads", {}).get("throughput", {}).get("levels")
         if e.get("status") != "ok" or not levels:
@@ -474,13 +480,15 @@ def served(args: argparse.Namespace, names: list[str]) -> dict:
             out["engines"][name] = {"error": str(why).splitlines()[0] if why else "no result"}
             continue
         out["engines"][name] = {"tok_s": {str(lv["concurrency"]): lv["output_tok_s"] for lv in levels},
+                                "itl_p50_ms": {str(lv["concurrency"]): (lv["itl"].get("p50") or 0) * 1e3
+                                               for lv in levels},
                                 "errors": sum(lv["requests"] - lv["ok"] for lv in levels)}
     return out
 
 
 def served_ratios(r: dict) -> list[dict]:
-    """Each served stopline engine's one-stream rate over tg128 (when llama-bench ran) and its
-    rate at the most streams over the best peer's there."""
+    """Each served stopline engine's one-stream rate over tg128 (when llama-bench ran) and over
+    the best peer's served stream, and its rate at the most streams over the best peer's there."""
     engines = {n: e["tok_s"] for n, e in r["served"]["engines"].items() if "tok_s" in e}
     peers = {n: t for n, t in engines.items() if not n.startswith("stopline")}
     # the best raw decode any peer's llama-bench reached in this run
@@ -490,9 +498,13 @@ def served_ratios(r: dict) -> list[dict]:
         if not name.startswith("stopline"):
             continue
         row: dict = {"engine": name}
-        if tg128 and tok_s.get("1"):
+        if tok_s.get("1"):
             row["one_stream_tok_s"] = tok_s["1"]
-            row["one_stream_x_tg128"] = tok_s["1"] / tg128
+            if tg128:
+                row["one_stream_x_tg128"] = tok_s["1"] / tg128
+            one = max(((n, t["1"]) for n, t in peers.items() if t.get("1")), key=lambda p: p[1], default=None)
+            if one:
+                row.update(one_stream_best_peer=one[0], one_stream_x_best_peer=tok_s["1"] / one[1])
         most = max(tok_s, key=int)
         best = max(((n, t[most]) for n, t in peers.items() if t.get(most)), key=lambda p: p[1], default=None)
         if best and tok_s[most]:
@@ -577,14 +589,18 @@ def summary(r: dict) -> str:
                      f"vs {a['ppl_exact']:.3f} (ratio {a['ppl_ratio']:.4f})")
     if "served" in r:
         sv = r["served"]
-        lines.append(f"served ({sv['tokens']} output tokens a request; {sv['results']}):")
+        how = f"temperature {sv['temperature']}, seeded" if sv.get("temperature") else "greedy"
+        lines.append(f"served ({sv['tokens']} output tokens a request, {how}; {sv['results']}):")
         for name, e in sv["engines"].items():
             lines.append(f"  {name}: " + (f"not run ({e['error']})" if "error" in e else ", ".join(
-                f"{n} streams {t:.0f} tok/s" for n, t in e["tok_s"].items())))
+                f"{n} streams {t:.0f} tok/s (ITL p50 {e.get('itl_p50_ms', {}).get(n, 0):.2f} ms)"
+                for n, t in e["tok_s"].items())))
         for v in r.get("served_ratios", []):
             parts = []
             if "one_stream_x_tg128" in v:
                 parts.append(f"1 stream {v['one_stream_x_tg128']:.2f}x tg128")
+            if "one_stream_x_best_peer" in v:
+                parts.append(f"1 stream {v['one_stream_x_best_peer']:.2f}x {v['one_stream_best_peer']}")
             if "x_best_peer" in v:
                 parts.append(f"{v['streams']} streams {v['x_best_peer']:.2f}x {v['best_peer']}")
             lines.append(f"  {v['engine']}: " + (", ".join(parts) or "no peer or tg128 to compare with"))

@@ -22,7 +22,7 @@ from stopline.bench.stats import ratio
 from stopline.bench.stop_report import reproducible, summary
 
 DASH = "—"
-PEER_ORDER = ("stopline", "stopline-fast", "vllm", "llamacpp", "ikllamacpp", "hf")
+PEER_ORDER = ("stopline", "stopline-fast", "stopline-fast-int8", "vllm", "llamacpp", "ikllamacpp", "hf")
 
 
 def load(paths: list[Path]) -> dict[str, Any]:
@@ -206,8 +206,9 @@ def _status_table(res: dict[str, Any], engines: list[str]) -> list[str]:
 
 
 def _throughput(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
-    intro = ["Output tokens/s (client-side), TTFT and ITL p50 / p99. stopline ÷ best peer: against "
-             "the best peer of stopline's own run.", ""]
+    intro = ["Output tokens/s (client-side), TTFT and ITL p50 / p99, greedy unless the run's "
+             "command sets `--temperature` (then every request is seeded). stopline ÷ best peer: "
+             "against the best peer of stopline's own run.", ""]
 
     def table(engines: list[str]) -> list[str]:
         levels = sorted({lv["concurrency"] for e in engines for lv in _wl(res, e, "throughput")["levels"]})

@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-ENGINES = ("stopline", "stopline-fast", "vllm", "llamacpp", "ikllamacpp", "hf")
+ENGINES = ("stopline", "stopline-fast", "stopline-fast-int8", "vllm", "llamacpp", "ikllamacpp", "hf")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -31,6 +31,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="throughput's stream counts, comma-separated (default: the profile's, e.g. 1,8,32,64)")
     p.add_argument("--output-tokens", type=int, default=None,
                    help="throughput's tokens per request (default: the profile's)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="throughput's sampling temperature (0: greedy; above 0 every request is "
+                        "seeded, so a rerun draws the same text)")
     p.add_argument("--model", default=None,
                    help="model every engine serves: a GGUF file or an installed package that carries "
                         "one (default: the embedded SmolLM2 GGUF)")
@@ -60,6 +63,10 @@ def main(args: argparse.Namespace) -> int:
         cfg = replace(cfg, concurrencies=tuple(int(c) for c in args.concurrencies.split(",") if c))
     if args.output_tokens:
         cfg = replace(cfg, output_tokens=args.output_tokens)
+    if args.temperature < 0:
+        print("error: --temperature must be 0 or more", file=sys.stderr)
+        return 2
+    cfg = replace(cfg, temperature=args.temperature)
     # SIGTERM unwinds like Ctrl-C, so the engines this run started are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out_dir = new_run_dir(Path(args.results_dir))

@@ -18,6 +18,7 @@ class BenchConfig:
     output_tokens: int = 256
     prompt_tokens: int = 128
     waves: int = 2
+    temperature: float = 0.0  # 0: greedy; above 0: sampled, request i seeded with seed*100003+i
     # 2. cancel storm
     storm_streams: int = 64
     storm_output_tokens: int = 128

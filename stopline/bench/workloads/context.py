@@ -8,23 +8,22 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from openai import AsyncOpenAI
 from tqdm import tqdm
 
-from stopline.bench.client import Outcome, complete
+from stopline.bench.client import BenchClient, Outcome, complete
 from stopline.bench.engines import MODEL_NAME, EngineSpec
 from stopline.bench.probe import Probe, Reading
 from stopline.bench.workloads.config import BenchConfig
 
 # Relaunch the engine under test with a KV pool of this many tokens (None: default) and
 # engine-specific settings; returns the new client and probe.
-Relaunch = Callable[[int | None, dict[str, str]], Awaitable[tuple[AsyncOpenAI, Probe]]]
+Relaunch = Callable[[int | None, dict[str, str]], Awaitable[tuple[BenchClient, Probe]]]
 
 
 @dataclass
 class Ctx:
     spec: EngineSpec
-    client: AsyncOpenAI
+    client: BenchClient
     probe: Probe
     cfg: BenchConfig
     bar: tqdm
@@ -42,15 +41,17 @@ class Ctx:
         return out
 
     async def closed_loop(self, prompts: list[str], concurrency: int, max_tokens: int,
-                          **kw: Any) -> list[Outcome]:
-        """Keep `concurrency` requests in flight until every prompt has been sent."""
+                          seed_base: int | None = None, **kw: Any) -> list[Outcome]:
+        """Keep `concurrency` requests in flight until every prompt has been sent; with a
+        seed_base, prompt i is sent with the seed seed_base + i."""
         outs: list[Outcome | None] = [None] * len(prompts)
         queue = list(enumerate(prompts))[::-1]
 
         async def worker() -> None:
             while queue:
                 i, p = queue.pop()
-                outs[i] = await self.send(p, max_tokens, **kw)
+                seed = {} if seed_base is None else {"seed": seed_base + i}
+                outs[i] = await self.send(p, max_tokens, **seed, **kw)
 
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
         return [o for o in outs if o is not None]
