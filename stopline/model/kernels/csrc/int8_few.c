@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "int8_epilogue.h"
 #include "panel.h"
 
 #define GROUP 32
@@ -83,10 +84,8 @@ q4_few(const int8_t* xq, const float* xd, const float* xds, int K, const uint8_t
             __m512i lo = _mm512_sub_epi32(A, B), hi = _mm512_srai_epi32(B, 4);
             long i = (long)r * groups + g;
             __m512 xdr = _mm512_set1_ps(xd[i]), xdsr = _mm512_set1_ps(xds[i]);
-            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(d0, xdr), acc[r][0]);
-            acc[r][0] = _mm512_fmadd_ps(m0, xdsr, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(d1, xdr), acc[r][1]);
-            acc[r][1] = _mm512_fmadd_ps(m1, xdsr, acc[r][1]);
+            acc[r][0] = i8_q4_group(acc[r][0], lo, d0, m0, xdr, xdsr);
+            acc[r][1] = i8_q4_group(acc[r][1], hi, d1, m1, xdr, xdsr);
         }
     }
     for (int r = 0; r < mr; r++) {
@@ -132,8 +131,8 @@ q8_few(const int8_t* xq, const float* xd, const int32_t* xs, int K, const uint8_
             __m512i off = _mm512_set1_epi32(128 * xs[i]);
             __m512 xdr = _mm512_set1_ps(xd[i]);
             __m512i s0 = _mm512_add_epi32(a[r][0], b[r][0]), s1 = _mm512_add_epi32(a[r][1], b[r][1]);
-            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, off)), _mm512_mul_ps(d0, xdr), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s1, off)), _mm512_mul_ps(d1, xdr), acc[r][1]);
+            acc[r][0] = i8_q8_group(acc[r][0], s0, off, d0, xdr);
+            acc[r][1] = i8_q8_group(acc[r][1], s1, off, d1, xdr);
         }
     }
     for (int r = 0; r < mr; r++) {
@@ -191,14 +190,10 @@ q6k_few(const int8_t* xq, const float* xd, const int32_t* xs, int K, const uint8
             long i = (long)r * groups + g;
             __m512i off_lo = _mm512_set1_epi32(128 * xs[2 * i]), off_hi = _mm512_set1_epi32(128 * xs[2 * i + 1]);
             __m512 xdr = _mm512_set1_ps(xd[i]);
-            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo[r][0], off_lo)),
-                                        _mm512_mul_ps(d0, xdr), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo[r][1], off_lo)),
-                                        _mm512_mul_ps(d1, xdr), acc[r][1]);
-            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi[r][0], off_hi)),
-                                        _mm512_mul_ps(e0, xdr), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi[r][1], off_hi)),
-                                        _mm512_mul_ps(e1, xdr), acc[r][1]);
+            acc[r][0] = i8_q8_group(acc[r][0], lo[r][0], off_lo, d0, xdr);
+            acc[r][1] = i8_q8_group(acc[r][1], lo[r][1], off_lo, d1, xdr);
+            acc[r][0] = i8_q8_group(acc[r][0], hi[r][0], off_hi, e0, xdr);
+            acc[r][1] = i8_q8_group(acc[r][1], hi[r][1], off_hi, e1, xdr);
         }
     }
     for (int r = 0; r < mr; r++) {

@@ -40,6 +40,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "int8_epilogue.h"
 #include "panel.h"
 
 #define GROUP 32
@@ -149,24 +150,18 @@ i8_panel(const int8_t* xq, const float* xd, const float* xds, const int32_t* xs,
                 long i = (long)r * groups + g;
                 __m512i off_lo = _mm512_set1_epi32(128 * xs[2 * i]), off_hi = _mm512_set1_epi32(128 * xs[2 * i + 1]);
                 __m512 xdr = _mm512_set1_ps(xd[i]);
-                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][0], off_lo)),
-                                            _mm512_mul_ps(d0, xdr), acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][1], off_lo)),
-                                            _mm512_mul_ps(d1, xdr), acc[r][1]);
-                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(odd[r][0], off_hi)),
-                                            _mm512_mul_ps(e0, xdr), acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(odd[r][1], off_hi)),
-                                            _mm512_mul_ps(e1, xdr), acc[r][1]);
+                acc[r][0] = i8_q8_group(acc[r][0], sum[r][0], off_lo, d0, xdr);
+                acc[r][1] = i8_q8_group(acc[r][1], sum[r][1], off_lo, d1, xdr);
+                acc[r][0] = i8_q8_group(acc[r][0], odd[r][0], off_hi, e0, xdr);
+                acc[r][1] = i8_q8_group(acc[r][1], odd[r][1], off_hi, e1, xdr);
             }
         } else if (q8) {
             UNROLL for (int r = 0; r < mr; r++) {
                 long i = (long)r * groups + g;
                 __m512i off = _mm512_set1_epi32(128 * xs[i]);
                 __m512 xdr = _mm512_set1_ps(xd[i]);
-                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][0], off)),
-                                            _mm512_mul_ps(d0, xdr), acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][1], off)),
-                                            _mm512_mul_ps(d1, xdr), acc[r][1]);
+                acc[r][0] = i8_q8_group(acc[r][0], sum[r][0], off, d0, xdr);
+                acc[r][1] = i8_q8_group(acc[r][1], sum[r][1], off, d1, xdr);
             }
         } else {
             __m512 m0 = f32 ? _mm512_loadu_ps(fs + 32) : f16x16(rec + 64);
@@ -174,10 +169,8 @@ i8_panel(const int8_t* xq, const float* xd, const float* xds, const int32_t* xs,
             UNROLL for (int r = 0; r < mr; r++) {
                 long i = (long)r * groups + g;
                 __m512 xdr = _mm512_set1_ps(xd[i]), xdsr = _mm512_set1_ps(xds[i]);
-                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, xdr), acc[r][0]);
-                acc[r][0] = _mm512_fmadd_ps(m0, xdsr, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, xdr), acc[r][1]);
-                acc[r][1] = _mm512_fmadd_ps(m1, xdsr, acc[r][1]);
+                acc[r][0] = i8_q4_group(acc[r][0], sum[r][0], d0, m0, xdr, xdsr);
+                acc[r][1] = i8_q4_group(acc[r][1], sum[r][1], d1, m1, xdr, xdsr);
             }
         }
     }

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "int8_epilogue.h"
 #include "panel.h"
 
 #define GROUP 32
@@ -69,10 +70,8 @@ rows_panel(const int8_t* xq, const float* xd, const float* xds, int K, const uin
         UNROLL for (int r = 0; r < mr; r++) {
             long i = (long)r * groups + g;
             __m512 xdr = _mm512_set1_ps(xd[i]), xdsr = _mm512_set1_ps(xds[i]);
-            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, xdr), acc[r][0]);
-            acc[r][0] = _mm512_fmadd_ps(m0, xdsr, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, xdr), acc[r][1]);
-            acc[r][1] = _mm512_fmadd_ps(m1, xdsr, acc[r][1]);
+            acc[r][0] = i8_q4_group(acc[r][0], sum[r][0], d0, m0, xdr, xdsr);
+            acc[r][1] = i8_q4_group(acc[r][1], sum[r][1], d1, m1, xdr, xdsr);
         }
     }
     UNROLL for (int r = 0; r < mr; r++) {
@@ -171,8 +170,8 @@ q8_rows_panel(const int8_t* xq, const float* xd, const int32_t* xs, int K, const
         __m512 d0 = f16x16(rec), d1 = f16x16(rec + 32);
         UNROLL for (int r = 0; r < mr; r++) {
             __m512 xdr = _mm512_set1_ps(xd[(long)r * groups + g]);
-            acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, xdr), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, xdr), acc[r][1]);
+            acc[r][0] = i8_scaled(acc[r][0], sum[r][0], d0, xdr);
+            acc[r][1] = i8_scaled(acc[r][1], sum[r][1], d1, xdr);
         }
     }
     UNROLL for (int r = 0; r < mr; r++) {
