@@ -203,3 +203,29 @@ def record_plans(engine: EngineCore) -> list[list[tuple[str, int, int, bool]]]:
 def greedy(max_tokens: int, **kw: object) -> SamplingParams:
     """Greedy sampling that always runs max_tokens steps (the oracle generates that many)."""
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def signature(completion) -> list[tuple]:
+    """A completion's tokens with their logprobs and top alternatives: what batch invariance
+    compares, bit for bit."""
+    return [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in completion.logprobs]
+
+
+def signatures_alone(llm, prompts: Sequence[Sequence[int]], max_new: int) -> list[list[tuple]]:
+    """Each prompt's greedy signature (3 top logprobs a token), run through llm by itself."""
+    return [signature(llm.generate([p], greedy(max_new, logprobs=3))[0].outputs[0]) for p in prompts]
+
+
+def assert_batch_invariant(llm, prompts: Sequence[Sequence[int]], alone: list[list[tuple]], max_new: int, *,
+                           preempted: bool, batched: bool = True) -> None:
+    """All the prompts through llm at once give each the signature it had alone, bit for bit.
+    batched: some step really ran more than one request; preempted: the pool ran short (the
+    engine preempted at least once)."""
+    plans = record_plans(llm.engine)
+    res = llm.generate(prompts, greedy(max_new, logprobs=3))
+    if batched:
+        assert max(len(p) for p in plans) > 1
+    if preempted:
+        assert sum(llm.engine.lifecycle.stats.preemptions.values()) > 0, "the pool was never short"
+    differ = [i for i, r in enumerate(res) if signature(r.outputs[0]) != alone[i]]
+    assert differ == [], f"{len(differ)} of {len(prompts)} requests changed when batched: {differ}"

@@ -20,7 +20,14 @@ from stopline.args import add_engine_args, engine_config
 from stopline.config import AttentionBackend, EngineConfig, KVCacheDtype
 from stopline.kv.kv_cache import KVCache, dequantize, make_cache, quantize_rows
 from stopline.model.kernels.native import has_bf16, try_kernels
-from tests.engine_support import greedy, random_prompts, record_plans, sharp_tiny_dir
+from tests.engine_support import (
+    assert_batch_invariant,
+    greedy,
+    random_prompts,
+    sharp_tiny_dir,
+    signature,
+    signatures_alone,
+)
 from tests.tiny_model import make_tiny_gguf
 
 NATIVE = try_kernels() is not None
@@ -266,16 +273,12 @@ def _engine(model_dir: Path, kv: str = "int8", **kw) -> LLM:
                enable_prefix_caching=False, **kw)
 
 
-def _signature(c) -> list[tuple]:
-    return [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in c.logprobs]
-
-
 @pytest.fixture(scope="module")
 def alone(model_dir: Path, prompts) -> list[list[tuple]]:
     llm = _engine(model_dir)
     assert llm.engine.kv.quantized and llm.engine.model.numerics == "fast"
     assert llm.engine.model.decoder is not None  # the fused C decoder reads the int8 cache
-    return [_signature(llm.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts]
+    return signatures_alone(llm, prompts, MAX_NEW)
 
 
 @needs_fast
@@ -284,14 +287,7 @@ def alone(model_dir: Path, prompts) -> list[list[tuple]]:
                                 {"num_blocks": 40, "preemption_mode": "recompute"}],
                          ids=["concurrent", "chunked", "swapped", "recomputed"])
 def test_int8_alone_vs_24_concurrent(model_dir: Path, prompts, alone, kw: dict) -> None:
-    llm = _engine(model_dir, **kw)
-    plans = record_plans(llm.engine)
-    res = llm.generate(prompts, greedy(MAX_NEW, logprobs=3))
-    assert max(len(p) for p in plans) > 1
-    if "num_blocks" in kw:
-        assert sum(llm.engine.lifecycle.stats.preemptions.values()) > 0, "the pool was never short"
-    differ = [i for i, r in enumerate(res) if _signature(r.outputs[0]) != alone[i]]
-    assert differ == [], f"{len(differ)} of 24 requests changed when batched: {differ}"
+    assert_batch_invariant(_engine(model_dir, **kw), prompts, alone, MAX_NEW, preempted="num_blocks" in kw)
 
 
 @needs_fast
@@ -300,7 +296,7 @@ def test_int8_layer_loop_equals_the_fused_decoder(model_dir: Path, prompts, alon
     decoder's bits."""
     llm = _engine(model_dir)
     llm.engine.model.decoder = None
-    res = [_signature(llm.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts[:8]]
+    res = [signature(llm.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts[:8]]
     assert res == alone[:8]
 
 
@@ -310,7 +306,7 @@ def test_int8_rounds_the_cache_yet_mostly_agrees(model_dir: Path, prompts, alone
     tiny model's sharp greedy tokens mostly agree."""
     f32 = _engine(model_dir, kv="auto")
     assert not f32.engine.kv.quantized
-    sigs = [_signature(f32.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts[:8]]
+    sigs = [signature(f32.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts[:8]]
     assert sigs != alone[:8]
     same = sum(s[0][0] == a[0][0] for s, a in zip(sigs, alone[:8], strict=True))
     assert same >= 7, f"only {same} of 8 first tokens agree between the float32 and int8 caches"
@@ -327,8 +323,8 @@ def test_int8_on_a_model_with_local_and_global_layers(tmp_path_factory: pytest.T
     llm = LLM(model=str(d), progress=False, numerics="fast", kv_cache_dtype="int8", num_blocks=512,
               target_step_ms=None, enable_prefix_caching=False)
     assert llm.engine.kv.quantized and len(llm.engine.kv.groups) == 2
-    one = [_signature(llm.generate([p], greedy(12, logprobs=2))[0].outputs[0]) for p in ps]
-    many = [_signature(r.outputs[0]) for r in llm.generate(ps, greedy(12, logprobs=2))]
+    one = [signature(llm.generate([p], greedy(12, logprobs=2))[0].outputs[0]) for p in ps]
+    many = [signature(r.outputs[0]) for r in llm.generate(ps, greedy(12, logprobs=2))]
     assert one == many
 
 
@@ -365,7 +361,7 @@ def test_a_prefill_decode_split_ships_the_int8_blocks(tiny_model_dir) -> None:
 def alone_torch(model_dir: Path, prompts) -> list[list[tuple]]:
     llm = _engine(model_dir, attention_backend="torch")
     assert llm.engine.kv.quantized and llm.engine.model.attention is AttentionBackend.TORCH
-    return [_signature(llm.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts]
+    return signatures_alone(llm, prompts, MAX_NEW)
 
 
 @needs_fast
@@ -378,11 +374,7 @@ def test_int8_on_torch_attention_alone_vs_24_concurrent(model_dir: Path, prompts
     gathering path giving DecodeRows' bits."""
     llm = _engine(model_dir, attention_backend="torch", **kw)
     assert (llm.engine.runner.rows is not None) == kw.get("decode_rows", True)
-    res = llm.generate(prompts, greedy(MAX_NEW, logprobs=3))
-    if "num_blocks" in kw:
-        assert sum(llm.engine.lifecycle.stats.preemptions.values()) > 0, "the pool was never short"
-    differ = [i for i, r in enumerate(res) if _signature(r.outputs[0]) != alone_torch[i]]
-    assert differ == [], f"{len(differ)} of 24 requests changed when batched: {differ}"
+    assert_batch_invariant(llm, prompts, alone_torch, MAX_NEW, preempted="num_blocks" in kw, batched=False)
 
 
 @needs_fast
@@ -391,14 +383,14 @@ def test_sleep_frees_the_scales_too_and_wake_reads_the_new_ones(model_dir: Path,
     the fused decoder's table points at the new tensors and a request's output is unchanged."""
     llm = _engine(model_dir)
     kv = llm.engine.kv
-    assert _signature(llm.generate([prompts[5]], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) == alone[5]
+    assert signature(llm.generate([prompts[5]], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) == alone[5]
     nbytes = kv.nbytes
     layers, slots = len(kv.k), kv.k[0].shape[1]
     assert nbytes == 2 * layers * slots * kv.k[0].shape[0] * (kv.k[0].shape[2] + 4)
     assert kv.free_memory() == nbytes and kv.nbytes == 0 and not kv.k_scale
     kv.restore_memory()
     assert kv.nbytes == nbytes and all((s == 0).all() for s in kv.k_scale + kv.v_scale)
-    assert _signature(llm.generate([prompts[5]], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) == alone[5]
+    assert signature(llm.generate([prompts[5]], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) == alone[5]
 
 
 @needs_native

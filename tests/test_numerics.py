@@ -17,7 +17,14 @@ from stopline.model.kernels.bf16_linear import BF16Weight, reference, resolve
 from stopline.model.kernels.int8_linear import Int8Weight, has_vnni
 from stopline.model.kernels.int8_linear import reference as int8_reference
 from stopline.model.kernels.native import amx_ready, has_bf16, try_kernels
-from tests.engine_support import greedy, random_prompts, record_plans, sharp_tiny_dir
+from tests.engine_support import (
+    assert_batch_invariant,
+    greedy,
+    random_prompts,
+    sharp_tiny_dir,
+    signature,
+    signatures_alone,
+)
 from tests.tiny_model import kquant_blocks, make_tiny_gguf
 
 FAST = has_bf16() and try_kernels() is not None
@@ -351,10 +358,6 @@ def _engine(model_dir: Path, **kw) -> LLM:
     return LLM(model=str(model_dir), progress=False, numerics="fast", enable_prefix_caching=False, **kw)
 
 
-def _signature(c) -> list[tuple]:
-    return [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in c.logprobs]
-
-
 @pytest.fixture(scope="module")
 def alone(model_dir: Path, kernel: str, prompts) -> list[list[tuple]]:
     llm = _engine(model_dir)
@@ -366,21 +369,14 @@ def alone(model_dir: Path, kernel: str, prompts) -> list[list[tuple]]:
         assert isinstance(fast, BF16Weight)
         assert (fast.q4 is not None) == (model_dir.suffix == ".gguf")
         assert fast.amx == (kernel == "amx")
-    return [_signature(llm.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts]
+    return signatures_alone(llm, prompts, MAX_NEW)
 
 
 @needs_fast
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 5}, {"num_blocks": 40}],
                          ids=["concurrent", "chunked", "preempted"])
 def test_fast_alone_vs_24_concurrent(model_dir: Path, prompts, alone, kw: dict) -> None:
-    llm = _engine(model_dir, **kw)
-    plans = record_plans(llm.engine)
-    res = llm.generate(prompts, greedy(MAX_NEW, logprobs=3))
-    assert max(len(p) for p in plans) > 1
-    if "num_blocks" in kw:
-        assert sum(llm.engine.lifecycle.stats.preemptions.values()) > 0, "the pool was never short"
-    differ = [i for i, r in enumerate(res) if _signature(r.outputs[0]) != alone[i]]
-    assert differ == [], f"{len(differ)} of 24 requests changed when batched: {differ}"
+    assert_batch_invariant(_engine(model_dir, **kw), prompts, alone, MAX_NEW, preempted="num_blocks" in kw)
 
 
 @needs_fast
@@ -388,7 +384,7 @@ def test_fast_differs_from_exact_but_agrees_mostly(model_dir: Path, prompts, alo
     """Fast really runs other arithmetic (its logprobs differ from exact's), yet on the tiny
     model's sharp logits its greedy tokens mostly agree."""
     exact = LLM(model=str(model_dir), progress=False, num_blocks=2048, enable_prefix_caching=False)
-    sigs = [_signature(exact.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts[:6]]
+    sigs = [signature(exact.generate([p], greedy(MAX_NEW, logprobs=3))[0].outputs[0]) for p in prompts[:6]]
     assert sigs != alone[:6]
     first = sum(s[0][0] == a[0][0] for s, a in zip(sigs, alone[:6], strict=True))
     assert first >= 5, f"only {first} of 6 first tokens agree between exact and fast"
@@ -404,5 +400,5 @@ def test_fast_without_bf16_runs_exact_with_a_warning(model_dir: Path, prompts, m
     assert llm.engine.model.numerics == "exact"
     exact = LLM(model=str(model_dir), progress=False, num_blocks=2048, enable_prefix_caching=False)
     p = greedy(8, logprobs=3)
-    assert _signature(llm.generate([prompts[5]], p)[0].outputs[0]) == \
-        _signature(exact.generate([prompts[5]], p)[0].outputs[0])
+    assert signature(llm.generate([prompts[5]], p)[0].outputs[0]) == \
+        signature(exact.generate([prompts[5]], p)[0].outputs[0])
