@@ -2,9 +2,11 @@
 kernel of another commit, interleaved in one process: GFLOPS over SmolLM2's linears.
 
     python bench/int8_rows.py --against main --rows 1 32 128 512 --rounds 7
+    python bench/int8_rows.py --against OLD.so --rows 1 32 --rounds 5
 
-Each arm's library is int8_gemm.c (with amx_i8_gemm.c and int8_rows.c where they exist), built with native.py's flags (the "before" from
-`git show REF:...`). Shapes: SmolLM2-135M's qkv, o, gate_up, down (Q4_1, 30 each) and the head
+Each arm's library is int8_gemm.c (with amx_i8_gemm.c, int8_rows.c and int8_few.c where they
+exist), built with native.py's flags (the "before" from `git show REF:...`, or a whole kernels
+library already built: a copy of native.py's cached .so from before a change). Shapes: SmolLM2-135M's qkv, o, gate_up, down (Q4_1, 30 each) and the head
 (Q8_0, once), weighted by count as `stopline bench floors` weights them; x's quantization is
 in each call. A round times every arm once per shape (best of `--reps` calls); the figure is
 the median over rounds, with the min-max spread. Every arm's output is checked equal to the
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -34,25 +37,41 @@ SHAPES = [(576, 960, 30, "q4_1"), (576, 576, 30, "q4_1"), (576, 3072, 30, "q4_1"
 
 
 def build(sources: dict[str, str], out: Path) -> ctypes.CDLL:
-    """One library of the given C sources (name -> text), built with native.py's flags."""
+    """One library of the given C sources and headers (name -> text), built with native.py's flags."""
     files = []
+    inc = out.parent / f"{out.stem}-include"  # the arm's own headers, not the work tree's
+    inc.mkdir(exist_ok=True)
     for name, text in sources.items():
-        f = out.parent / f"{out.stem}-{name}"
+        f = (inc / name) if name.endswith(".h") else out.parent / f"{out.stem}-{name}"
         f.write_text(text)
-        files.append(str(f))
-    subprocess.run([native._compiler(), *native._FLAGS, f"-I{CSRC}", *files, "-o", str(out), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
+        if not name.endswith(".h"):
+            files.append(str(f))
+    subprocess.run([native._compiler(), *native._FLAGS, f"-I{inc}", *files, "-o", str(out), "-lm"], check=True)
+    return typed(ctypes.CDLL(str(out)))
+
+
+def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.stopline_quantize_rows.argtypes = [p, i, i, p, p, p, p]
     for fmt in ("q4_1", "q8_0"):
         getattr(lib, f"stopline_{fmt}_i8_gemm").argtypes = [p, p, p, p, p, p, i, i, i]
+    if hasattr(lib, "stopline_int8_prefetch"):  # the few-row panels' prefetch, as the engine sets it
+        lib.stopline_int8_prefetch.argtypes = [i]
+        lib.stopline_int8_prefetch(native.int8_prefetch())
     return lib
 
 
 def sources(ref: str | None) -> dict[str, str]:
-    """int8_gemm.c and, where they exist, amx_i8_gemm.c and int8_rows.c, at a git ref (None: the work tree)."""
+    """int8_gemm.c and, where they exist, amx_i8_gemm.c, int8_rows.c and int8_few.c (int8_gemm.c calls
+    its panels where it exists), and every header, at a git ref (None: the work tree)."""
     out = {}
-    for name in ("int8_gemm.c", "amx_i8_gemm.c", "int8_rows.c"):
+    if ref is None:
+        headers = [f.name for f in CSRC.glob("*.h")]
+    else:
+        listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{ref}:stopline/model/kernels/csrc"],
+                                capture_output=True, text=True, check=True).stdout.split()
+        headers = [n for n in listed if n.endswith(".h")]
+    for name in ("int8_gemm.c", "amx_i8_gemm.c", "int8_rows.c", "int8_few.c", *headers):
         if ref is None:
             f = CSRC / name
             if f.exists():
@@ -106,7 +125,8 @@ def best(fn, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--against", default="main", help="git ref whose int8_gemm.c is the 'before' arm")
+    ap.add_argument("--against", default="main",
+                    help="the 'before' arm: a git ref whose int8 kernels are built, or a built .so")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32, 128, 512])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
@@ -116,7 +136,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="int8rows-"))
-    arms = {"before": build(sources(args.against), tmp / "before.so")}
+    if args.against.endswith(".so"):  # a copy, so dlopen never takes it for a library it already has
+        shutil.copy(args.against, tmp / "before.so")
+        arms = {"before": typed(ctypes.CDLL(str(tmp / "before.so")))}
+    else:
+        arms = {"before": build(sources(args.against), tmp / "before.so")}
     after = build(sources(None), tmp / "after.so")
     if hasattr(after, "stopline_i8_amx"):  # the same library, its paths switched around its calls
         arms["after panels"] = after
