@@ -10,13 +10,19 @@ each format (Q4_1, Q4_K, Q8_0, Q6_K), two shapes and each row count, x's rows ar
 the libraries switch between runs: the panels (split off), the split many-row paths (the
 default), and the AMX tiles for every format where the OS grants them. Each output must equal
 the old library's default path, bit for bit. Exits 1 at the first difference.
+
+--code also compares the two libraries' machine code function by function (objdump, with
+addresses and RIP-relative offsets taken out): for a refactor meant to change no instruction,
+the list of functions whose instructions differ.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -47,6 +53,23 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def functions(lib: Path) -> dict[str, list[str]]:
+    """Each function's instructions in lib, without addresses (where the linker put a function
+    or a constant is not what a refactor changes)."""
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "--no-addresses", str(lib)], capture_output=True,
+                          text=True, check=True).stdout
+    out: dict[str, list[str]] = {}
+    body: list[str] = []
+    for line in text.splitlines():
+        if m := re.match(r"^<(.+)>:$", line.strip()):
+            body = out.setdefault(m.group(1), [])
+        elif line.strip():
+            ins = re.sub(r"#.*$", "", line.strip())
+            ins = re.sub(r"-?0x[0-9a-f]+\(%rip\)", "RIP", ins)
+            body.append(" ".join(re.sub(r"\b[0-9a-f]+ <", "<", ins).split()))
+    return out
+
+
 def run(lib: ctypes.CDLL, w: Int8Weight, x: torch.Tensor, split: int = 1, amx: int = 0) -> torch.Tensor:
     """Int8Weight's call through `lib`, on the given paths."""
     m, k = x.shape
@@ -71,6 +94,7 @@ def main() -> None:
     ap.add_argument("--against", required=True, help="the old kernels library (.so)")
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS)
     ap.add_argument("--formats", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--code", action="store_true", help="also compare the machine code (objdump)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="int8bits-"))
     shutil.copy(args.against, tmp / "old.so")  # a copy: dlopen never takes it for one already loaded
@@ -102,6 +126,11 @@ def main() -> None:
                     checked += 1
             print(f"{fmt} {k}x{n}: rows {' '.join(map(str, args.rows))}, paths {', '.join(paths)}: equal", flush=True)
     print(f"{checked} outputs equal to {args.against}'s, bit for bit")
+    if args.code:
+        a, b = functions(Path(args.against)), functions(Path(new._name))
+        differ = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
+        print(f"machine code: {len(set(a) | set(b)) - len(differ)} functions the same, {len(differ)} differ"
+              + (f": {', '.join(differ)}" if differ else ""))
 
 
 if __name__ == "__main__":
