@@ -7,7 +7,8 @@
  * block as it stands: Q8_0 and Q6_K load it in place, Q4_1 and Q4_K after the nibbles are
  * split once per panel into a buffer that every row block reuses). Integer sums are exact in
  * any order, so C[r][c] is the VNNI kernel's sum for row r, column c, bit for bit. The float
- * epilogue per group is int8_gemm.c's, term for term and in group order (documented there):
+ * epilogue per group is int8_gemm.c's, term for term and in group order (documented there; the
+ * one copy in int8_epilogue.h):
  *     Q4_1, Q4_K:  acc = fma(float(sum), dw * d, acc); acc = fma(mw, ds, acc)
  *     Q8_0:        acc = fma(float(sum - 128 s), dw * d, acc)
  *     Q6_K:        acc = fma(float(sum_lo - 128 s_lo), s0 * d, acc); then _hi with s1
@@ -31,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "int8_epilogue.h"
 #include "panel.h"
 
 #define GROUP 32
@@ -152,22 +154,22 @@ block(const int8_t* xq, const float* xd, const float* xds, const int32_t* xs, in
                         __m512i lo = _mm512_sub_epi32(_mm512_load_si512(s + 16 * r), _mm512_set1_epi32(128 * xs[2 * i]));
                         __m512i hi = _mm512_sub_epi32(_mm512_load_si512(S[j][h][1] + 16 * r),
                                                       _mm512_set1_epi32(128 * xs[2 * i + 1]));
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(dh, xdr), acc[r]);
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(eh, xdr), acc[r]);
+                        acc[r] = i8_scaled(acc[r], lo, dh, xdr);
+                        acc[r] = i8_scaled(acc[r], hi, eh, xdr);
                     }
                 } else if (q8) {
                     _Pragma("GCC unroll 16") for (int r = 0; r < TR; r++) {
                         long i = (long)r * groups + g;
                         __m512i v = _mm512_sub_epi32(_mm512_load_si512(s + 16 * r), _mm512_set1_epi32(128 * xs[i]));
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dh, _mm512_set1_ps(xd[i])), acc[r]);
+                        acc[r] = i8_scaled(acc[r], v, dh, _mm512_set1_ps(xd[i]));
                     }
                 } else {
                     const __m512 mh = f32 ? _mm512_loadu_ps(fs + 32 + 16 * h) : f16x16(rec + 64 + 32 * h);
                     _Pragma("GCC unroll 16") for (int r = 0; r < TR; r++) {
                         long i = (long)r * groups + g;
-                        __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(s + 16 * r));
-                        acc[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(dh, _mm512_set1_ps(xd[i])), acc[r]);
-                        acc[r] = _mm512_fmadd_ps(mh, _mm512_set1_ps(xds[i]), acc[r]);
+                        __m512i v = _mm512_load_si512(s + 16 * r);
+                        __m512 xdr = _mm512_set1_ps(xd[i]);
+                        acc[r] = i8_q4_group(acc[r], v, dh, mh, xdr, _mm512_set1_ps(xds[i]));
                     }
                 }
             }

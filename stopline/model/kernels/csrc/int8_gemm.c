@@ -13,7 +13,8 @@
  *     Q4_1 (w = dw * u + mw, u in 0..15):   acc = fma(float(sum u * q), dw * d, acc)
  *                                           acc = fma(mw, ds, acc)
  *     Q8_0 (w = dw * v, v in -128..127):    acc = fma(float(sum v * q), dw * d, acc)
- * (int8_epilogue.h holds these float steps, once, for this file, int8_rows.c and int8_few.c.)
+ * (int8_epilogue.h holds these float steps, once, for every int8 path: this file's panels,
+ * int8_rows.c, int8_few.c and amx_i8_gemm.c.)
  * A group's integer sum is exact whatever order vpdpbusd adds in, and the float steps are one
  * chain per output in group order, so a row's bits depend on its own values and the weight
  * alone: never on the other rows, how they are chunked, or which thread runs the panel.
