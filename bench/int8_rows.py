@@ -5,12 +5,14 @@ kernel of another commit, interleaved in one process: GFLOPS over SmolLM2's line
     python bench/int8_rows.py --against OLD.so --rows 1 32 --rounds 5
 
 Each arm's library is int8_gemm.c (with amx_i8_gemm.c, int8_rows.c and int8_few.c where they
-exist), built with native.py's flags (the "before" from `git show REF:...`, or a whole kernels
-library already built: a copy of native.py's cached .so from before a change). Shapes: SmolLM2-135M's qkv, o, gate_up, down (Q4_1, 30 each) and the head
-(Q8_0, once), weighted by count as `stopline bench floors` weights them; x's quantization is
-in each call. A round times every arm once per shape (best of `--reps` calls); the figure is
-the median over rounds, with the min-max spread. Every arm's output is checked equal to the
-first's, bit for bit.
+exist), built with native.py's flags (the "before" from `git show REF:...`). Against a whole
+kernels library already built (a copy of native.py's cached .so from before a change), the
+"after" arms are the work tree's whole library as the engine loads it. Shapes: SmolLM2-135M's
+qkv, o, gate_up, down (Q4_1, 30 each) and the head (Q8_0, once), weighted by count as
+`stopline bench floors` weights them; x's quantization is in each call. A round times every
+arm once per shape (best of `--reps` calls), the arms' order reversed every other round; the
+figure is the median over rounds, with the min-max spread. Every arm's output is checked
+equal to the first's, bit for bit.
 """
 
 from __future__ import annotations
@@ -141,7 +143,9 @@ def main() -> None:
         arms = {"before": typed(ctypes.CDLL(str(tmp / "before.so")))}
     else:
         arms = {"before": build(sources(args.against), tmp / "before.so")}
-    after = build(sources(None), tmp / "after.so")
+    # against a whole library: the whole work-tree library, as the engine loads it, so that both
+    # arms are linked alike
+    after = typed(native.kernels()) if args.against.endswith(".so") else build(sources(None), tmp / "after.so")
     if hasattr(after, "stopline_i8_amx"):  # the same library, its paths switched around its calls
         arms["after panels"] = after
         arms["after split"] = after
@@ -180,8 +184,8 @@ def main() -> None:
                     raise SystemExit(f"{a} differs from before at {rows} rows, {k}x{n}")
             flops += 2.0 * rows * k * n * count
         rates: dict[str, list[float]] = {a: [] for a in calls}
-        for _ in range(args.rounds):
-            for a, todo in calls.items():
+        for r in range(args.rounds):  # every other round in reverse: no arm always goes first
+            for a, todo in (calls.items() if r % 2 == 0 else reversed(calls.items())):
                 secs = sum(best(fn, args.reps) * count for fn, count in todo)
                 rates[a].append(flops / secs / 1e9)
         line = ", ".join(f"{a} {statistics.median(r):.0f} ({min(r):.0f}-{max(r):.0f})" for a, r in rates.items())
