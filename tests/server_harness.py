@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -141,6 +143,28 @@ class ServerProcess:
                 raise AssertionError(f"condition not met in {timeout} s; running="
                                      f"{m['stopline_requests_running']} waiting={m['stopline_requests_waiting']}")
             time.sleep(0.01)
+
+
+def started(*args: str) -> ServerProcess:
+    """A `stopline serve` with these arguments, ready to take requests."""
+    srv = ServerProcess(*args)
+    srv.wait_ready()
+    return srv
+
+
+@contextmanager
+def split_and_single(*args: str, reclaim_s: float) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """The same model and flags served twice: as the prefill/decode split (`--disagg`) and as
+    one in-process engine, the split's reference; both stopped on the way out."""
+    split = single = None
+    try:
+        split = started(*args, "--disagg", "--reclaim-s", str(reclaim_s))
+        single = started(*args, "--in-process")
+        yield split, single
+    finally:
+        for s in (split, single):
+            if s is not None:
+                s.stop()
 
 
 def total(m: dict[str, float], prefix: str) -> float:

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.engine_support import random_prompts
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, split_and_single
 from tests.tiny_families import make_family_dir
 
 pytestmark = pytest.mark.timeout(180)
@@ -24,24 +24,11 @@ ARGS = ("--served-model-name", "gemma", "--block-size", "4", "--num-blocks", "25
         "--max-num-batched-tokens", "16")
 
 
-def _start(model_dir, *extra: str) -> ServerProcess:
-    srv = ServerProcess("--model", str(model_dir), *ARGS, *extra)
-    srv.wait_ready()
-    return srv
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     gemma = make_family_dir(tmp_path_factory.mktemp("serve_gemma"), "gemma3")
-    split = single = None
-    try:
-        split = _start(gemma, "--disagg", "--reclaim-s", "2")
-        single = _start(gemma, "--in-process")
-        yield split, single
-    finally:
-        for s in (split, single):
-            if s is not None:
-                s.stop()
+    with split_and_single("--model", str(gemma), *ARGS, reclaim_s=2) as pair:
+        yield pair
 
 
 def _complete(srv: ServerProcess, prompt: list[int], **kw) -> list[str]:
