@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,6 +59,11 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
+
+    def openai(self, timeout: float = 60.0) -> openai.OpenAI:
+        """The official client on this server, without retries (a retry would hide a failure)."""
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=self.api_key or "x", max_retries=0,
+                             timeout=timeout)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -143,6 +149,16 @@ class ServerProcess:
                 raise AssertionError(f"condition not met in {timeout} s; running="
                                      f"{m['stopline_requests_running']} waiting={m['stopline_requests_waiting']}")
             time.sleep(0.01)
+
+
+@contextmanager
+def serving(srv: ServerProcess) -> Iterator[ServerProcess]:
+    """srv once ready; stopped on the way out, whether it became ready or not."""
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
 
 
 def started(*args: str) -> ServerProcess:

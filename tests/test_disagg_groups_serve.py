@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 
 import httpx
-import openai
 import pytest
 
 from tests.engine_support import random_prompts
@@ -32,7 +31,7 @@ def servers(tmp_path_factory):
 
 
 def _complete(srv: ServerProcess, prompt: list[int], **kw) -> list[str]:
-    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    client = srv.openai()
     r = client.completions.create(model="gemma", prompt=prompt, temperature=0.0, **kw)
     return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
 
@@ -168,7 +167,7 @@ def _wait_restarted(srv: ServerProcess, role: str, old_pid: int) -> None:
 
 
 def _finish(srv: ServerProcess, prompt: list[int]) -> str:
-    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    client = srv.openai()
     r = client.completions.create(model="gemma", prompt=prompt, max_tokens=4, temperature=0.0,
                                   extra_body={"ignore_eos": True})
     return r.choices[0].finish_reason

@@ -35,7 +35,7 @@ def servers(tiny_long_model_dir):
 
 
 def _client(srv: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    return srv.openai()
 
 
 def _roles(srv: ServerProcess) -> dict[str, dict]:
