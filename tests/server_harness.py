@@ -10,9 +10,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,6 +59,11 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
+
+    def openai(self, timeout: float = 60.0) -> openai.OpenAI:
+        """The official client on this server, without retries (a retry would hide a failure)."""
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=self.api_key or "x", max_retries=0,
+                             timeout=timeout)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -141,6 +149,38 @@ class ServerProcess:
                 raise AssertionError(f"condition not met in {timeout} s; running="
                                      f"{m['stopline_requests_running']} waiting={m['stopline_requests_waiting']}")
             time.sleep(0.01)
+
+
+@contextmanager
+def serving(srv: ServerProcess) -> Iterator[ServerProcess]:
+    """srv once ready; stopped on the way out, whether it became ready or not."""
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def started(*args: str) -> ServerProcess:
+    """A `stopline serve` with these arguments, ready to take requests."""
+    srv = ServerProcess(*args)
+    srv.wait_ready()
+    return srv
+
+
+@contextmanager
+def split_and_single(*args: str, reclaim_s: float) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """The same model and flags served twice: as the prefill/decode split (`--disagg`) and as
+    one in-process engine, the split's reference; both stopped on the way out."""
+    split = single = None
+    try:
+        split = started(*args, "--disagg", "--reclaim-s", str(reclaim_s))
+        single = started(*args, "--in-process")
+        yield split, single
+    finally:
+        for s in (split, single):
+            if s is not None:
+                s.stop()
 
 
 def total(m: dict[str, float], prefix: str) -> float:

@@ -14,6 +14,15 @@ def test_stamp_names_the_host_its_kernel_flags_and_the_commit() -> None:
     flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")),
                  [])
     assert s["machine"]["isa"] == [f for f in machine.KERNEL_FLAGS if f in flags]
+    # the host class: AMX advertised or not, and where advertised, whether its tiles are granted
+    amx = s["machine"]["amx_granted"]
+    if "amx_tile" not in flags:
+        assert amx is None and "AMX" not in s["machine"]["summary"]
+    else:
+        from stopline.model.kernels import native
+
+        assert amx == (native.has_bf16() and "amx_bf16" in flags and native.kernels().stopline_amx_init() == 0)
+        assert ("AMX granted" if amx else "AMX advertised but not granted") in s["machine"]["summary"]
 
 
 def test_an_older_results_file_still_renders() -> None:

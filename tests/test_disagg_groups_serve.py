@@ -11,11 +11,10 @@ from __future__ import annotations
 import time
 
 import httpx
-import openai
 import pytest
 
 from tests.engine_support import random_prompts
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, split_and_single
 from tests.tiny_families import make_family_dir
 
 pytestmark = pytest.mark.timeout(180)
@@ -24,28 +23,15 @@ ARGS = ("--served-model-name", "gemma", "--block-size", "4", "--num-blocks", "25
         "--max-num-batched-tokens", "16")
 
 
-def _start(model_dir, *extra: str) -> ServerProcess:
-    srv = ServerProcess("--model", str(model_dir), *ARGS, *extra)
-    srv.wait_ready()
-    return srv
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     gemma = make_family_dir(tmp_path_factory.mktemp("serve_gemma"), "gemma3")
-    split = single = None
-    try:
-        split = _start(gemma, "--disagg", "--reclaim-s", "2")
-        single = _start(gemma, "--in-process")
-        yield split, single
-    finally:
-        for s in (split, single):
-            if s is not None:
-                s.stop()
+    with split_and_single("--model", str(gemma), *ARGS, reclaim_s=2) as pair:
+        yield pair
 
 
 def _complete(srv: ServerProcess, prompt: list[int], **kw) -> list[str]:
-    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    client = srv.openai()
     r = client.completions.create(model="gemma", prompt=prompt, temperature=0.0, **kw)
     return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
 
@@ -181,7 +167,7 @@ def _wait_restarted(srv: ServerProcess, role: str, old_pid: int) -> None:
 
 
 def _finish(srv: ServerProcess, prompt: list[int]) -> str:
-    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    client = srv.openai()
     r = client.completions.create(model="gemma", prompt=prompt, max_tokens=4, temperature=0.0,
                                   extra_body={"ignore_eos": True})
     return r.choices[0].finish_reason

@@ -53,7 +53,7 @@ def servers(tiny_long_model_dir, adapters):
 
 
 def _client(srv: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    return srv.openai()
 
 
 def _post(srv: ServerProcess, path: str, body: dict) -> httpx.Response:

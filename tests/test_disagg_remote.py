@@ -51,7 +51,7 @@ def _split(model_dir, remote: str, *role_extra: str) -> tuple[ServerProcess, Rol
 
 
 def _client(srv: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    return srv.openai()
 
 
 def _roles(srv: ServerProcess) -> dict[str, dict]:

@@ -236,7 +236,7 @@ def test_health_over_http_restarting_then_healthy(tiny_long_model_dir):
     srv = ServerProcess("--model", str(tiny_long_model_dir), *ARGS, "--disagg", "--reclaim-s", "2")
     try:
         srv.wait_ready()
-        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+        client = srv.openai()
 
         def ask() -> str:
             return client.completions.create(model="tiny", prompt="the quick brown fox " * 6,
@@ -283,7 +283,7 @@ def test_local_role_beside_a_remote_one_is_restarted_and_the_remote_one_is_not(t
     srv, role = _split(tiny_long_model_dir, "prefill")
     try:
         srv.wait_ready()
-        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+        client = srv.openai()
 
         def ask() -> str:
             return client.completions.create(model="tiny", prompt="the quick brown fox " * 6,

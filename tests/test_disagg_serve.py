@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, split_and_single, started
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,26 +25,17 @@ ARGS = ("--served-model-name", "tiny", "--block-size", "4", "--num-blocks", "409
 
 
 def _start(model_dir, *extra: str) -> ServerProcess:
-    srv = ServerProcess("--model", str(model_dir), *ARGS, *extra)
-    srv.wait_ready()
-    return srv
+    return started("--model", str(model_dir), *ARGS, *extra)
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_long_model_dir):
-    split = single = None
-    try:
-        split = _start(tiny_long_model_dir, "--disagg", "--reclaim-s", str(RECLAIM_S))
-        single = _start(tiny_long_model_dir, "--in-process")
-        yield split, single
-    finally:
-        for s in (split, single):
-            if s is not None:
-                s.stop()
+    with split_and_single("--model", str(tiny_long_model_dir), *ARGS, reclaim_s=RECLAIM_S) as pair:
+        yield pair
 
 
 def _client(srv: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    return srv.openai()
 
 
 def _roles(srv: ServerProcess) -> dict[str, dict]:

@@ -17,7 +17,7 @@ import pytest
 from stopline.config import EngineConfig
 from stopline.engine.core import EngineCore
 from stopline.request import AbortSource, SamplingParams
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, serving
 from tests.tiny_model import make_tiny_llama_dir
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,7 +38,7 @@ def other_arch(tmp_path_factory) -> Path:
 
 
 def _client(srv: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    return srv.openai()
 
 
 class _Reader(threading.Thread):
@@ -74,13 +74,9 @@ def _post(srv: ServerProcess, path: str, **kw) -> httpx.Response:
 @pytest.fixture(scope="module")
 def core_proc(tiny_long_model_dir):
     """The engine core in its own process (the default)."""
-    srv = ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", "tiny",
-                        "--num-blocks", "512", "--max-num-seqs", "8")
-    try:
-        srv.wait_ready()
+    with serving(ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", "tiny",
+                               "--num-blocks", "512", "--max-num-seqs", "8")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_pause_modes_resume_and_what_the_client_raises(core_proc):

@@ -26,7 +26,7 @@ import pytest
 from stopline.request import FinishReason
 from tests.disagg_support import make_pair
 from tests.engine_support import greedy
-from tests.server_harness import REPO, ServerProcess
+from tests.server_harness import REPO, ServerProcess, serving
 from tests.test_cluster import _can_unshare
 
 pytestmark = pytest.mark.timeout(180)
@@ -91,13 +91,9 @@ class _Stream:
 
 @pytest.fixture(scope="module")
 def split(tiny_long_model_dir):
-    srv = ServerProcess("--model", str(tiny_long_model_dir), *ARGS, "--disagg", "--reclaim-s", "2",
-                        "--stuck-kill-s", str(KILL_S))
-    try:
-        srv.wait_ready()
+    with serving(ServerProcess("--model", str(tiny_long_model_dir), *ARGS, "--disagg", "--reclaim-s", "2",
+                               "--stuck-kill-s", str(KILL_S))) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_stuck_prefill_fails_new_requests_fast_and_rejoins(split):

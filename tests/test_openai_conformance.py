@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, serving
 
 KEY = "k"
 pytestmark = pytest.mark.timeout(120)
@@ -15,12 +15,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    srv = ServerProcess("--model", str(tiny_model_dir), "--served-model-name", "tiny", api_key=KEY)
-    try:
-        srv.wait_ready()
+    with serving(ServerProcess("--model", str(tiny_model_dir), "--served-model-name", "tiny", api_key=KEY)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

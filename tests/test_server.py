@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_harness import ServerProcess, raw_request, total
+from tests.server_harness import ServerProcess, raw_request, serving, total
 
 KEY = "test-key"
 # The model is tiny_long_model_dir (8,192-token context), so a long request outlasts a client's
@@ -37,20 +37,16 @@ REPLICAS = os.environ.get("STOPLINE_TEST_REPLICAS")
 
 @pytest.fixture(scope="module")
 def server(tiny_long_model_dir):
-    srv = ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", "tiny",
-                        "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_SEQS),
-                        "--max-body-bytes", str(MAX_BODY),
-                        *(["--replicas", REPLICAS] if REPLICAS else []), api_key=KEY)
-    try:
-        srv.wait_ready()
+    with serving(ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", "tiny",
+                               "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_SEQS),
+                               "--max-body-bytes", str(MAX_BODY),
+                               *(["--replicas", REPLICAS] if REPLICAS else []), api_key=KEY)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    return server.openai()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import anthropic
 import httpx
 import pytest
 
-from tests.server_harness import ServerProcess, total
+from tests.server_harness import ServerProcess, serving, total
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-think"
@@ -27,12 +27,8 @@ OFF = {"type": "disabled"}
 
 @pytest.fixture(scope="module")
 def server(tiny_think_model_dir):
-    srv = ServerProcess("--model", str(tiny_think_model_dir), "--served-model-name", MODEL)
-    try:
-        srv.wait_ready()
+    with serving(ServerProcess("--model", str(tiny_think_model_dir), "--served-model-name", MODEL)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from stopline.request import AbortSource, FinishReason, SamplingParams, Usage
 from stopline.server import batch
 from stopline.server.app import build_app
 from stopline.server.state import ServerSettings, ServerState
-from tests.server_harness import ServerProcess, free_port, total
+from tests.server_harness import ServerProcess, free_port, serving, total
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -113,17 +113,13 @@ class Live(ServerProcess):
 
 @pytest.fixture(scope="module")
 def live(tiny_long_model_dir):
-    srv = Live(str(tiny_long_model_dir))
-    try:
-        srv.wait_ready()
+    with serving(Live(str(tiny_long_model_dir))) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    return live.openai()
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_harness import ServerProcess, raw_request
+from tests.server_harness import ServerProcess, raw_request, serving
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,14 +73,10 @@ def inproc(tiny_long_model_dir):
 
     Its model has a long context, so that a request can outlast the drain timeout on any machine.
     """
-    srv = ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", "tiny", "--in-process",
-                        "--num-blocks", "2048", "--max-num-seqs", "4", "--max-waiting", "1",
-                        "--drain-timeout", "1.0")
-    try:
-        srv.wait_ready()
+    with serving(ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", "tiny", "--in-process",
+                               "--num-blocks", "2048", "--max-num-seqs", "4", "--max-waiting", "1",
+                               "--drain-timeout", "1.0")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _stream_lines(base: str, body: dict, out: list, first: threading.Event) -> None:

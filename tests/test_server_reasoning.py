@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, serving
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-think"
@@ -20,17 +20,13 @@ ONLY_A = {"logit_bias": {str(A): 100}}
 
 @pytest.fixture(scope="module")
 def server(tiny_think_model_dir):
-    srv = ServerProcess("--model", str(tiny_think_model_dir), "--served-model-name", MODEL)
-    try:
-        srv.wait_ready()
+    with serving(ServerProcess("--model", str(tiny_think_model_dir), "--served-model-name", MODEL)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    return server.openai()
 
 
 def test_thinking_is_reasoning_content_and_the_budget_ends_it(client) -> None:

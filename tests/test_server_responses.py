@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from stopline.server.store import ResponseStore, Run, Stored
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, serving
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny"
@@ -31,18 +31,14 @@ TERMINAL = {"response.completed", "response.incomplete", "response.failed", "res
 
 @pytest.fixture(scope="module")
 def server(tiny_long_model_dir):
-    srv = ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", MODEL,
-                        "--responses-max-stored", "6")
-    try:
-        srv.wait_ready()
+    with serving(ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", MODEL,
+                               "--responses-max-stored", "6")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    return server.openai()
 
 
 def check_sequence(events: list, resumed: bool = False) -> None:
@@ -312,7 +308,7 @@ def test_shutdown_fails_a_background_run(tiny_long_model_dir) -> None:
                         "--drain-timeout", "0")
     try:
         srv.wait_ready()
-        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+        client = srv.openai()
         b = client.responses.create(model=MODEL, input="Go on", max_output_tokens=8000,
                                     background=True, extra_body=LONG)
         events: list = []
@@ -337,7 +333,7 @@ def test_engine_death_ends_every_stream_with_one_failed_event(tiny_long_model_di
     srv = ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", MODEL)
     try:
         srv.wait_ready()
-        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
+        client = srv.openai()
         b = client.responses.create(model=MODEL, input="Go on", max_output_tokens=8000,
                                     background=True, extra_body=LONG)
         fore: list = []

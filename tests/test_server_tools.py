@@ -15,7 +15,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.server_harness import ServerProcess, raw_request
+from tests.server_harness import ServerProcess, raw_request, serving
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny"
@@ -46,18 +46,14 @@ class Paint(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tiny_long_model_dir):
-    srv = ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", MODEL,
-                        "--grammar-deadline", "1.5")
-    try:
-        srv.wait_ready()
+    with serving(ServerProcess("--model", str(tiny_long_model_dir), "--served-model-name", MODEL,
+                               "--grammar-deadline", "1.5")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=60)
+    return server.openai()
 
 
 def streamed(chunks) -> tuple[str | None, dict[int, dict], str | None, list]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,15 +59,29 @@ def git_rev(repo: Path = REPO) -> str | None:
         return None
 
 
+def amx_granted() -> bool | None:
+    """Whether the OS grants this process AMX tile state (None: the CPU reports no AMX). Hosts
+    differ here under the same CPU flags: a guest may advertise AMX and refuse its tiles."""
+    if "amx_tile" not in isa_flags():
+        return None
+    from stopline.model.kernels import native
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # amx_ready's warning names the refusal
+        return native.amx_ready()
+
+
 def describe() -> dict[str, object]:
     mem = memory_gib()
     cores = os.cpu_count()
+    amx = amx_granted()
+    host = f"{cpu_model()}, {cores} cores" + ("" if amx is None else ", AMX granted" if amx else
+                                             ", AMX advertised but not granted")
     return {
         "cpu": cpu_model(), "cores": cores, "memory_gib": round(mem, 1) if mem else None,
-        "isa": isa_flags(),
+        "isa": isa_flags(), "amx_granted": amx,
         "os": platform.platform(), "python": platform.python_version(),
-        "summary": f"{cpu_model()}, {cores} cores, {mem:.0f} GiB RAM, {platform.system()}"
-                   if mem else f"{cpu_model()}, {cores} cores",
+        "summary": f"{host}, {mem:.0f} GiB RAM, {platform.system()}" if mem else host,
     }
 
 

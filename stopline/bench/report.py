@@ -135,8 +135,9 @@ def _markdown(res: dict[str, Any], figs: dict[str, str]) -> list[str]:
     L += ["The latest result of each benchmark. Served: the same model (SmolLM2-135M-Instruct: "
           "stopline and llama.cpp serve the embedded GGUF, vLLM and HF an HF directory exported "
           "from it at float32), one engine at a time, every engine driven through its "
-          "OpenAI-compatible HTTP API by the same async `openai` client on 127.0.0.1 (greedy, "
-          "EOS ignored unless stated). Each table holds the rows of one run, headed by the "
+          "OpenAI-compatible HTTP API by the same async client on 127.0.0.1 (httpx, streams read "
+          "line by line as vLLM's serving benchmark reads them, where runs before 2026-12-06 used the "
+          "`openai` client's typed stream; greedy and EOS ignored unless stated). Each table holds the rows of one run, headed by the "
           "machine it ran on, the command that reproduces it and its results file; figures from "
           "different machines do not compare, and ratios are taken within one run. Timings are "
           "wall-clock on small shared machines: treat small differences as noise.", ""]
