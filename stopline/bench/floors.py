@@ -480,7 +480,7 @@ def served(args: argparse.Namespace, names: list[str]) -> dict:
             out["engines"][name] = {"error": str(why).splitlines()[0] if why else "no result"}
             continue
         out["engines"][name] = {"tok_s": {str(lv["concurrency"]): lv["output_tok_s"] for lv in levels},
-                                "itl_p50_ms": {str(lv["concurrency"]): (lv["itl"].get("p50") or 0) * 1e3
+                                "itl_p50_ms": {str(lv["concurrency"]): _ms_of(lv["itl"].get("p50"))
                                                for lv in levels},
                                 "errors": sum(lv["requests"] - lv["ok"] for lv in levels)}
     return out
@@ -593,7 +593,7 @@ def summary(r: dict) -> str:
         lines.append(f"served ({sv['tokens']} output tokens a request, {how}; {sv['results']}):")
         for name, e in sv["engines"].items():
             lines.append(f"  {name}: " + (f"not run ({e['error']})" if "error" in e else ", ".join(
-                f"{n} streams {t:.0f} tok/s (ITL p50 {e.get('itl_p50_ms', {}).get(n, 0):.2f} ms)"
+                f"{n} streams {t:.0f} tok/s (ITL p50 {_ms(e.get('itl_p50_ms', {}).get(n))})"
                 for n, t in e["tok_s"].items())))
         for v in r.get("served_ratios", []):
             parts = []
@@ -605,6 +605,15 @@ def summary(r: dict) -> str:
                 parts.append(f"{v['streams']} streams {v['x_best_peer']:.2f}x {v['best_peer']}")
             lines.append(f"  {v['engine']}: " + (", ".join(parts) or "no peer or tg128 to compare with"))
     return "\n".join(lines)
+
+
+def _ms_of(seconds: float | None) -> float | None:
+    """Milliseconds, None kept: a level with no gap between chunks has no ITL to report."""
+    return None if seconds is None else seconds * 1e3
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f} ms"
 
 
 def write(result: dict, path: Path) -> None:
