@@ -32,7 +32,11 @@ import torch
 
 from stopline.model.kernels import native
 from stopline.model.kernels.int8_linear import Int8Weight, amx_granted
-from tests.tiny_model import kquant_blocks
+
+# The K-quant blocks come from the tests' GGUF maker (gguf cannot quantize to them): the
+# repository root on the path, so the script runs as `python bench/int8_bits.py` too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.tiny_model import kquant_blocks  # noqa: E402
 
 ROWS = [1, 2, 3, 7, 19, 32, 64, 128, 700]
 # (K, N): K-quants need K in whole 256-blocks

@@ -34,6 +34,17 @@
 #define Q4K_REC (PANEL * 4 * 2 + GROUP / 2 * PANEL)
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
+/* int8_gemm.c's PanelFn for `name` at n rows: one signature for every format, whose body is
+ * `call` (Q4 formats read x's ds, Q8_0 and Q6_K x's sums xs). */
+#define FEW_FN(name, n, call)                                                                    \
+    TARGET void stopline_##name##_i8_few_##n(const int8_t* xq, const float* xd, const float* xds, \
+                                             const int32_t* xs, int K, const uint8_t* P, float* y, \
+                                             long ldy) {                                           \
+        (void)xds;                                                                                 \
+        (void)xs;                                                                                  \
+        call;                                                                                      \
+    }
+
 /* Bytes ahead of the record in use that a pass fetches into L1, 0: none (the default; see
  * stopline_int8_prefetch). */
 static int prefetch_ahead;
@@ -141,16 +152,9 @@ q8_few(const int8_t* xq, const float* xd, const int32_t* xs, int K, const uint8_
     }
 }
 
-#define Q8_FEW_FN(n)                                                                                \
-    TARGET void stopline_q8_0_i8_few_##n(const int8_t* xq, const float* xd, const float* xds,      \
-                                         const int32_t* xs, int K, const uint8_t* P, float* y,     \
-                                         long ldy) {                                               \
-        (void)xds;                                                                                 \
-        q8_few(xq, xd, xs, K, P, y, ldy, n);                                                       \
-    }
-Q8_FEW_FN(1)
-Q8_FEW_FN(2)
-Q8_FEW_FN(3)
+FEW_FN(q8_0, 1, q8_few(xq, xd, xs, K, P, y, ldy, 1))
+FEW_FN(q8_0, 2, q8_few(xq, xd, xs, K, P, y, ldy, 2))
+FEW_FN(q8_0, 3, q8_few(xq, xd, xs, K, P, y, ldy, 3))
 
 /* Q6_K: i8_panel's steps too, with the prefetch. Its record: s0[32], s1[32] float32 (the
  * scales of k 0-15 and of k 16-31), then Q8_0's 8 steps of q + 128; steps 0-3 are the first
@@ -202,29 +206,13 @@ q6k_few(const int8_t* xq, const float* xd, const int32_t* xs, int K, const uint8
     }
 }
 
-#define Q6K_FEW_FN(n)                                                                               \
-    TARGET void stopline_q6_k_i8_few_##n(const int8_t* xq, const float* xd, const float* xds,      \
-                                         const int32_t* xs, int K, const uint8_t* P, float* y,     \
-                                         long ldy) {                                               \
-        (void)xds;                                                                                 \
-        q6k_few(xq, xd, xs, K, P, y, ldy, n);                                                      \
-    }
-Q6K_FEW_FN(1)
-Q6K_FEW_FN(2)
-Q6K_FEW_FN(3)
+FEW_FN(q6_k, 1, q6k_few(xq, xd, xs, K, P, y, ldy, 1))
+FEW_FN(q6_k, 2, q6k_few(xq, xd, xs, K, P, y, ldy, 2))
+FEW_FN(q6_k, 3, q6k_few(xq, xd, xs, K, P, y, ldy, 3))
 
-/* int8_gemm.c's PanelFn for 1, 2 and 3 rows of a Q4_1 or Q4_K weight (xs unused: they take
- * ds). */
-#define FEW_FN(kind, f32, n)                                                                     \
-    TARGET void stopline_##kind##_i8_few_##n(const int8_t* xq, const float* xd, const float* xds, \
-                                             const int32_t* xs, int K, const uint8_t* P, float* y, \
-                                             long ldy) {                                           \
-        (void)xs;                                                                                  \
-        q4_few(xq, xd, xds, K, P, y, ldy, n, f32);                                                 \
-    }
-FEW_FN(q4_1, 0, 1)
-FEW_FN(q4_1, 0, 2)
-FEW_FN(q4_1, 0, 3)
-FEW_FN(q4_k, 1, 1)
-FEW_FN(q4_k, 1, 2)
-FEW_FN(q4_k, 1, 3)
+FEW_FN(q4_1, 1, q4_few(xq, xd, xds, K, P, y, ldy, 1, 0))
+FEW_FN(q4_1, 2, q4_few(xq, xd, xds, K, P, y, ldy, 2, 0))
+FEW_FN(q4_1, 3, q4_few(xq, xd, xds, K, P, y, ldy, 3, 0))
+FEW_FN(q4_k, 1, q4_few(xq, xd, xds, K, P, y, ldy, 1, 1))
+FEW_FN(q4_k, 2, q4_few(xq, xd, xds, K, P, y, ldy, 2, 1))
+FEW_FN(q4_k, 3, q4_few(xq, xd, xds, K, P, y, ldy, 3, 1))
