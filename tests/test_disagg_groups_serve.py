@@ -97,6 +97,7 @@ def test_prefill_killed_mid_prefill_frees_every_group_and_restarts(servers):
     import threading
 
     split, single = servers
+    _wait_healthy(split)  # an earlier kill's role may still be coming back
     prefill_pid = _pid(split, "prefill")
     ended: list[tuple[BaseException | None, str]] = []
 
@@ -134,6 +135,7 @@ def test_decode_killed_mid_decode_frees_prefill_and_restarts(servers):
     import signal
 
     split, single = servers
+    _wait_healthy(split)
     decode_pid = _pid(split, "decode")
     body = {"model": "gemma", "prompt": random_prompts(1, [45], seed=14)[0], "max_tokens": 900,
             "ignore_eos": True, "temperature": 0.0, "stream": True}
@@ -153,6 +155,13 @@ def test_decode_killed_mid_decode_frees_prefill_and_restarts(servers):
 
 def _pid(srv: ServerProcess, role: str) -> int:
     return next(r["pid"] for r in httpx.get(srv.base + "/health", timeout=5).json()["roles"] if r["role"] == role)
+
+
+def _wait_healthy(srv: ServerProcess) -> None:
+    deadline = time.monotonic() + 60
+    while not all(r["state"] == "healthy" for r in httpx.get(srv.base + "/health", timeout=5).json()["roles"]):
+        assert time.monotonic() < deadline, "a role never came back"
+        time.sleep(0.1)
 
 
 def _wait_restarted(srv: ServerProcess, role: str, old_pid: int) -> None:

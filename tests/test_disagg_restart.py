@@ -123,6 +123,36 @@ def test_prefill_killed_is_restarted(tiny_long_model_dir):
     asyncio.run(run())
 
 
+def test_prefill_killed_while_an_add_awaits_its_reply_names_the_role(tiny_long_model_dir):
+    """The prefill process dies between the add's send and its reply (CI saw this under
+    `serve --disagg`): the add fails with an error that names the dead role, as the streams
+    that death ends do, not the bare exit code; decode keeps nothing of it."""
+
+    async def run() -> None:
+        engine = disagg_engine(str(tiny_long_model_dir), _config(), reclaim_s=2.0, progress=False)
+        await engine.start()
+        backend = engine.backend
+        prefill = backend.cores["prefill"]
+        old_pid = prefill.pid
+        real_add = prefill.add
+
+        async def add_then_die(*args, **kw):
+            os.kill(old_pid, signal.SIGKILL)
+            await asyncio.sleep(0)  # the add goes out after the kill: its reply never comes
+            return await real_add(*args, **kw)
+
+        prefill.add = add_then_die
+        try:
+            with pytest.raises(EngineDead, match="the prefill engine died: "):
+                await engine.add("mid-add", _prompt(41), GREEDY)
+            assert not engine._streams  # nothing of it stays in the front end
+            await _back_and_clean(engine, "prefill", old_pid)
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
 def test_decode_killed_is_restarted(tiny_long_model_dir):
     async def run() -> None:
         engine = disagg_engine(str(tiny_long_model_dir), _config(), reclaim_s=2.0, progress=False)

@@ -60,7 +60,7 @@ from stopline.engine.messages import Batch, CoreInfo, Missed, Utility, catch_up
 from stopline.engine.proc.remote import PORTS, RemoteCore, split_host_port
 from stopline.engine.proc.transport import ProcCore
 from stopline.engine.snapshot import Snapshot
-from stopline.engine.streams import EngineUnavailable
+from stopline.engine.streams import EngineDead, EngineStopped, EngineUnavailable
 from stopline.request import AbortSource, FinishReason, SamplingParams
 
 log = logging.getLogger("stopline.disagg")
@@ -197,17 +197,28 @@ class DisaggCores:
             self.split.add(incarnation)
         try:
             # Decode first: it validates, and it waits for the KV before any can be sent.
-            await self.cores["decode"].add(request_id, incarnation, prompt_token_ids, params, arrival)
+            await self._add_to("decode", request_id, incarnation, prompt_token_ids, params, arrival)
             # Decode may have ended it meanwhile (its add reply and abort terminal read
             # together): then prefill has nothing to compute.
             if n and incarnation in self.samples:
-                await self.cores["prefill"].add(request_id, incarnation,
-                                                prompt_token_ids[:n * self.block_size],
-                                                SamplingParams(max_tokens=1, lora=params.lora), arrival)
+                await self._add_to("prefill", request_id, incarnation,
+                                   prompt_token_ids[:n * self.block_size],
+                                   SamplingParams(max_tokens=1, lora=params.lora), arrival)
         except BaseException:
             self._abort_roles([incarnation], AbortSource.CANCEL, time.monotonic())
             self._forget(incarnation)
             raise
+
+    async def _add_to(self, role: str, request_id: str, incarnation: str, prompt: list[int],
+                      params: SamplingParams, arrival: float) -> None:
+        try:
+            await self.cores[role].add(request_id, incarnation, prompt, params, arrival)
+        except EngineStopped:
+            raise  # the engine's own stop, not a death
+        except EngineDead as exc:
+            # A death that lands while the add awaits its reply: the client is told which role
+            # died, in the words its streams end with (`_lost`).
+            raise EngineDead(f"the {role} engine died: {exc}") from None
 
     def abort(self, incarnations: list[str], source: AbortSource, t0: float) -> list[str]:
         """Returns those the front end ends itself: all, while the decode role (whose outputs
