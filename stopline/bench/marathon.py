@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import math
@@ -42,6 +43,7 @@ import random
 import re
 import shlex
 import signal
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -168,6 +170,7 @@ class Marathon:
         self.recorded: list[dict[str, Any]] = []
         self.canaries: list[dict[str, Any]] = []
         self.outcomes: dict[str, dict[str, int]] = {}  # kind -> outcome -> count
+        self.took: dict[str, collections.deque[float]] = {}  # kind -> its last served requests' seconds
         self.samples: list[dict[str, Any]] = []
         self.faults = schedule(args.minutes, args.pauses, args.kills)
         self.t0 = time.monotonic()
@@ -305,9 +308,10 @@ class Marathon:
         cancel = rng.random() < self.args.cancel_rate
         self.issued += 1
         task = asyncio.ensure_future(self._send(kind, rng))
+        t0 = time.monotonic()
         try:
             if cancel:
-                done, _ = await asyncio.wait({task}, timeout=rng.uniform(0.05, 2.0))
+                done, _ = await asyncio.wait({task}, timeout=self._cancel_after(kind, rng))
                 if not done:
                     task.cancel()  # httpx closes the connection: a client disconnect
                     with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -315,6 +319,7 @@ class Marathon:
                     self._count(kind, "cancelled by the client")
                     return
             reason = await task
+            self.took.setdefault(kind, collections.deque(maxlen=32)).append(time.monotonic() - t0)
             self._count(kind, f"served: {reason}")
         except asyncio.CancelledError:
             task.cancel()
@@ -326,6 +331,15 @@ class Marathon:
                 # As a client should (the server sends Retry-After: 1): a refused client that
                 # asked again at once would spin the front end while a core restarts.
                 await asyncio.sleep(1.0)
+
+    def _cancel_after(self, kind: str, rng: random.Random) -> float:
+        """When the client leaves: a drawn share of the time this kind's requests take here, so
+        that cancels land mid-request on a fast host as on a slow one (a fixed 0.05-2 s range
+        cancelled none of the tiny model's requests on a fast CI host)."""
+        took = self.took.get(kind)
+        if not took or len(took) < 3:
+            return rng.uniform(0.05, 2.0)
+        return rng.uniform(0.1, 0.9) * statistics.median(took)
 
     def _count(self, kind: str, outcome: str) -> None:
         per = self.outcomes.setdefault(kind, {})
@@ -532,6 +546,7 @@ class Marathon:
         await self.http.aclose()
         await self.client.close()
         return {"elapsed_s": elapsed, "issued": self.issued, "outcomes": self.outcomes,
+                "served_s_median": {k: round(statistics.median(v), 3) for k, v in self.took.items()},
                 "server": server, "recorded_canaries": self.recorded, "canaries": self.canaries,
                 "final_canaries": final, "faults": [asdict(f) for f in self.faults],
                 "idle_before": before, "idle_after": after, "idle_after_s": idle_s,
