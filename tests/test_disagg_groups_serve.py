@@ -8,6 +8,7 @@ role serves again)."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -119,7 +120,9 @@ def test_prefill_killed_mid_prefill_frees_every_group_and_restarts(servers):
         t.join(30)
     assert len(ended) == 3 and any(exc is not None for exc, _ in ended), ended
     for exc, reason in ended:
-        assert reason == "length" if exc is None else "prefill engine died" in str(exc), (exc, reason)
+        # Ended by the death, or refused (503) if its add came after it: either names the role.
+        assert (reason == "length" if exc is None
+                else re.search(r"the prefill engine (died|is (dead|restarting))", str(exc))), (exc, reason)
     _wait_empty(split, roles=("decode",))
     _wait_restarted(split, "prefill", prefill_pid)
     prompt = random_prompts(1, [61], seed=30)[0]

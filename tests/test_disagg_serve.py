@@ -7,6 +7,7 @@ dead role until it is restarted)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -199,7 +200,9 @@ def test_prefill_killed_mid_transfer(tiny_long_model_dir):
         assert all(reason == "length" for _, exc, reason in late if exc is None), late
         for t_end, exc in failed:
             assert isinstance(exc, openai.APIError), exc
-            assert "prefill engine died" in str(exc)
+            # Its stream ended by the death, or (a thread that came late) its add refused with a
+            # 503 while the role was dead or restarting: either names the role.
+            assert re.search(r"the prefill engine (died|is (dead|restarting))", str(exc)), exc
             assert t_end - t_kill < 1.0, t_end - t_kill
         health = httpx.get(srv.base + "/health", timeout=5)
         if not _restarted(srv, "prefill", prefill_pid):
