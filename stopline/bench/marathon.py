@@ -10,7 +10,7 @@ with a standby core that takes over if `--standby-core`; or `--replicas N` on Ra
   `--burst-size` every `--burst-every` s; the mix is completions and chat, streamed and not,
   n = 2, JSON-schema grammars, repetitive prompts that the n-gram speculation drafts for, over
   a few shared prompt heads (prefix cache hits); a share `--cancel-rate` of them is cancelled
-  by the client (a disconnect) at a random point;
+  by the client (a disconnect) at a random share of the time its kind takes;
 - an injector: faults spread over the middle of the run, each on one engine process (the core;
   or one replica; or one role, in turn): a pause (SIGSTOP for `--pause-s`, then SIGCONT) or a
   kill (SIGKILL; the server starts it again);
@@ -336,8 +336,8 @@ class Marathon:
         """When the client leaves: a drawn share of the time this kind's requests take here, so
         that cancels land mid-request on a fast host as on a slow one (a fixed 0.05-2 s range
         cancelled none of the tiny model's requests on a fast CI host)."""
-        took = self.took.get(kind)
-        if not took or len(took) < 3:
+        took = self.took.get(kind, ())
+        if len(took) < 3:
             return rng.uniform(0.05, 2.0)
         return rng.uniform(0.1, 0.9) * statistics.median(took)
 
